@@ -1,0 +1,59 @@
+"""attn_probe: watch the query-key matrix W_qk = W_q W_k^T become symmetric or directional.
+
+Scores after Saponati et al., *The underlying structures of self-attention* (ICML 2025).
+Importing this package loads only torch; transformers, accelerate, pandas and matplotlib
+are imported by the modules that need them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .extraction import AttentionLayer, UnsupportedModelError, find_attention, register_adapter
+from .scores import directionality_score, factored_scores, symmetry_score
+from .scoring import score_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionLayer",
+    "UnsupportedModelError",
+    "directionality_score",
+    "factored_scores",
+    "find_attention",
+    "register_adapter",
+    "score_model",
+    "symmetry_score",
+    "__version__",
+]
+
+# Names served lazily so that `import attn_probe` stays light.
+_LAZY = {
+    "AttnProbeCallback": ("attn_probe.integrations.transformers", "AttnProbeCallback"),
+    "watch": ("attn_probe.probe", "watch"),
+    "Probe": ("attn_probe.probe", "Probe"),
+    "every": ("attn_probe.schedules", "every"),
+    "log_spaced": ("attn_probe.schedules", "log_spaced"),
+    "load_trajectory": ("attn_probe.analysis.trajectory", "load_trajectory"),
+    "export_trajectory": ("attn_probe.analysis.trajectory", "export_trajectory"),
+    "summarize": ("attn_probe.analysis.summary", "summarize"),
+    "plot_dynamics": ("attn_probe.analysis.plots", "plot_dynamics"),
+    "plot_heatmap": ("attn_probe.analysis.plots", "plot_heatmap"),
+    "score_checkpoint": ("attn_probe.checkpoint", "score_checkpoint"),
+    "symmetric_init_": ("attn_probe.intervention", "symmetric_init_"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'attn_probe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(_LAZY))

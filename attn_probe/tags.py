@@ -1,0 +1,61 @@
+"""The one tag grammar for scalars, used both for writing and for reading back.
+
+``attn_probe/{group}/{metric}/layer_{LL}``            one layer (layer-level matrix)
+``attn_probe/{group}/{metric}/layer_{LL}/head_{HH}``  one head (opt-in)
+``attn_probe/{group}/{metric}/{stat}``                across layers: ``median``, ``q25``, ``q75``
+
+``metric`` is ``symmetry`` or ``directionality`` for W_qk; other weight pairs add metrics with
+a prefix (e.g. ``vo_symmetry``) without changing the grammar.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "attn_probe"
+STATS = ("median", "q25", "q75")
+METRICS = ("symmetry", "directionality")
+
+_TAG = re.compile(
+    rf"^{PREFIX}/(?P<group>[A-Za-z0-9_]+)/(?P<metric>[A-Za-z0-9_]+)/"
+    r"(?:(?P<stat>median|q25|q75)|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?)$"
+)
+
+
+@dataclass(frozen=True)
+class TagParts:
+    group: str
+    metric: str
+    layer: int | None = None
+    head: int | None = None
+    stat: str | None = None
+
+
+def scalar_tag(group: str, metric: str, layer: int | None = None, head: int | None = None,
+               stat: str | None = None) -> str:
+    """Tag of one scalar series; exactly one of ``layer`` and ``stat`` is given."""
+    if (layer is None) == (stat is None):
+        raise ValueError("give exactly one of layer= and stat=")
+    if stat is not None:
+        if stat not in STATS or head is not None:
+            raise ValueError(f"stat must be one of {STATS} (without head), got {stat!r}")
+        return f"{PREFIX}/{group}/{metric}/{stat}"
+    tag = f"{PREFIX}/{group}/{metric}/layer_{layer:02d}"
+    return tag if head is None else f"{tag}/head_{head:02d}"
+
+
+def parse_tag(tag: str) -> TagParts | None:
+    """Inverse of :func:`scalar_tag`; ``None`` for tags that are not attn_probe's."""
+    m = _TAG.match(tag)
+    if m is None:
+        return None
+    layer = m.group("layer")
+    head = m.group("head")
+    return TagParts(
+        group=m.group("group"),
+        metric=m.group("metric"),
+        layer=int(layer) if layer is not None else None,
+        head=int(head) if head is not None else None,
+        stat=m.group("stat"),
+    )
