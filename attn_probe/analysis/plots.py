@@ -1,0 +1,275 @@
+"""Figures after the paper: emergent dynamics of the scores, and one layer's W_qk heatmap.
+
+matplotlib is optional (``pip install attn-probe[plot]``) and imported inside the functions,
+with the non-interactive Agg backend unless a figure backend is already in use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..tags import METRICS
+from .summary import layer_quantiles
+from .trajectory import TrajectoryError, as_frame, require
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+    from torch import nn
+
+__all__ = ["plot_dynamics", "plot_heatmap", "load_checkpoint", "qk_for_layer"]
+
+#: one colour per (run, group) in the dynamics figure
+_RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _pyplot() -> Any:
+    mpl = require("matplotlib", "plot")
+    import sys
+
+    if "matplotlib.pyplot" not in sys.modules:
+        mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Figure, path: str | os.PathLike | None) -> None:
+    if path is None:
+        return
+    out = Path(path)
+    if out.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps"):
+        raise ValueError(f"cannot tell the image format of {str(out)!r}: use .png, .pdf or .svg")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=fig.dpi, bbox_inches="tight")
+
+
+def _select(values: Sequence[str] | str | None, available: list[str], what: str) -> list[str]:
+    if values is None:
+        return available
+    chosen = [values] if isinstance(values, str) else list(values)
+    unknown = [v for v in chosen if v not in available]
+    if unknown:
+        raise TrajectoryError(
+            f"no {what} {', '.join(map(repr, unknown))} in the data; available: {', '.join(available) or 'none'}"
+        )
+    return chosen
+
+
+def _step_label(x: float, _pos: int | None = None) -> str:
+    if abs(x) >= 1_000_000:
+        return f"{x / 1_000_000:g}M"
+    if abs(x) >= 1000:
+        return f"{x / 1000:g}k"
+    return f"{x:g}"
+
+
+def plot_dynamics(
+    df_or_runs: Any,
+    *,
+    metrics: Sequence[str] | str | None = None,
+    groups: Sequence[str] | str | None = None,
+    per_layer: bool = False,
+    logx: bool = False,
+    title: str | None = None,
+    figsize: tuple[float, float] | None = None,
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """The emergent-dynamics figure: scores of the layer-level W_qk against training steps.
+
+    One panel per score (default: symmetry and directionality, whichever are present). By
+    default each ``(run, group)`` is one colour: the median across layers as a line and the
+    q25-q75 band around it. With ``per_layer=True`` every layer is a line coloured by depth
+    (viridis, with a colorbar), and runs differ by line style. y spans [-1, 1] with a dashed
+    zero line. ``df_or_runs`` is a long table or run directories (see
+    :func:`~attn_probe.analysis.trajectory.load_trajectory`). Saved to ``path`` if given.
+
+    Example:
+        >>> fig = plot_dynamics(["runs/encoder", "runs/decoder"], path="dynamics.png")  # doctest: +SKIP
+    """
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    df = as_frame(df_or_runs)
+    df = df[df["head"].isna()]
+    present = list(dict.fromkeys(df["metric"]))
+    default_metrics = [m for m in METRICS if m in present] or sorted(present)
+    chosen_metrics = _select(metrics, present, "metric") if metrics is not None else default_metrics
+    chosen_groups = _select(groups, sorted(dict.fromkeys(df["group"])), "group")
+    df = df[df["metric"].isin(chosen_metrics) & df["group"].isin(chosen_groups)]
+    if df.empty or not chosen_metrics:
+        raise TrajectoryError("no layer-level values to plot for the chosen groups and metrics")
+
+    runs = list(dict.fromkeys(df["run"]))
+    series = list(dict.fromkeys(zip(df["run"], df["group"], strict=True)))
+    groups_per_run = {r: {g for rr, g in series if rr == r} for r in runs}
+    several_groups = any(len(g) > 1 for g in groups_per_run.values())
+
+    def label(run: str, group: str) -> str:
+        return f"{run} ({group})" if several_groups else run
+
+    n = len(chosen_metrics)
+    fig, axes = plt.subplots(1, n, figsize=figsize or (4.6 * n + (0.8 if per_layer else 0), 3.6),
+                             sharex=True, squeeze=False, layout="constrained")
+    axes = list(axes[0])
+    if per_layer:
+        import matplotlib as mpl
+
+        layers = df["layer"].astype(int)
+        lo, hi = int(layers.min()), int(layers.max())
+        norm = mpl.colors.Normalize(vmin=lo, vmax=max(hi, lo + 1))
+        cmap = mpl.colormaps["viridis"]
+        for ax, metric in zip(axes, chosen_metrics, strict=True):
+            sub = df[df["metric"] == metric]
+            for i, (run, group) in enumerate(series):
+                part = sub[(sub["run"] == run) & (sub["group"] == group)]
+                style = _LINESTYLES[i % len(_LINESTYLES)]
+                for layer, lp in part.groupby("layer", sort=True):
+                    lp = lp.sort_values("step")
+                    ax.plot(lp["step"], lp["value"], color=cmap(norm(int(layer))), linestyle=style,
+                            linewidth=1.2)
+        if len(series) > 1:
+            from matplotlib.lines import Line2D
+
+            handles = [Line2D([], [], color="0.3", linestyle=_LINESTYLES[i % len(_LINESTYLES)])
+                       for i in range(len(series))]
+            axes[0].legend(handles, [label(r, g) for r, g in series], fontsize="small", loc="best")
+        sm = mpl.cm.ScalarMappable(norm=norm, cmap=cmap)
+        cbar = fig.colorbar(sm, ax=axes, pad=0.01, fraction=0.04)
+        cbar.set_label("layer (depth)")
+        if hi - lo <= 24:
+            cbar.set_ticks(range(lo, hi + 1, max(1, (hi - lo + 1) // 8)))
+    else:
+        q = layer_quantiles(df)
+        for ax, metric in zip(axes, chosen_metrics, strict=True):
+            sub = q[q["metric"] == metric]
+            for i, (run, group) in enumerate(series):
+                part = sub[(sub["run"] == run) & (sub["group"] == group)].sort_values("step")
+                if part.empty:
+                    continue
+                colour = _RUN_COLOURS[i % len(_RUN_COLOURS)]
+                ax.fill_between(part["step"], part["q25"], part["q75"], color=colour, alpha=0.25,
+                                linewidth=0)
+                ax.plot(part["step"], part["median"], color=colour, linewidth=1.8, label=label(run, group))
+        axes[0].legend(fontsize="small", loc="best")
+    for ax, metric in zip(axes, chosen_metrics, strict=True):
+        ax.axhline(0.0, color="0.4", linestyle="--", linewidth=0.8, zorder=0)
+        ax.set_ylim(-1.0, 1.0)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        if logx:
+            positive = df["step"][df["step"] > 0]
+            thresh = float(positive.min()) if len(positive) else 1.0
+            ax.set_xscale("symlog", linthresh=thresh, linscale=0.3)
+            ax.set_xlim(left=0)
+            ax.xaxis.set_major_formatter(FuncFormatter(
+                lambda x, pos, t=thresh: "" if 0 < abs(x) < t else _step_label(x)))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            ax.xaxis.set_major_formatter(FuncFormatter(_step_label))
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("score per layer" if per_layer else "median across layers (q25-q75)")
+    if title:
+        fig.suptitle(title)
+    _save(fig, path)
+    return fig
+
+
+# --------------------------------------------------------------------------- heatmap
+
+
+def load_checkpoint(checkpoint: str | os.PathLike) -> nn.Module:
+    """A model from a local Hugging Face checkpoint directory (never downloads).
+
+    Uses the class named in ``config.architectures`` when transformers has it, else
+    ``AutoModel``. Raises ``FileNotFoundError`` or ``ValueError`` with a one-line reason.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint directory: {path}")
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory; expected a Hugging Face checkpoint directory")
+    if not (path / "config.json").is_file():
+        subs = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file())
+        hint = f" (sub-directories with one: {', '.join(subs[:5])})" if subs else ""
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory{hint}")
+    transformers = require("transformers", "demo")
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        cls = transformers.AutoModel
+    try:
+        return cls.from_pretrained(str(path), local_files_only=True)
+    except OSError as exc:
+        raise ValueError(f"cannot load the checkpoint in {path}: {str(exc).splitlines()[0]}") from exc
+
+
+def qk_for_layer(model: nn.Module, layer: int, group: str | None = None, head: int | None = None
+                 ) -> tuple[Any, str]:
+    """The explicit float64 ``W_qk`` of one layer (or head) and the group it belongs to."""
+    from ..extraction import find_attention
+
+    found = find_attention(model)
+    groups = list(dict.fromkeys(a.group for a in found))
+    if group is not None and group not in groups:
+        raise ValueError(f"no group {group!r} in this model; groups: {', '.join(groups)}")
+    matches = [a for a in found if a.layer == layer and (group is None or a.group == group)]
+    if not matches:
+        avail = sorted({a.layer for a in found if group is None or a.group == group})
+        raise ValueError(f"no layer {layer}{f' in group {group!r}' if group else ''}; "
+                         f"layers: {avail[0]}..{avail[-1]}" if avail else f"no layer {layer}")
+    if len(matches) > 1:
+        raise ValueError(f"layer {layer} exists in groups {', '.join(a.group for a in matches)}: "
+                         "choose one with group=")
+    att = matches[0]
+    if head is not None and not 0 <= head < att.num_heads:
+        raise ValueError(f"head {head} out of range: layer {layer} has {att.num_heads} heads")
+    return att.qk_matrix(head=head), att.group
+
+
+def plot_heatmap(
+    checkpoint: Any,
+    layer: int,
+    *,
+    group: str | None = None,
+    head: int | None = None,
+    vmax: float | None = None,
+    cmap: str = "RdBu_r",
+    figsize: tuple[float, float] = (5.2, 4.6),
+    path: str | os.PathLike | None = None,
+) -> Figure:
+    """Heatmap of one layer's (or head's) ``W_qk = sum_h W_q^h W_k^h^T`` (``d x d``).
+
+    ``checkpoint`` is a local Hugging Face checkpoint directory or an ``nn.Module``. Rows are
+    the query token's embedding dimensions, columns the key token's. The colour scale is
+    diverging and symmetric around 0 (``[-vmax, vmax]``, default ``max |W_qk|``); the title
+    gives the matrix's symmetry and directionality scores. Saved to ``path`` if given.
+    """
+    from torch import nn
+
+    from ..scores import directionality_score, symmetry_score
+
+    model = checkpoint if isinstance(checkpoint, nn.Module) else load_checkpoint(checkpoint)
+    m, grp = qk_for_layer(model, layer, group, head)
+    sym = symmetry_score(m)
+    dirn = directionality_score(m)
+    plt = _pyplot()
+    arr = m.numpy()
+    scale = float(vmax) if vmax is not None else float(abs(arr).max())
+    if not scale > 0:
+        scale = 1.0
+    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
+    im = ax.imshow(arr, cmap=cmap, vmin=-scale, vmax=scale, interpolation="nearest", aspect="equal")
+    cbar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+    cbar.set_label("$W_{qk}$ entry")
+    ax.set_xlabel("key dimension (column)")
+    ax.set_ylabel("query dimension (row)")
+    where = f"{grp} layer {layer}" + (f" head {head}" if head is not None else "")
+    ax.set_title(f"{where}: symmetry {sym:+.2f}, directionality {dirn:+.2f}", fontsize="medium")
+    _save(fig, path)
+    return fig

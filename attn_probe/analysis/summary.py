@@ -1,0 +1,99 @@
+"""Across-layer statistics of a trajectory: median and interquartile range per step.
+
+The paper reports one score per layer (the layer-level matrix ``M = sum_h W_q^h W_k^h^T``),
+summarised by the median and the 25th/75th percentiles across layers. Quantiles use linear
+interpolation between order statistics (numpy's default); NaN layers are left out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .trajectory import TrajectoryError, _pandas, as_frame
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["layer_quantiles", "summarize", "format_summary"]
+
+
+def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
+    """Median, q25 and q75 across layers for every ``run, group, metric, step``.
+
+    Only layer-level rows (``head`` is ``<NA>``) count. Columns: ``run, group, metric, step,
+    median, q25, q75, layers`` (``layers`` = number of finite layer values at that step).
+    """
+    pd = _pandas()
+    df = as_frame(df_or_runs)
+    layer_rows = df[df["head"].isna() & df["value"].notna()]
+    keys = ["run", "group", "metric", "step"]
+    if layer_rows.empty:
+        return pd.DataFrame(columns=[*keys, "median", "q25", "q75", "layers"])
+    g = layer_rows.groupby(keys, sort=True)["value"]
+    out = pd.DataFrame({
+        "median": g.median(),
+        "q25": g.quantile(0.25),
+        "q75": g.quantile(0.75),
+        "layers": g.size(),
+    }).reset_index()
+    return out
+
+
+def summarize(df_or_runs: Any) -> pd.DataFrame:
+    """First and last median [q25, q75] across layers, per run, group and score.
+
+    ``df_or_runs`` is a long table from :func:`~attn_probe.analysis.trajectory.load_trajectory`
+    or what it accepts (run directories). One row per ``run, group, metric`` with
+    ``first_step, first_median, first_q25, first_q75, last_step, last_median, last_q25,
+    last_q75, layers`` ("first"/"last" = earliest/latest step with a finite layer-level value).
+    Raises :class:`~attn_probe.analysis.trajectory.TrajectoryError` when there is no
+    layer-level row.
+    """
+    pd = _pandas()
+    q = layer_quantiles(df_or_runs)
+    if q.empty:
+        raise TrajectoryError("no layer-level values to summarise (only per-head rows or NaN)")
+    rows = []
+    for (run, group, metric), part in q.groupby(["run", "group", "metric"], sort=False):
+        part = part.sort_values("step")
+        first, last = part.iloc[0], part.iloc[-1]
+        rows.append({
+            "run": run, "group": group, "metric": metric,
+            "first_step": int(first["step"]), "first_median": first["median"],
+            "first_q25": first["q25"], "first_q75": first["q75"],
+            "last_step": int(last["step"]), "last_median": last["median"],
+            "last_q25": last["q25"], "last_q75": last["q75"],
+            "layers": int(last["layers"]),
+        })
+    out = pd.DataFrame(rows)
+    # runs in the order given, the paper's two scores first
+    order = {"symmetry": 0, "directionality": 1}
+    out["_m"] = [order.get(m, 2) for m in out["metric"]]
+    run_order = {r: i for i, r in enumerate(dict.fromkeys(q["run"]))}
+    out["_r"] = [run_order[r] for r in out["run"]]
+    out = out.sort_values(["_r", "group", "_m", "metric"], kind="stable").drop(columns=["_m", "_r"])
+    return out.reset_index(drop=True)
+
+
+def format_summary(table: pd.DataFrame, digits: int = 2) -> str:
+    """Plain-text rendering of :func:`summarize`'s table: one block per run."""
+    def cell(m: float, lo: float, hi: float) -> str:
+        return f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+    lines: list[str] = []
+    for run, part in table.groupby("run", sort=False):
+        if lines:
+            lines.append("")
+        lines.append(f"run {run}")
+        body = [("group", "score", "first step", "median [q25, q75]", "last step",
+                 "median [q25, q75]", "layers")]
+        for r in part.itertuples(index=False):
+            body.append((r.group, r.metric, str(r.first_step), cell(r.first_median, r.first_q25, r.first_q75),
+                         str(r.last_step), cell(r.last_median, r.last_q25, r.last_q75), str(r.layers)))
+        widths = [max(len(row[i]) for row in body) for i in range(len(body[0]))]
+        right = {2, 4, 6}
+        for row in body:
+            lines.append("  " + "  ".join(
+                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ).rstrip())
+    return "\n".join(lines)

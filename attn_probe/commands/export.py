@@ -1,0 +1,31 @@
+"""``attn-probe export RUN_DIR... -o out.csv|out.parquet|out.jsonl``: one long table of all runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+FORMAT_CHOICES = ("csv", "parquet", "jsonl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (attn_probe.jsonl or TensorBoard event files), or parents of them")
+    parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                        help="output file; the format follows its suffix (.csv, .parquet, .jsonl)")
+    parser.add_argument("--format", choices=FORMAT_CHOICES, default=None,
+                        help="output format when the suffix does not say it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..analysis import cli_errors
+    from ..analysis.trajectory import export_trajectory, load_trajectory, resolve_format
+
+    with cli_errors("export"):
+        fmt = resolve_format(args.output, args.format)  # fail before reading anything
+        df = load_trajectory(args.runs)
+        path = export_trajectory(df, args.output, format=fmt)
+    runs = df["run"].nunique()
+    print(f"wrote {len(df)} rows from {runs} run{'s' if runs != 1 else ''} to {path} ({fmt})",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,26 @@
+"""``attn-probe summary RUN_DIR...``: first and last median [q25, q75] across layers per run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (attn_probe.jsonl or TensorBoard event files), or parents of them")
+    parser.add_argument("--format", choices=("text", "csv"), default="text",
+                        help="plain-text table (default) or CSV on stdout")
+    parser.add_argument("--digits", type=int, default=2, help="decimals in the text table (default 2)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..analysis import cli_errors
+    from ..analysis.summary import format_summary, summarize
+
+    with cli_errors("summary"):
+        table = summarize(args.runs)
+    if args.format == "csv":
+        print(table.to_csv(index=False), end="")
+    else:
+        print(format_summary(table, digits=args.digits))
+    return 0
