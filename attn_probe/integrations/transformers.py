@@ -1,0 +1,145 @@
+"""Trainer integration: ``Trainer(..., callbacks=[attn_probe.AttnProbeCallback(every=100)])``.
+
+Snapshots at ``on_train_begin`` (step 0, or the resume step), at ``on_step_end`` when the
+schedule fires (``state.global_step`` counts optimizer updates), and at ``on_train_end``
+unless that step was already taken.
+
+Log directory, unless ``log_dir=`` is given: the Trainer's own TensorBoard run, so that loss
+and scores sit in one run. transformers 5's ``TensorBoardCallback`` uses the
+``TENSORBOARD_LOGGING_DIR`` environment variable, else ``output_dir/runs/<time>_<host>``
+computed at its ``on_train_begin``; this callback reads the directory the Trainer's
+TensorBoardCallback settled on (or hands it ours if it has not chosen yet), and applies the
+same rule itself when the Trainer does not report to TensorBoard.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..extraction import find_attention
+from ..probe import Probe, default_log_dir
+from ..schedules import ScheduleLike, as_schedule
+
+__all__ = ["AttnProbeCallback", "trainer_log_dir"]
+
+
+def _find_callback_handler() -> Any:
+    """The ``CallbackHandler`` dispatching the current event (found on the call stack)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if owner is not None and type(owner).__name__ == "CallbackHandler" and hasattr(owner, "callbacks"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def trainer_log_dir(args: Any, handler: Any = None) -> str:
+    """Where the Trainer's TensorBoard logging writes (transformers 5 rule).
+
+    ``TENSORBOARD_LOGGING_DIR`` (user-expanded) if set, else the directory the Trainer's
+    ``TensorBoardCallback`` chose, else ``args.output_dir/runs/<Mon DD_HH-MM-SS>_<host>``.
+    When the TensorBoardCallback has not chosen yet, it is told to use the same directory.
+    """
+    env = os.getenv("TENSORBOARD_LOGGING_DIR")
+    if env is not None:
+        return os.path.expanduser(env)
+    tb_callbacks = []
+    if handler is not None:
+        from transformers.integrations import TensorBoardCallback
+
+        tb_callbacks = [cb for cb in handler.callbacks if isinstance(cb, TensorBoardCallback)]
+    for cb in tb_callbacks:
+        if getattr(cb, "logging_dir", None):
+            return str(cb.logging_dir)
+    log_dir = os.path.join(args.output_dir, default_log_dir())
+    for cb in tb_callbacks:
+        if getattr(cb, "tb_writer", None) is None:
+            cb.logging_dir = log_dir  # it has not started: make it write where we write
+    return log_dir
+
+
+class AttnProbeCallback(TrainerCallback):
+    """Log W_qk symmetry/directionality into the Trainer's TensorBoard run and ``attn_probe.jsonl``.
+
+    Args mirror :func:`attn_probe.watch`: ``every`` (int or callable ``step -> bool``),
+    ``log_dir`` (overrides the Trainer's TensorBoard directory), ``per_head``, ``groups``,
+    ``layers``, ``num_std``, ``images_every`` and further :class:`~attn_probe.Probe` options.
+
+    An unsupported model raises :class:`~attn_probe.UnsupportedModelError` when the Trainer
+    is built; an unwritable log directory raises :class:`~attn_probe.probe.LogDirError` at
+    the start of ``train()``. Nothing after that stops training.
+    """
+
+    def __init__(
+        self,
+        every: ScheduleLike = 100,
+        *,
+        log_dir: str | None = None,
+        per_head: bool = False,
+        groups: Iterable[str] | None = None,
+        layers: Iterable[int] | None = None,
+        num_std: float = 2.0,
+        images_every: ScheduleLike | None = None,
+        **options: Any,
+    ) -> None:
+        as_schedule(every)  # validate now
+        as_schedule(images_every)
+        self.every = every
+        self.log_dir = log_dir
+        self.options: dict[str, Any] = dict(
+            per_head=per_head,
+            groups=list(groups) if groups is not None else None,
+            layers=list(layers) if layers is not None else None,
+            num_std=num_std,
+            images_every=images_every,
+            **options,
+        )
+        self.probe: Probe | None = None
+
+    def _check_model(self, model: Any) -> None:
+        find_attention(model, groups=self.options["groups"], layers=self.options["layers"],
+                       **self.options.get("find_kwargs", None) or {})
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is not None:
+            self._check_model(model)  # UnsupportedModelError before any training
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.probe is not None:  # a second train() call on the same callback
+            self.probe.close(final_snapshot=False)
+            self.probe = None
+        main = bool(state.is_world_process_zero)
+        log_dir = None
+        if main:
+            log_dir = self.log_dir if self.log_dir is not None else trainer_log_dir(args, _find_callback_handler())
+        step = int(state.global_step)
+        self.probe = Probe(
+            model,
+            log_dir=log_dir,
+            every=self.every,
+            is_main_process=main,
+            start_step=step,
+            extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
+            **self.options,
+        )
+        self.probe.snapshot(step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.probe is not None:
+            self.probe.on_update(int(state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        probe = self.probe
+        if probe is None:
+            return
+        probe.step = max(probe.step, int(state.global_step))
+        probe.close()  # final snapshot unless already taken
+        self.probe = None

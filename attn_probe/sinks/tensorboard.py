@@ -1,0 +1,111 @@
+"""TensorBoard sink: one ``add_scalar`` per tag of :func:`attn_probe.tags.scalar_tag`.
+
+Writes, into one run directory (the training run's own, so loss and scores sit together):
+
+* scalars ``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]`` and ``.../{median,q25,q75}``;
+* once at start, a custom_scalars layout (per group: a Margin chart median with the
+  q25-q75 band per metric, a Multiline chart of the per-layer curves) and the
+  configuration / model description as text;
+* optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``.
+
+Never ``add_scalars`` (one run directory per key). Flushes at snapshot boundaries only.
+``torch.utils.tensorboard`` is imported in :meth:`TensorBoardSink.start`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Any
+
+from ..tags import PREFIX, STATS, scalar_tag
+from . import RunInfo, Snapshot
+
+__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "CONFIG_TEXT_TAG"]
+
+CONFIG_TEXT_TAG = f"{PREFIX}/config"
+HEATMAP_PREFIX = f"{PREFIX}_heatmap"
+
+
+def heatmap_tag(group: str, layer: int) -> str:
+    return f"{HEATMAP_PREFIX}/{group}/layer_{layer:02d}"
+
+
+def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, dict[str, list[Any]]]:
+    """``{category: {chart: [kind, tags]}}`` for ``SummaryWriter.add_custom_scalars``."""
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for group in groups:
+        charts: dict[str, list[Any]] = {}
+        for metric in metrics:
+            band = [scalar_tag(group, metric, stat=s) for s in ("median", "q25", "q75")]
+            charts[f"{metric}: median across layers (q25-q75)"] = ["Margin", band]
+            per_layer = re.escape(f"{PREFIX}/{group}/{metric}/") + r"layer_\d+$"
+            charts[f"{metric}: per layer"] = ["Multiline", [per_layer]]
+        layout[f"{PREFIX}/{group}"] = charts
+    return layout
+
+
+def _has_event_files(log_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(glob.escape(log_dir), "events.out.tfevents.*")))
+
+
+class TensorBoardSink:
+    """Write snapshots with a ``SummaryWriter`` of our own, or a borrowed one.
+
+    ``writer`` (e.g. Accelerate's tracker's) is flushed but never closed. With our own
+    writer, a resumed run (``RunInfo.resume_step``) in a directory that already holds event
+    files opens the writer with ``purge_step=resume_step``, so TensorBoard discards the stale
+    steps ``>= resume_step`` of the interrupted run.
+    """
+
+    def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000) -> None:
+        if (log_dir is None) == (writer is None):
+            raise ValueError("give exactly one of log_dir= and writer=")
+        self.log_dir = log_dir if log_dir is not None else writer.log_dir
+        self._writer = writer
+        self._owned = writer is None
+        self._max_queue = max_queue
+
+    @property
+    def writer(self) -> Any:
+        return self._writer
+
+    def start(self, run: RunInfo) -> None:
+        if self._owned:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = run.resume_step if run.resume_step and _has_event_files(self.log_dir) else None
+            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge,
+                                         max_queue=self._max_queue, flush_secs=3600)
+        w = self._writer
+        w.add_custom_scalars(custom_scalars_layout(run.groups, run.metrics))
+        text = "\n\n".join(
+            f"**{title}**\n\n```\n{json.dumps(body, indent=2, default=str)}\n```"
+            for title, body in (("configuration", run.config), ("model", run.model))
+        )
+        w.add_text(CONFIG_TEXT_TAG, text, global_step=run.resume_step or 0)
+        w.flush()
+
+    def log(self, snapshot: Snapshot) -> None:
+        w = self._writer
+        step, wall = snapshot.step, snapshot.wall_time
+        for r in snapshot.records:
+            w.add_scalar(scalar_tag(r.group, r.metric, layer=r.layer, head=r.head), r.value, step,
+                         walltime=wall)
+        for (group, metric, stat), value in snapshot.stats.items():
+            assert stat in STATS
+            w.add_scalar(scalar_tag(group, metric, stat=stat), value, step, walltime=wall)
+        for (group, layer), image in snapshot.images.items():
+            w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
+        w.flush()
+
+    def finish(self) -> None:
+        if self._writer is None:
+            return
+        if self._owned:
+            self._writer.close()
+            self._writer = None
+        else:
+            self._writer.flush()
