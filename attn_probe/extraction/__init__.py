@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 
 from . import architectures
-from .architectures import FUSED_LAYOUTS, QKLayout, group_of, recognise, unwrap
+from .architectures import FUSED_LAYOUTS, USER_ADAPTERS, QKLayout, group_of, recognise, unwrap
 from .base import GROUPS, AttentionLayer, UnsupportedModelError
 
 Adapter = Callable[[nn.Module, str, Any], "QKLayout | None"]
@@ -18,30 +19,49 @@ __all__ = [
     "QKLayout",
     "find_attention",
     "register_adapter",
+    "unregister_adapter",
+    "FUSED_LAYOUTS",
     "unwrap",
     "GROUPS",
 ]
 
 
 def register_adapter(adapter: Adapter) -> Adapter:
-    """Teach attn_probe a new fused layout: ``adapter(module, path, config) -> QKLayout | None``.
+    """Teach attn_probe a new layout: ``adapter(module, path, config) -> QKLayout | None``.
 
-    Registered adapters are tried before the built-in ones. Usable as a decorator.
+    ``path`` is the module's name in the unwrapped model; the returned layout names the
+    parameters it reads (``param_names``) and its ``split(get)`` must read them only through
+    ``get``. Registered adapters are tried before the built-in ones, newest first. Usable as
+    a decorator; undo with :func:`unregister_adapter`.
     """
-    FUSED_LAYOUTS.insert(0, adapter)
+    USER_ADAPTERS.insert(0, adapter)
     return adapter
 
 
-def _candidates(model: nn.Module, limit: int = 8) -> list[str]:
-    seen = []
+def unregister_adapter(adapter: Adapter) -> None:
+    """Remove an adapter added with :func:`register_adapter` (no error if absent)."""
+    while adapter in USER_ADAPTERS:
+        USER_ADAPTERS.remove(adapter)
+
+
+def _linear_children(module: nn.Module) -> list[str]:
+    return [n for n, c in module.named_children() if architectures.projection(c, n) is not None]
+
+
+def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str]]:
+    """Modules that look like attention, and a guessed ``(query, key)`` child-name pair."""
+    seen: list[str] = []
+    guess: tuple[str, str] | None = None
     for path, module in model.named_modules():
         low = (path.rsplit(".", 1)[-1] + type(module).__name__).lower()
-        if "attn" in low or "attention" in low:
-            kids = [n for n, c in module.named_children() if isinstance(c, nn.Linear) or hasattr(c, "weight")]
+        if "attn" not in low and "attention" not in low:
+            continue
+        kids = _linear_children(module)
+        if guess is None and len(kids) >= 2:
+            guess = (kids[0], kids[1])
+        if len(seen) < limit:
             seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids) or 'no linear children'})")
-        if len(seen) >= limit:
-            break
-    return seen
+    return seen, guess or ("my_q", "my_k")
 
 
 def find_attention(
@@ -98,13 +118,14 @@ def find_attention(
             )
         )
     if not found:
-        cands = _candidates(root)
+        cands, (q_guess, k_guess) = _candidates(root)
         raise UnsupportedModelError(
             f"attn_probe found no attention layer it can read in {type(root).__name__}. "
             f"Candidate modules: {'; '.join(cands) if cands else 'none'}. "
-            "Name the query/key projections, e.g. "
-            "attn_probe.find_attention(model, qk_names=[('my_q', 'my_k')]), "
-            "or register a layout with attn_probe.register_adapter(fn)."
+            "Name the query/key projection children, e.g. "
+            f"attn_probe.find_attention(model, qk_names=[({q_guess!r}, {k_guess!r})]), "
+            "or teach a fused layout with attn_probe.register_adapter(fn) "
+            "(see docs/supported-models.md)."
         )
     if groups is not None:
         wanted = set(groups)

@@ -13,8 +13,9 @@ or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` is scored).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
@@ -30,6 +31,10 @@ SEPARATE_QK_NAMES: list[tuple[str, str]] = [
     ("wq", "wk"),
     ("to_q", "to_k"),
     ("q_attn", "k_attn"),
+    ("Wq", "Wk"),
+    ("q_head", "k_head"),
+    ("linear_q", "linear_k"),
+    ("q_linear", "k_linear"),
 ]
 
 #: Substrings of a module path that mark cross-attention.
@@ -171,37 +176,276 @@ def separate_layout(
     return None
 
 
-def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """GPT-2 ``c_attn``: Conv1D ``(d, 3d)``; output features are ``[q | k | v]``, heads contiguous."""
-    child = getattr(attn, "c_attn", None)
-    if child is None or getattr(attn, "is_cross_attention", False):
+def _child(attn: nn.Module, path: str, name: str) -> Projection | None:
+    child = getattr(attn, name, None)
+    if not isinstance(child, nn.Module):
         return None
-    prefix = f"{path}." if path else ""
-    proj = projection(child, prefix + "c_attn")
+    return projection(child, f"{path}.{name}" if path else name)
+
+
+def _class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) -> bool:
+    """Narrow key: the module's class name (and optionally its Python module) must match."""
+    cls = type(attn)
+    if cls.__name__ not in names:
+        return False
+    return module_suffix is None or cls.__module__.endswith(module_suffix)
+
+
+def _int(*values: Any) -> int | None:
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def contiguous_qkv(proj: Projection, num_heads: int, num_kv: int, head_dim: int) -> QKLayout | None:
+    """Rows ``[q (H*dh) | k (Hkv*dh) | v (Hkv*dh)]``, each block head-major (GPT-2, Phi-3, MPT, ...)."""
+    q_out, kv_out, d = num_heads * head_dim, num_kv * head_dim, proj.in_features
+    if proj.out_features != q_out + 2 * kv_out or num_heads % num_kv:
+        return None
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        w = proj.weight(get)
+        return w[:q_out].reshape(num_heads, head_dim, d), w[q_out : q_out + kv_out].reshape(num_kv, head_dim, d)
+
+    return QKLayout(proj.param_names, num_heads, num_kv, head_dim, d, split)
+
+
+def interleaved_qkv(proj: Projection, num_heads: int, head_dim: int) -> QKLayout | None:
+    """Rows grouped per head, ``(H, 3, dh)``: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (GPT-NeoX, BLOOM, ...)."""
+    d = proj.in_features
+    if proj.out_features != 3 * num_heads * head_dim:
+        return None
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        w = proj.weight(get).reshape(num_heads, 3, head_dim, d)
+        return w[:, 0], w[:, 1]
+
+    return QKLayout(proj.param_names, num_heads, num_heads, head_dim, d, split)
+
+
+def grouped_qkv(proj: Projection, num_heads: int, num_kv: int, head_dim: int) -> QKLayout | None:
+    """Rows grouped per KV head, ``(Hkv, H/Hkv + 2, dh)``: the group's queries, then its k, then its v
+    (Falcon ``new_decoder_architecture``)."""
+    d = proj.in_features
+    if num_heads % num_kv or proj.out_features != (num_heads + 2 * num_kv) * head_dim:
+        return None
+    per = num_heads // num_kv
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        w = proj.weight(get).reshape(num_kv, per + 2, head_dim, d)
+        return w[:, :per].reshape(num_heads, head_dim, d), w[:, per]
+
+    return QKLayout(proj.param_names, num_heads, num_kv, head_dim, d, split)
+
+
+def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """GPT-2 family ``c_attn`` (Conv1D, weight stored ``in x out``): outputs ``[q | k | v]``.
+
+    Cross-attention modules read q from ``q_attn`` and k from the first half of ``c_attn``.
+    """
+    if not (
+        _class_is(attn, "GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention")
+        or _class_is(attn, "Attention", module_suffix="modeling_openai")
+    ):
+        return None
+    c_attn = _child(attn, path, "c_attn")
+    if c_attn is None:
+        return None
+    head_dim = _int(getattr(attn, "head_dim", None))
+    num_heads = _int(getattr(attn, "num_heads", None), getattr(attn, "n_head", None))
+    if head_dim is None and num_heads:
+        head_dim = c_attn.in_features // num_heads
+    if head_dim is None:
+        return None
+    if getattr(attn, "is_cross_attention", False):
+        q = _child(attn, path, "q_attn")
+        if q is None or c_attn.out_features != 2 * q.out_features:
+            return None
+        h, d, q_out = q.out_features // head_dim, q.in_features, q.out_features
+
+        def cross_split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+            k = c_attn.weight(get)[:q_out]
+            return q.weight(get).reshape(h, head_dim, d), k.reshape(h, head_dim, k.shape[-1])
+
+        if c_attn.in_features != d:
+            return None  # encoder width differs: W_qk would not be square
+        return QKLayout(q.param_names + c_attn.param_names, h, h, head_dim, d, cross_split)
+    h = c_attn.out_features // (3 * head_dim)
+    return contiguous_qkv(c_attn, h, h, head_dim)
+
+
+def _gpt_bigcode_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """GPTBigCode ``c_attn`` (nn.Linear): multi-query ``[q | k | v]`` with one KV head,
+    otherwise per-head interleaved ``(H, 3, dh)``. Cross-attention is not supported."""
+    if not _class_is(attn, "GPTBigCodeAttention") or getattr(attn, "is_cross_attention", False):
+        return None
+    c_attn = _child(attn, path, "c_attn")
+    num_heads, head_dim = _int(getattr(attn, "num_heads", None)), _int(getattr(attn, "head_dim", None))
+    if c_attn is None or num_heads is None or head_dim is None:
+        return None
+    if getattr(attn, "multi_query", False):
+        return contiguous_qkv(c_attn, num_heads, 1, head_dim)
+    return interleaved_qkv(c_attn, num_heads, head_dim)
+
+
+#: Attention classes whose fused projection is per-head interleaved ``(H, 3, dh)``.
+_INTERLEAVED = {
+    "GPTNeoXAttention": "query_key_value",
+    "GPTNeoXJapaneseAttention": "query_key_value",
+    "PersimmonAttention": "query_key_value",
+    "BloomAttention": "query_key_value",
+}
+
+
+def _interleaved_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """GPT-NeoX/Pythia, GPT-NeoX-Japanese, Persimmon, BLOOM ``query_key_value`` and DeBERTa(v1)
+    ``in_proj``: the output is viewed as ``(H, 3*dh)`` and chunked, so rows are ``(H, 3, dh)``."""
+    config = getattr(attn, "config", None) or config
+    name = _INTERLEAVED.get(type(attn).__name__)
+    if name is None and _class_is(attn, "DisentangledSelfAttention", module_suffix="deberta.modeling_deberta"):
+        name = "in_proj"
+    if name is None:
+        return None
+    proj = _child(attn, path, name)
     if proj is None:
         return None
-    d = proj.in_features
-    # GPTBigCode multi-query: out = d + 2 * head_dim
-    q_out = d
-    kv_out = (proj.out_features - q_out) // 2
-    head_dim = infer_head_dim(attn, config, q_out, kv_out)
-    if head_dim is None or q_out + 2 * kv_out != proj.out_features:
+    head_dim = _int(
+        getattr(attn, "head_dim", None), getattr(attn, "head_size", None), getattr(attn, "attention_head_size", None)
+    )
+    num_heads = _int(
+        getattr(attn, "num_heads", None),
+        getattr(attn, "num_attention_heads", None),
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "n_head", None),
+    )
+    if head_dim is None and num_heads:
+        head_dim = proj.out_features // (3 * num_heads)
+    if head_dim is None:
         return None
-    h, hk = q_out // head_dim, kv_out // head_dim
+    return interleaved_qkv(proj, proj.out_features // (3 * head_dim), head_dim)
 
-    def split(get: ParamGetter):
-        w = proj.weight(get)
-        return w[:q_out].reshape(h, head_dim, d), w[q_out : q_out + kv_out].reshape(hk, head_dim, d)
 
-    return QKLayout(proj.param_names, h, hk, head_dim, d, split)
+def _falcon_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """Falcon ``query_key_value``: ``new_decoder_architecture`` groups rows per KV head
+    ``(Hkv, H/Hkv + 2, dh)``; ``multi_query`` is ``[q | k | v]`` with one KV head; otherwise
+    per-head interleaved ``(H, 3, dh)``."""
+    if not _class_is(attn, "FalconAttention", "FalconFlashAttention2"):
+        return None
+    proj = _child(attn, path, "query_key_value")
+    num_heads, head_dim = _int(getattr(attn, "num_heads", None)), _int(getattr(attn, "head_dim", None))
+    if proj is None or num_heads is None or head_dim is None:
+        return None
+    if getattr(attn, "new_decoder_architecture", False):
+        num_kv = _int(getattr(attn, "num_kv_heads", None), getattr(config, "num_kv_heads", None))
+        return grouped_qkv(proj, num_heads, num_kv, head_dim) if num_kv else None
+    if getattr(attn, "multi_query", False):
+        return contiguous_qkv(proj, num_heads, 1, head_dim)
+    return interleaved_qkv(proj, num_heads, head_dim)
+
+
+#: Attention classes whose fused projection is ``[q | k | v]`` (GQA sizes allowed): class -> child.
+_CONTIGUOUS = {
+    "ModernBertAttention": "Wqkv",
+    "Phi3Attention": "qkv_proj",
+    "MptAttention": "Wqkv",
+    "DbrxAttention": "Wqkv",
+}
+
+
+def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """ModernBERT ``Wqkv`` (viewed ``(3, H, dh)``), Phi-3 ``qkv_proj``, MPT/DBRX ``Wqkv``:
+    rows ``[q | k | v]``, each block head-major."""
+    config = getattr(attn, "config", None) or config
+    name = _CONTIGUOUS.get(type(attn).__name__)
+    proj = _child(attn, path, name) if name else None
+    if proj is None:
+        return None
+    head_dim = _int(getattr(attn, "head_dim", None))
+    num_heads = _int(
+        getattr(attn, "num_heads", None),
+        getattr(attn, "n_heads", None),
+        getattr(config, "num_attention_heads", None),
+        getattr(config, "n_heads", None),
+    )
+    if head_dim is None and num_heads:
+        head_dim = proj.in_features // num_heads
+    if head_dim is None:
+        return None
+    if num_heads is None:
+        return None
+    num_kv = _int(getattr(attn, "num_key_value_heads", None), getattr(attn, "kv_n_heads", None))
+    if num_kv is None:
+        num_kv = (proj.out_features // head_dim - num_heads) // 2
+    return contiguous_qkv(proj, num_heads, num_kv, head_dim)
+
+
+def _codegen_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """CodeGen ``qkv_proj``: rows form ``mp_num = 4`` blocks, each ``[q | v | k]`` of ``H/4`` heads;
+    query head ``h`` lives in block ``h // (H/4)``."""
+    if not _class_is(attn, "CodeGenAttention"):
+        return None
+    proj = _child(attn, path, "qkv_proj")
+    num_heads = _int(getattr(attn, "num_attention_heads", None))
+    head_dim = _int(getattr(attn, "head_dim", None))
+    mp_num = 4  # hard-coded in transformers' CodeGenAttention.forward
+    if proj is None or num_heads is None or head_dim is None or num_heads % mp_num:
+        return None
+    d, local = proj.in_features, num_heads // mp_num
+    if proj.out_features != 3 * num_heads * head_dim:
+        return None
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        w = proj.weight(get).reshape(mp_num, 3, local, head_dim, d)  # 3 = (q, v, k)
+        return w[:, 0].reshape(num_heads, head_dim, d), w[:, 2].reshape(num_heads, head_dim, d)
+
+    return QKLayout(proj.param_names, num_heads, num_heads, head_dim, d, split)
+
+
+def _torch_mha_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """``torch.nn.MultiheadAttention``: ``in_proj_weight`` rows ``[q | k | v]``, or separate
+    ``q_proj_weight``/``k_proj_weight`` when key/value widths differ."""
+    if not isinstance(attn, nn.MultiheadAttention):
+        return None
+    prefix = f"{path}." if path else ""
+    h, dh, d = attn.num_heads, attn.head_dim, attn.embed_dim
+    if attn.in_proj_weight is not None:
+        name = prefix + "in_proj_weight"
+        proj = Projection((name,), 3 * d, d, lambda get: get(name))
+        return contiguous_qkv(proj, h, h, dh)
+    if attn.kdim != d:
+        return None  # W_qk would not be square
+    q_name, k_name = prefix + "q_proj_weight", prefix + "k_proj_weight"
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        return get(q_name).reshape(h, dh, d), get(k_name).reshape(h, dh, d)
+
+    return QKLayout((q_name, k_name), h, h, dh, d, split)
 
 
 #: Fused layouts, tried in order on every module: ``(module, path, config) -> QKLayout | None``.
-FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [_gpt2_layout]
+#: Each one is keyed narrowly (attention class name) so it never misfires on another model.
+FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
+    _gpt2_layout,
+    _gpt_bigcode_layout,
+    _interleaved_layout,
+    _falcon_layout,
+    _contiguous_layout,
+    _codegen_layout,
+    _torch_mha_layout,
+]
+
+
+#: Layouts registered with :func:`attn_probe.register_adapter`; tried before everything else.
+USER_ADAPTERS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = []
 
 
 def recognise(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """The q/k layout of ``attn`` if it is an attention module attn_probe understands."""
+    """The q/k layout of ``attn``: user adapters, then separate projections, then :data:`FUSED_LAYOUTS`."""
+    for adapter in USER_ADAPTERS:
+        layout = adapter(attn, path, config)
+        if layout is not None:
+            return layout
     layout = separate_layout(attn, path, config)
     if layout is not None:
         return layout
@@ -226,6 +470,9 @@ def group_of(path: str, is_encoder_decoder: bool) -> str:
     return "self"
 
 
+_MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP/DataParallel (``.module``), ``torch.compile`` (``._orig_mod``) and PEFT wrappers."""
     seen = set()
@@ -233,7 +480,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         seen.add(id(model))
         if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
-        elif type(model).__name__ in ("DistributedDataParallel", "DataParallel") and hasattr(model, "module"):
+        elif type(model).__name__ in _MODULE_WRAPPERS and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         elif hasattr(model, "peft_config") and hasattr(model, "base_model") and model.base_model is not model:
             model = model.base_model  # PeftModel -> LoraModel
@@ -245,6 +492,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 __all__ = [
     "SEPARATE_QK_NAMES",
     "FUSED_LAYOUTS",
+    "USER_ADAPTERS",
+    "contiguous_qkv",
+    "interleaved_qkv",
+    "grouped_qkv",
     "Projection",
     "QKLayout",
     "projection",

@@ -1,0 +1,515 @@
+"""Extraction is checked against each model's own q/k projections.
+
+For every architecture a tiny random-weight model is built from its config class (no
+download). Forward hooks capture the input ``x`` and output of the model's query and key
+projection modules (before any rotary/ALiBi/QK-norm). The reference logit of head ``h`` is
+``q_i . k_j`` with the head split and the GQA pairing *as transformers does them* (the fused
+outputs are sliced the way each modeling file slices them; keys are expanded with
+transformers' ``repeat_kv``). attn_probe must reproduce it from weights alone:
+``x_i^T W_q[h]^T W_k[g(h)] x_j``. Biases of the hooked projections are zeroed first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from attn_probe.extraction import (  # noqa: E402
+    AttentionLayer,
+    QKLayout,
+    UnsupportedModelError,
+    find_attention,
+    register_adapter,
+    unregister_adapter,
+)
+
+Slice = Callable[[torch.Tensor], torch.Tensor]  # projection output (N, out) -> (N, heads, dh)
+
+
+# --------------------------------------------------------------------------- reference slices
+def heads(dh: int) -> Slice:
+    """Separate projection: ``.view(..., -1, head_dim)`` as every modeling file does."""
+    return lambda y: y.reshape(y.shape[0], -1, dh)
+
+
+def contiguous(part: int, h: int, hkv: int, dh: int) -> Slice:
+    """``[q | k | v]`` split by sizes ``(h*dh, hkv*dh, hkv*dh)`` (GPT-2, Phi-3, MPT, DBRX, ModernBERT)."""
+    sizes = (h * dh, hkv * dh, hkv * dh)
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        return y.split(sizes, dim=-1)[part].reshape(y.shape[0], -1, dh)
+
+    return f
+
+
+def neox(part: int, h: int, dh: int) -> Slice:
+    """``view(..., H, 3*dh).chunk(3, -1)`` (GPT-NeoX, NeoX-Japanese, DeBERTa, GPTBigCode MHA)."""
+    return lambda y: y.reshape(y.shape[0], h, 3 * dh).chunk(3, dim=-1)[part]
+
+
+def bloom(part: int, h: int, dh: int) -> Slice:
+    """``view(..., H, 3, dh)[..., part, :]`` (BLOOM, Persimmon, Falcon classic)."""
+    return lambda y: y.reshape(y.shape[0], h, 3, dh)[:, :, part]
+
+
+def falcon_new(part: int, h: int, hkv: int, dh: int) -> Slice:
+    """Falcon new_decoder_architecture: ``view(..., -1, H/Hkv + 2, dh)``; q = ``[:, :, :-2]``, k = ``[:, :, -2]``."""
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        qkv = y.reshape(y.shape[0], -1, h // hkv + 2, dh)
+        return qkv[:, :, :-2].flatten(1, 2) if part == 0 else qkv[:, :, -2]
+
+    return f
+
+
+def codegen(part: int, h: int, dh: int) -> Slice:
+    """CodeGen: ``reshape(mp_num=4, -1)``, split ``(q, v, k)`` by local_dim, heads re-flattened."""
+
+    def f(y: torch.Tensor) -> torch.Tensor:
+        local = h * dh // 4
+        q, v, k = torch.split(y.reshape(y.shape[0], 4, -1), local, dim=-1)
+        t = q if part == 0 else k
+        return t.reshape(y.shape[0], 4, h // 4, dh).reshape(y.shape[0], h, dh)
+
+    return f
+
+
+# --------------------------------------------------------------------------- cases
+@dataclasses.dataclass
+class Case:
+    id: str
+    config: str  # config class name in transformers
+    kwargs: dict
+    heads: int
+    kv_heads: int
+    head_dim: int
+    groups: dict[str, int]  # expected number of layers per group
+    qk: Callable[[nn.Module], tuple[str, Slice, str, Slice]] | None = None  # (q child, slice, k child, slice)
+    inputs: str = "text"
+    model: str = "AutoModel"
+
+    def spec(self, module: nn.Module) -> tuple[str, Slice, str, Slice]:
+        return self.qk(module)
+
+
+def sep(q: str, k: str, dh: int) -> Callable[[nn.Module], tuple[str, Slice, str, Slice]]:
+    """Separate q/k children; ``"query|q_proj"`` lists the names used across transformers versions."""
+
+    def pick(m: nn.Module, names: str) -> str:
+        kids = dict(m.named_children())
+        return next((n for n in names.split("|") if n in kids), names)
+
+    return lambda m: (pick(m, q), heads(dh), pick(m, k), heads(dh))
+
+
+def fused(child: str, qs: Slice, ks: Slice) -> Callable[[nn.Module], tuple[str, Slice, str, Slice]]:
+    return lambda m: (child, qs, child, ks)
+
+
+V = 99  # vocab
+BERTLIKE = dict(
+    vocab_size=V, pad_token_id=0, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+    max_position_embeddings=64,
+)
+LLAMALIKE = dict(
+    vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=37, max_position_embeddings=64,
+)
+BARTLIKE = dict(
+    vocab_size=V, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64,
+)
+ENCDEC = {"encoder": 2, "decoder": 2, "cross": 2}
+SELF2 = {"self": 2}
+VIT = dict(
+    image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=37,
+)
+
+
+def _gpt2_spec(h: int, dh: int):
+    def spec(m: nn.Module):
+        if hasattr(m, "q_attn"):  # cross-attention: q from q_attn, k from the first half of c_attn
+            return "q_attn", heads(dh), "c_attn", lambda y: y[:, : h * dh].reshape(y.shape[0], h, dh)
+        return "c_attn", contiguous(0, h, h, dh), "c_attn", contiguous(1, h, h, dh)
+
+    return spec
+
+
+CASES = [
+    # --- encoders, separate projections
+    Case("bert", "BertConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("roberta", "RobertaConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("xlm-roberta", "XLMRobertaConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("electra", "ElectraConfig", {**BERTLIKE, "embedding_size": 16}, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case(
+        "distilbert", "DistilBertConfig", dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=37),
+        4, 4, 8, SELF2, sep("q_lin", "k_lin", 8),
+    ),
+    # ALBERT shares one layer across depth: one record (the hooks keep the first call).
+    Case(
+        "albert", "AlbertConfig", {**BERTLIKE, "embedding_size": 16}, 4, 4, 8, {"self": 1},
+        sep("query|q_proj", "key|k_proj", 8),
+    ),
+    Case("deberta-v2", "DebertaV2Config", BERTLIKE, 4, 4, 8, SELF2, sep("query_proj", "key_proj", 8)),
+    Case("mpnet", "MPNetConfig", BERTLIKE, 4, 4, 8, SELF2, sep("q", "k", 8)),
+    Case(
+        "xlm", "XLMConfig", dict(vocab_size=V, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=64),
+        4, 4, 8, SELF2, sep("q_lin", "k_lin", 8),
+    ),
+    Case(
+        "funnel", "FunnelConfig",
+        dict(vocab_size=V, d_model=32, n_head=4, d_head=8, d_inner=37, block_sizes=[1, 1], num_decoder_layers=1),
+        4, 4, 8, {"self": 3}, sep("q_head", "k_head", 8), model="FunnelModel",
+    ),
+    # --- vision encoders
+    Case("vit", "ViTConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
+    Case("deit", "DeiTConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
+    Case("beit", "BeitConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
+    Case("dinov2", "Dinov2Config", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
+    Case("clip_vision_model", "CLIPVisionConfig", VIT, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8), inputs="image"),
+    # --- encoder-decoder
+    Case("bart", "BartConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
+    Case("mbart", "MBartConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
+    Case("marian", "MarianConfig", {**BARTLIKE, "decoder_vocab_size": V}, 4, 4, 8, ENCDEC,
+         sep("q_proj", "k_proj", 8), inputs="encdec"),
+    Case("pegasus", "PegasusConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
+    Case("m2m_100", "M2M100Config", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
+    # T5: inner dim num_heads * d_kv = 64 differs from d_model = 32
+    Case(
+        "t5", "T5Config", dict(vocab_size=V, d_model=32, d_kv=16, d_ff=37, num_layers=2, num_heads=4),
+        4, 4, 16, ENCDEC, sep("q", "k", 16), inputs="encdec",
+    ),
+    Case(
+        "mt5", "MT5Config", dict(vocab_size=V, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4),
+        4, 4, 8, ENCDEC, sep("q", "k", 8), inputs="encdec",
+    ),
+    Case(
+        "whisper", "WhisperConfig",
+        {**BARTLIKE, "num_mel_bins": 8, "max_source_positions": 8, "max_target_positions": 32},
+        4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="whisper",
+    ),
+    # --- decoders, separate projections (GQA: query head h reads KV head h // (H/Hkv))
+    Case("opt", "OPTConfig", dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  ffn_dim=37, word_embed_proj_dim=32, max_position_embeddings=64),
+         4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("llama", "LlamaConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("mistral", "MistralConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("mixtral", "MixtralConfig", {**LLAMALIKE, "num_local_experts": 2, "intermediate_size": 32}, 4, 2, 8, SELF2,
+         sep("q_proj", "k_proj", 8)),
+    Case("qwen2", "Qwen2Config", {**LLAMALIKE, "num_attention_heads": 6, "num_key_value_heads": 2,
+                                  "hidden_size": 48}, 6, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    # Qwen3: head_dim = 16 != hidden / heads = 8; QK-norm comes after the hooked projections
+    Case("qwen3", "Qwen3Config", {**LLAMALIKE, "head_dim": 16}, 4, 2, 16, SELF2, sep("q_proj", "k_proj", 16)),
+    Case("gemma", "GemmaConfig", {**LLAMALIKE, "head_dim": 16, "num_key_value_heads": 1}, 4, 1, 16, SELF2,
+         sep("q_proj", "k_proj", 16)),
+    Case("gemma2", "Gemma2Config", {**LLAMALIKE, "head_dim": 8}, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("phi", "PhiConfig", {**LLAMALIKE, "num_key_value_heads": 4}, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("olmo2", "Olmo2Config", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("stablelm", "StableLmConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("starcoder2", "Starcoder2Config", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("granite", "GraniteConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("gptj", "GPTJConfig", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64),
+         4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("gpt_neo", "GPTNeoConfig",
+         dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+              max_position_embeddings=64, window_size=4),
+         4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("ctrl", "CTRLConfig", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, dff=37, n_positions=64),
+         4, 4, 8, SELF2, sep("Wq", "Wk", 8)),
+    Case("biogpt", "BioGptConfig", BERTLIKE, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    # --- fused projections
+    Case("gpt2", "GPT2Config", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+         4, 4, 8, SELF2, _gpt2_spec(4, 8)),
+    Case("gpt2-cross", "GPT2Config",
+         dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, add_cross_attention=True),
+         4, 4, 8, {"self": 2, "cross": 2}, _gpt2_spec(4, 8), inputs="cross"),
+    Case("openai-gpt", "OpenAIGPTConfig", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+         4, 4, 8, SELF2, _gpt2_spec(4, 8)),
+    Case("imagegpt", "ImageGPTConfig", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+         4, 4, 8, SELF2, _gpt2_spec(4, 8)),
+    Case("gpt_bigcode-mqa", "GPTBigCodeConfig",
+         dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+         4, 1, 8, SELF2, fused("c_attn", contiguous(0, 4, 1, 8), contiguous(1, 4, 1, 8))),
+    Case("gpt_bigcode-mha", "GPTBigCodeConfig",
+         dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=False),
+         4, 4, 8, SELF2, fused("c_attn", neox(0, 4, 8), neox(1, 4, 8))),
+    Case("gpt_neox", "GPTNeoXConfig", BERTLIKE, 4, 4, 8, SELF2,
+         fused("query_key_value", neox(0, 4, 8), neox(1, 4, 8))),
+    Case("gpt_neox_japanese", "GPTNeoXJapaneseConfig",
+         dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_multiple_size=2),
+         4, 4, 8, SELF2, fused("query_key_value", neox(0, 4, 8), neox(1, 4, 8))),
+    Case("persimmon", "PersimmonConfig", BERTLIKE, 4, 4, 8, SELF2,
+         fused("query_key_value", bloom(0, 4, 8), bloom(1, 4, 8))),
+    Case("bloom", "BloomConfig", dict(vocab_size=V, hidden_size=32, n_layer=2, n_head=4), 4, 4, 8, SELF2,
+         fused("query_key_value", bloom(0, 4, 8), bloom(1, 4, 8))),
+    Case("falcon", "FalconConfig",
+         dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=False,
+              new_decoder_architecture=False, alibi=False),
+         4, 4, 8, SELF2, fused("query_key_value", bloom(0, 4, 8), bloom(1, 4, 8))),
+    Case("falcon-mqa", "FalconConfig",
+         dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+              new_decoder_architecture=False),
+         4, 1, 8, SELF2, fused("query_key_value", contiguous(0, 4, 1, 8), contiguous(1, 4, 1, 8))),
+    Case("falcon-new-gqa", "FalconConfig",
+         dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+              new_decoder_architecture=True),
+         4, 2, 8, SELF2, fused("query_key_value", falcon_new(0, 4, 2, 8), falcon_new(1, 4, 2, 8))),
+    Case("modernbert", "ModernBertConfig", {**BERTLIKE, "global_attn_every_n_layers": 1}, 4, 4, 8, SELF2,
+         fused("Wqkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8))),
+    Case("phi3", "Phi3Config", {**LLAMALIKE, "pad_token_id": 0}, 4, 2, 8, SELF2,
+         fused("qkv_proj", contiguous(0, 4, 2, 8), contiguous(1, 4, 2, 8))),
+    Case("mpt", "MptConfig", dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=64), 4, 4, 8, SELF2,
+         fused("Wqkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8))),
+    Case("dbrx", "DbrxConfig",
+         dict(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=64,
+              attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, ffn_config={"ffn_hidden_size": 37, "moe_num_experts": 2}),
+         4, 2, 8, SELF2, fused("Wqkv", contiguous(0, 4, 2, 8), contiguous(1, 4, 2, 8))),
+    Case("codegen", "CodeGenConfig", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=8, rotary_dim=4, n_positions=64),
+         8, 8, 8, SELF2, fused("qkv_proj", codegen(0, 8, 8), codegen(2, 8, 8))),
+    Case("deberta", "DebertaConfig", BERTLIKE, 4, 4, 8, SELF2, fused("in_proj", neox(0, 4, 8), neox(1, 4, 8))),
+]
+
+
+def _build(case: Case) -> nn.Module:
+    cls = getattr(transformers, case.config, None)
+    if cls is None:
+        pytest.skip(f"{case.config} is not in transformers {transformers.__version__}")
+    config = cls(**case.kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, case.model).from_config(config) if case.model == "AutoModel" else getattr(
+        transformers, case.model
+    )(config)
+    return model.eval()
+
+
+def _inputs(case: Case, model: nn.Module) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (1, 6), generator=g)
+    if case.inputs == "image":
+        return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g)}
+    if case.inputs == "encdec":
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
+    if case.inputs == "whisper":
+        return {"input_features": torch.randn(1, 8, 16, generator=g), "decoder_input_ids": ids[:, :4]}
+    if case.inputs == "cross":
+        return {"input_ids": ids, "encoder_hidden_states": torch.randn(1, 3, 32, generator=g)}
+    return {"input_ids": ids}
+
+
+class Capture:
+    """Keeps the first call's input and output of a module (ALBERT calls its shared layer repeatedly)."""
+
+    def __init__(self, module: nn.Module):
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if self.x is None:
+            self.x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            self.y = output.detach().reshape(-1, output.shape[-1]).double()
+
+
+def _zero_bias(module: nn.Module) -> None:
+    if getattr(module, "bias", None) is not None:
+        with torch.no_grad():
+            module.bias.zero_()
+
+
+def check_against_hooks(
+    model: nn.Module, layers: list[AttentionLayer], spec, inputs: dict, heads_: int, kv: int, dh: int
+) -> None:
+    """The core assertion: attn_probe's W_qk reproduces the model's own per-head q.k."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    caps = []
+    for layer in layers:
+        q_name, q_slice, k_name, k_slice = spec(layer.module)
+        q_mod, k_mod = layer.module.get_submodule(q_name), layer.module.get_submodule(k_name)
+        _zero_bias(q_mod)
+        _zero_bias(k_mod)
+        cq = Capture(q_mod)
+        ck = cq if k_mod is q_mod else Capture(k_mod)
+        caps.append((layer, cq, ck, q_slice, k_slice))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for _, cq, ck, *_ in caps:
+            cq.handle.remove()
+            ck.handle.remove()
+    for layer, cq, ck, q_slice, k_slice in caps:
+        assert cq.x is not None and ck.x is not None, f"{layer.name}: projections never called"
+        assert (layer.num_heads, layer.num_kv_heads, layer.head_dim) == (heads_, kv, dh), layer
+        q = q_slice(cq.y)  # (N, H, dh)
+        k = k_slice(ck.y)  # (M, Hkv, dh)
+        assert q.shape[1:] == (heads_, dh) and k.shape[1:] == (kv, dh)
+        k_rep = repeat_kv(k.permute(1, 0, 2)[None], heads_ // kv)[0]  # (H, M, dh), transformers' pairing
+        ref = torch.einsum("nhd,hmd->hnm", q, k_rep)  # per-head q_i . k_j
+        scale = ref.abs().max().clamp_min(1e-12)
+        total = torch.zeros_like(ref[0])
+        for h in range(heads_):
+            ours = cq.x @ layer.qk_matrix(head=h) @ ck.x.T
+            err = (ours - ref[h]).abs().max() / scale
+            assert err < 1e-5, f"{layer.name} head {h}: relative error {err:.2e}"
+            total += ref[h]
+        layer_err = (cq.x @ layer.qk_matrix() @ ck.x.T - total).abs().max() / scale
+        assert layer_err < 1e-5, f"{layer.name}: layer-level W_qk != sum over heads ({layer_err:.2e})"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_model_projections(case: Case) -> None:
+    model = _build(case)
+    layers = find_attention(model)
+    counts: dict[str, int] = {}
+    for layer in layers:
+        assert layer.layer == counts.get(layer.group, 0), "layer index must count within the group"
+        counts[layer.group] = layer.layer + 1
+    assert counts == case.groups
+    names = dict(model.named_parameters())
+    for layer in layers:
+        assert set(layer.param_names) <= set(names), "param_names must be parameters of the model"
+        # split reads only through `get`: a getter over the listed names alone suffices
+        only = {n: names[n] for n in layer.param_names}
+        q, k = layer.factors(only.__getitem__)
+        q0, k0 = layer.factors()
+        assert torch.equal(q, q0) and torch.equal(k, k0)
+    check_against_hooks(model, layers, case.spec, _inputs(case, model), case.heads, case.kv_heads, case.head_dim)
+
+
+def test_covers_at_least_30_model_types() -> None:
+    types = {c.id.split("-")[0] if c.id.startswith(("gpt2-", "falcon-", "gpt_bigcode-")) else c.id for c in CASES}
+    assert len(types) >= 30, sorted(types)
+
+
+def test_gqa_pairing_is_block_not_modulo() -> None:
+    """Query head h pairs with KV head h // (H/Hkv) (repeat_kv), not h % Hkv (the paper code's bug)."""
+    model = _build(next(c for c in CASES if c.id == "llama"))
+    layer = find_attention(model)[0]
+    q, k = layer.factors()
+    assert (layer.num_heads, layer.num_kv_heads) == (4, 2)
+    for h in range(4):
+        expected = q[h].double().T @ k[h // 2].double()
+        assert torch.allclose(layer.qk_matrix(head=h), expected)
+        assert not torch.allclose(layer.qk_matrix(head=h), q[h].double().T @ k[h % 2].double()) or h % 2 == h // 2
+
+
+def test_factors_are_views_of_the_weights() -> None:
+    model = _build(next(c for c in CASES if c.id == "gpt_neox"))
+    layer = find_attention(model)[0]
+    q, _ = layer.factors()
+    w = model.get_parameter(layer.param_names[0])
+    assert q.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+
+
+def test_group_and_layer_filters() -> None:
+    model = _build(next(c for c in CASES if c.id == "bart"))
+    cross = find_attention(model, groups=["cross"], layers=[1])
+    assert [(a.group, a.layer) for a in cross] == [("cross", 1)]
+    assert "encoder_attn" in cross[0].name
+
+
+# --------------------------------------------------------------------------- torch MHA and custom models
+def test_torch_multihead_attention_matches_attention_weights() -> None:
+    """nn.MultiheadAttention: per-head attention probabilities give the logits up to a row constant."""
+    torch.manual_seed(0)
+    layer_mod = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=37, batch_first=True)
+    model = nn.Sequential(layer_mod).eval()
+    (layer,) = find_attention(model)
+    assert layer.name == "0.self_attn" and layer.param_names == ("0.self_attn.in_proj_weight",)
+    mha = layer_mod.self_attn
+    with torch.no_grad():
+        mha.in_proj_bias.zero_()
+        x = torch.randn(1, 5, 32)
+        _, probs = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    logp = probs[0].double().log()  # (H, T, T) = logits/sqrt(dh) - logsumexp per row
+    xs = x[0].double()
+    for h in range(4):
+        ours = xs @ layer.qk_matrix(head=h) @ xs.T / (8**0.5)
+        diff = ours - logp[h]
+        assert torch.allclose(diff, diff[:, :1].expand_as(diff), atol=1e-5)
+
+
+class TinyAttention(nn.Module):
+    def __init__(self, d: int = 16, n_heads: int = 2):
+        super().__init__()
+        self.n_heads = n_heads
+        self.my_q = nn.Linear(d, d)
+        self.my_k = nn.Linear(d, d)
+        self.my_v = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.my_v(x) * (self.my_q(x) * self.my_k(x)).sum(-1, keepdim=True)
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TinyAttention(), TinyAttention()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_unsupported_model_message_names_class_candidates_and_fix() -> None:
+    with pytest.raises(UnsupportedModelError) as info:
+        find_attention(TinyModel())
+    msg = str(info.value)
+    assert "TinyModel" in msg
+    assert "blocks.0 (TinyAttention: my_q, my_k, my_v)" in msg
+    assert "find_attention(model, qk_names=[('my_q', 'my_k')])" in msg
+    assert "register_adapter" in msg
+
+
+def test_qk_names_for_custom_model() -> None:
+    model = TinyModel()
+    layers = find_attention(model, qk_names=[("my_q", "my_k")])
+    assert [(a.name, a.group, a.layer, a.num_heads, a.head_dim) for a in layers] == [
+        ("blocks.0", "self", 0, 2, 8),
+        ("blocks.1", "self", 1, 2, 8),
+    ]
+    check_against_hooks(
+        model, layers, lambda m: ("my_q", heads(8), "my_k", heads(8)), {"x": torch.randn(3, 16)}, 2, 2, 8
+    )
+
+
+def test_register_adapter_for_custom_fused_layout() -> None:
+    class Fused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = nn.Linear(16, 32, bias=False)  # [q | k], 2 heads of 8
+
+        def forward(self, x):
+            return self.qk(x)[:, :16]
+
+    def adapter(module, path, config):
+        if not isinstance(module, Fused):
+            return None
+        name = f"{path}.qk.weight"
+
+        def split(get):
+            w = get(name)
+            return w[:16].reshape(2, 8, 16), w[16:].reshape(2, 8, 16)
+
+        return QKLayout((name,), 2, 2, 8, 16, split)
+
+    model = nn.Sequential(Fused(), Fused())
+    register_adapter(adapter)
+    try:
+        layers = find_attention(model)
+    finally:
+        unregister_adapter(adapter)
+    assert [a.name for a in layers] == ["0", "1"]
+    spec = lambda m: ("qk", lambda y: y[:, :16].reshape(-1, 2, 8), "qk", lambda y: y[:, 16:].reshape(-1, 2, 8))  # noqa: E731
+    check_against_hooks(model, layers, spec, {"input": torch.randn(3, 16)}, 2, 2, 8)
+    with pytest.raises(UnsupportedModelError):
+        find_attention(model)  # unregistered again
