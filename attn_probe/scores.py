@@ -22,18 +22,29 @@ Directionality, with row norms ``r``, column norms ``c`` and thresholds
 and ``d = 0`` when ``R + C = 0``. Negative values mean a few dominant *columns* (keys),
 the decoder signature.
 
-Degenerate input: both scores are ``nan`` for a matrix with non-finite entries or for the
-zero matrix (the scores are undefined there); input that is not a square 2-D matrix, or
-factors of mismatching shapes, raise ``ValueError``.
+Degenerate input (see ``docs/scores.md``):
+
+* not a 2-D square matrix, an empty matrix, complex or non-numeric entries, factors of
+  mismatching shapes, a non-finite ``num_std``: ``ValueError``;
+* any non-finite entry (``nan``/``inf``) or the zero matrix: both scores are ``nan``;
+  from factors, a product that is zero up to rounding (``||M||_F^2 <= 16 eps ||A||^2 ||B||^2``)
+  also gives ``nan``;
+* ``R + C`` within rounding of zero (``<= sqrt(eps) * mean norm``, ``eps`` of the norms'
+  dtype), e.g. an orthogonal ``M`` whose norms are all equal: directionality ``0``;
+* a ``1 x 1`` non-zero matrix: symmetry ``1``, directionality ``0``.
+
+Inputs are rescaled by their largest absolute entry before squaring, so both scores are
+exactly scale-invariant even for entries near the floating-point range limits.
 
 The factored functions never form ``d x d`` products when the factors are thin:
-with ``A = Q^T``-stacked factors ``(r, d)`` and ``M = A^T B``,
+with factors ``A, B`` of shape ``(r, d)`` and ``M = A^T B``,
 
 * ``||M||_F^2 = tr((A A^T)(B B^T))``
 * ``<M, M^T>_F = tr((B A^T)^2)``
 * row norms ``r_i^2 = diag(A^T (B B^T) A)``, column norms ``c_j^2 = diag(B^T (A A^T) B)``
 
-which costs ``O(r^2 d)`` instead of ``O(r d^2)``.
+which costs about ``5 r^2 d`` multiply-adds instead of ``r d^2`` plus a few passes over
+the ``d x d`` matrix (:func:`gram_is_cheaper` picks the cheaper one).
 """
 
 from __future__ import annotations
@@ -52,70 +63,133 @@ __all__ = [
     "factored_scores",
     "FactoredScores",
     "pair_kv_heads",
+    "gram_is_cheaper",
 ]
 
 Tensor = torch.Tensor
 
+#: Cost, in multiply-adds per entry of ``M``, charged to the explicit path for the passes
+#: over the ``d x d`` matrix (memory bound; measured on CPU, see docs/performance.md).
+EXPLICIT_PASS_COST = 512
 
-def _as_matrix(M: Any, dtype: torch.dtype) -> Tensor:
+
+# --------------------------------------------------------------------------- validation
+def _as_matrix(M: Any) -> Tensor:
+    """A detached real 2-D square tensor (floating point); ``ValueError`` otherwise."""
     if isinstance(M, Tensor):
         t = M.detach()
     else:
-        try:
-            import numpy as np
+        import numpy as np
 
-            t = torch.from_numpy(np.asarray(M))
-        except (TypeError, ValueError) as exc:
+        try:
+            arr = np.asarray(M)
+        except Exception as exc:  # ragged lists and the like
             raise ValueError(f"expected a 2-D tensor or array, got {type(M).__name__}") from exc
+        if arr.dtype.kind not in "biuf":
+            raise ValueError(f"expected a real numeric matrix, got numpy dtype {arr.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(arr))
     if t.ndim != 2:
         raise ValueError(f"expected a 2-D matrix, got shape {tuple(t.shape)}")
     if t.shape[0] != t.shape[1]:
         raise ValueError(f"expected a square matrix, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError("expected a non-empty matrix, got shape (0, 0)")
     if t.is_complex():
         raise ValueError("complex matrices are not supported")
-    return t.to(dtype)
+    if not t.is_floating_point():
+        t = t.to(torch.float64)
+    return t
 
 
+def _normalised(t: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """``t / max|t|`` in ``dtype``; ``None`` when ``t`` is zero or has non-finite entries."""
+    if not bool(torch.isfinite(t).all()):
+        return None
+    amax = t.abs().amax()
+    if float(amax) == 0.0:
+        return None
+    return (t / amax).to(dtype)
+
+
+def _check_num_std(num_std: float) -> float:
+    num_std = float(num_std)
+    if not math.isfinite(num_std):
+        raise ValueError(f"num_std must be finite, got {num_std}")
+    return num_std
+
+
+# --------------------------------------------------------------------------- reductions
 def symmetry_from_inner_products(trace_m_m: float, frob_sq: float) -> float:
-    """``<M, M^T>_F / ||M||_F^2``; ``nan`` when the norm is zero or anything is non-finite."""
+    """``<M, M^T>_F / ||M||_F^2`` clipped to ``[-1, 1]``; ``nan`` when the norm is zero or anything is non-finite."""
     if not (math.isfinite(trace_m_m) and math.isfinite(frob_sq)) or frob_sq <= 0.0:
         return float("nan")
     return max(-1.0, min(1.0, trace_m_m / frob_sq))
 
 
-def directionality_from_norms(row_norms: Tensor, col_norms: Tensor, num_std: float = 2.0) -> float:
-    """Directionality ``(R - C) / (R + C)`` from the row and column L2 norms of ``M``."""
-    r = row_norms.detach().to(torch.float64).flatten()
-    c = col_norms.detach().to(torch.float64).flatten()
-    if not (torch.isfinite(r).all() and torch.isfinite(c).all()):
-        return float("nan")
-    if r.numel() < 2 or c.numel() < 2:
-        return 0.0
-    if float(r.max()) == 0.0 and float(c.max()) == 0.0:
-        return float("nan")
-    tau_r = r.mean() + num_std * r.std(unbiased=True)
-    tau_c = c.mean() + num_std * c.std(unbiased=True)
-    excess_r = float((r - tau_r).clamp_min(0).sum())
-    excess_c = float((c - tau_c).clamp_min(0).sum())
-    total = excess_r + excess_c
-    if total == 0.0:
-        return 0.0
-    return (excess_r - excess_c) / total
+def _directionality_batch(rows: Tensor, cols: Tensor, num_std: float, rtol: float) -> Tensor:
+    """Directionality of a batch: ``rows``/``cols`` ``(..., n)`` float64 -> ``(...)`` float64."""
+    n = rows.shape[-1]
+    finite = torch.isfinite(rows).all(-1) & torch.isfinite(cols).all(-1)
+    zero = (rows.abs().amax(-1) == 0) & (cols.abs().amax(-1) == 0)
+    if n < 2 or cols.shape[-1] < 2:  # unbiased std undefined: no row or column stands out
+        out = torch.zeros(rows.shape[:-1], dtype=torch.float64)
+    else:
+        r = torch.nan_to_num(rows)
+        c = torch.nan_to_num(cols)
+        tau_r = r.mean(-1, keepdim=True) + num_std * r.std(-1, correction=1, keepdim=True)
+        tau_c = c.mean(-1, keepdim=True) + num_std * c.std(-1, correction=1, keepdim=True)
+        excess_r = (r - tau_r).clamp_min(0).sum(-1)
+        excess_c = (c - tau_c).clamp_min(0).sum(-1)
+        total = excess_r + excess_c
+        scale = torch.maximum(r.mean(-1), c.mean(-1))
+        significant = total > rtol * scale
+        out = torch.where(significant, (excess_r - excess_c) / torch.where(significant, total, 1.0), 0.0)
+    return torch.where(finite & ~zero, out, float("nan"))
 
 
+def _default_rtol(*tensors: Tensor) -> float:
+    eps = max(torch.finfo(t.dtype).eps if t.is_floating_point() else 0.0 for t in tensors)
+    return math.sqrt(eps) if eps > 0 else math.sqrt(torch.finfo(torch.float64).eps)
+
+
+def directionality_from_norms(
+    row_norms: Tensor, col_norms: Tensor, num_std: float = 2.0, *, rtol: float | None = None
+) -> float:
+    """Directionality ``(R - C) / (R + C)`` from the row and column L2 norms of ``M``.
+
+    ``nan`` if a norm is non-finite or all are zero; ``0`` if ``R + C <= rtol * max(mean r,
+    mean c)`` (no row or column stands out beyond rounding; ``rtol`` defaults to
+    ``sqrt(eps)`` of the norms' dtype) or if there are fewer than two rows.
+    """
+    num_std = _check_num_std(num_std)
+    r = torch.as_tensor(row_norms).detach()
+    c = torch.as_tensor(col_norms).detach()
+    tol = _default_rtol(r, c) if rtol is None else float(rtol)
+    r64 = r.to("cpu", torch.float64).flatten()
+    c64 = c.to("cpu", torch.float64).flatten()
+    if r64.numel() == 0 or c64.numel() == 0:
+        raise ValueError("norms must be non-empty")
+    return float(_directionality_batch(r64, c64, num_std, tol))
+
+
+# --------------------------------------------------------------------------- explicit matrices
 def symmetry_score(M: Any, dtype: torch.dtype = torch.float64) -> float:
     """Symmetry ``<M, M^T>_F / ||M||_F^2`` of a square matrix (tensor or numpy array).
 
     +1 for symmetric, -1 for skew-symmetric, about 0 for a random matrix; ``nan`` for the
-    zero matrix or non-finite entries.
+    zero matrix or non-finite entries; ``ValueError`` if ``M`` is not a square matrix.
 
     Example:
         >>> import torch
         >>> W = torch.randn(8, 16)
         >>> round(symmetry_score(W.T @ W), 6)
         1.0
+        >>> symmetry_score(torch.zeros(3, 3))  # undefined for the zero matrix
+        nan
     """
-    m = _as_matrix(M, dtype)
+    m = _normalised(_as_matrix(M), dtype)
+    if m is None:
+        return float("nan")
     return symmetry_from_inner_products(float((m * m.T).sum()), float((m * m).sum()))
 
 
@@ -128,19 +202,31 @@ def directionality_score(M: Any, num_std: float = 2.0, dtype: torch.dtype = torc
         >>> M[:, 3] += 10.0          # one dominant column (key)
         >>> directionality_score(M) < -0.9
         True
+        >>> directionality_score(M.T) > 0.9  # one dominant row (query)
+        True
     """
-    m = _as_matrix(M, dtype)
-    if not torch.isfinite(m).all():
+    num_std = _check_num_std(num_std)
+    m = _normalised(_as_matrix(M), dtype)
+    if m is None:
         return float("nan")
-    return directionality_from_norms(m.norm(dim=1), m.norm(dim=0), num_std)
+    # column norms as row norms of the transpose: identical arithmetic for rows and columns,
+    # so an exactly symmetric M gives exactly R == C
+    rows = torch.linalg.vector_norm(m, dim=1)
+    cols = torch.linalg.vector_norm(m.T.contiguous(), dim=1)
+    return directionality_from_norms(rows, cols, num_std)
 
 
+# --------------------------------------------------------------------------- factored
 def pair_kv_heads(num_heads: int, num_kv_heads: int) -> Tensor:
     """Key/value head used by each query head, as transformers' ``repeat_kv`` pairs them.
 
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+    Example:
+        >>> pair_kv_heads(8, 2).tolist()
+        [0, 0, 0, 0, 1, 1, 1, 1]
     """
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     return torch.arange(num_heads) // (num_heads // num_kv_heads)
 
@@ -156,6 +242,8 @@ class FactoredScores:
 
 
 def _check_factors(query: Tensor, key: Tensor) -> tuple[int, int, int, int]:
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor):
+        raise ValueError("factors must be torch tensors")
     if query.ndim != 3 or key.ndim != 3:
         raise ValueError(
             "factors must be shaped (heads, head_dim, d); got "
@@ -165,40 +253,71 @@ def _check_factors(query: Tensor, key: Tensor) -> tuple[int, int, int, int]:
     num_kv, head_dim_k, d_k = key.shape
     if head_dim_k != head_dim or d_k != d:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} do not match")
+    if query.numel() == 0 or key.numel() == 0:
+        raise ValueError(f"empty factors: query {tuple(query.shape)}, key {tuple(key.shape)}")
     if num_heads % num_kv:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv} key heads")
+    if query.is_complex() or key.is_complex():
+        raise ValueError("complex factors are not supported")
     return num_heads, num_kv, head_dim, d
 
 
-def _scores_from_grams(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Batched ``(..., r, d)`` factors -> (<M,M^T>, ||M||^2, row norms, col norms) of ``A^T B``."""
-    gram_a = a @ a.transpose(-1, -2)
-    gram_b = b @ b.transpose(-1, -2)
-    cross = b @ a.transpose(-1, -2)
-    frob_sq = (gram_a * gram_b).sum((-1, -2))  # tr(GA GB), both symmetric
-    trace_mm = (cross * cross.transpose(-1, -2)).sum((-1, -2))  # tr(C C)
-    row_sq = ((gram_b @ a) * a).sum(-2)
-    col_sq = ((gram_a @ b) * b).sum(-2)
-    return trace_mm, frob_sq, row_sq.clamp_min(0).sqrt(), col_sq.clamp_min(0).sqrt()
+def gram_is_cheaper(r: int, d: int) -> bool:
+    """Whether the Gram path (``~5 r^2 d``) beats forming ``M = A^T B`` (``r d^2`` + passes over ``d^2``)."""
+    return 5 * r * r < (r + EXPLICIT_PASS_COST) * d
 
 
-def _scores_explicit(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Same as :func:`_scores_from_grams` but forms ``M = A^T B``; cheaper when ``r`` is not thin."""
-    m = a.transpose(-1, -2) @ b
-    return (
-        (m * m.transpose(-1, -2)).sum((-1, -2)),
-        (m * m).sum((-1, -2)),
-        m.norm(dim=-1),
-        m.norm(dim=-2),
-    )
+def _products(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """For ``M_{g,j} = A_{g,j}^T B_g`` with ``a (n, G, r, d)``, ``b (n, r, d)``: every head at once.
+
+    Returns ``<M, M^T>``, ``||M||^2``, ``||A||^2 ||B||^2`` (each ``(n, G)``) and row / column
+    norms ``(n, G, d)``. ``B``-side quantities are shared by the ``G`` heads of a group.
+    """
+    n, G, r, d = a.shape
+    a_sq = a.square().sum((-1, -2))
+    b_sq = b.square().sum((-1, -2))
+    bound = a_sq * b_sq[:, None]
+    if gram_is_cheaper(r, d):
+        gram_a = a @ a.mT  # (n, G, r, r)
+        gram_b = b @ b.mT  # (n, r, r)
+        cross = (b @ a.reshape(n, G * r, d).mT).reshape(n, r, G, r).transpose(1, 2)  # B A_j^T
+        trace_mm = (cross * cross.mT).sum((-1, -2))  # tr(C C)
+        frob_sq = (gram_a * gram_b[:, None]).sum((-1, -2))  # tr(GA GB), both symmetric
+        row_sq = ((gram_b[:, None] @ a) * a).sum(-2)
+        col_sq = ((gram_a.reshape(n, G * r, r) @ b).reshape(n, G, r, d) * b[:, None]).sum(-2)
+        return trace_mm, frob_sq, bound, row_sq.clamp_min(0).sqrt(), col_sq.clamp_min(0).sqrt()
+    m = a.mT @ b[:, None]  # (n, G, d, d)
+    rows = torch.linalg.vector_norm(m, dim=-1)
+    cols = torch.linalg.vector_norm(m, dim=-2)
+    return (m * m.mT).sum((-1, -2)), rows.square().sum(-1), bound, rows, cols
 
 
-def _thin_products(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    # Grams cost ~5 r^2 d multiply-adds, the explicit product ~r d^2 (+ d^2 reductions).
-    r, d = a.shape[-2], a.shape[-1]
-    if 5 * r < d:
-        return _scores_from_grams(a, b)
-    return _scores_explicit(a, b)
+def _scale(t: Tensor) -> Tensor:
+    amax = t.abs().amax()
+    return t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
+
+
+def _finish(
+    products: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+    finite: Tensor,
+    num_std: float,
+    dtype: torch.dtype,
+) -> tuple[list[float], list[float]]:
+    """Scores of every matrix in ``products``, with a single device-to-host transfer."""
+    trace_mm, frob_sq, bound, rows, cols = products
+    shape = trace_mm.shape
+    eps = torch.finfo(dtype).eps
+    ok = finite & torch.isfinite(frob_sq) & (frob_sq > 16 * eps * bound)
+    small = torch.stack([trace_mm, frob_sq, ok.to(frob_sq.dtype).expand(shape)], -1)
+    host_small = small.to("cpu", torch.float64).reshape(-1, 3)
+    host_rows = rows.to("cpu", torch.float64).reshape(-1, rows.shape[-1])
+    host_cols = cols.to("cpu", torch.float64).reshape(-1, cols.shape[-1])
+    valid = host_small[:, 2] > 0
+    sym = (host_small[:, 0] / torch.where(valid, host_small[:, 1], 1.0)).clamp(-1.0, 1.0)
+    sym = torch.where(valid, sym, float("nan"))
+    dirn = _directionality_batch(host_rows, host_cols, num_std, math.sqrt(eps))
+    dirn = torch.where(valid, dirn, float("nan"))
+    return sym.tolist(), dirn.tolist()
 
 
 def factored_scores(
@@ -216,36 +335,36 @@ def factored_scores(
     (``nn.Linear`` weight rows split per head); query head ``h`` pairs with key head
     ``g(h) = h // (num_heads / num_kv_heads)``. Grouped heads are summed before the product,
     ``M = sum_g (sum_{h in g} Q_h)^T K_g``, so a grouped-query layer costs ``num_kv_heads``
-    heads rather than ``num_heads``. Computation happens on the factors' device in ``dtype``.
+    heads rather than ``num_heads``; per-head scores share each key head's Gram matrix
+    within its group. Computation happens on the factors' device in ``dtype``, with one
+    device-to-host transfer per call. ``layer=False`` leaves the layer scores ``nan``.
+
+    Example:
+        >>> import torch
+        >>> q = torch.randn(4, 8, 32)
+        >>> s = factored_scores(q, q, per_head=True)  # W_q = W_k: every M_h is symmetric
+        >>> round(s.symmetry, 4), [round(x, 4) for x in s.head_symmetry]
+        (1.0, [1.0, 1.0, 1.0, 1.0])
     """
     num_heads, num_kv, head_dim, d = _check_factors(query, key)
+    num_std = _check_num_std(num_std)
+    group = num_heads // num_kv
+    nan = float("nan")
+    out = FactoredScores(nan, nan)
     with torch.no_grad():
         q = query.detach().to(dtype)
         k = key.detach().to(dtype)
-        nan = float("nan")
-        finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())
-        out = FactoredScores(nan, nan)
-        if layer and finite:
-            q_grouped = q.reshape(num_kv, num_heads // num_kv, head_dim, d).sum(1)
-            trace_mm, frob_sq, rows, cols = _thin_products(
-                q_grouped.reshape(num_kv * head_dim, d), k.reshape(num_kv * head_dim, d)
+        finite = torch.isfinite(q).all() & torch.isfinite(k).all()
+        q, k = torch.nan_to_num(q), torch.nan_to_num(k)
+        k_scaled = _scale(k)
+        if layer:
+            q_grouped = _scale(q.reshape(num_kv, group, head_dim, d).sum(1))
+            prods = _products(
+                q_grouped.reshape(1, 1, num_kv * head_dim, d), k_scaled.reshape(1, num_kv * head_dim, d)
             )
-            host = torch.stack([trace_mm, frob_sq]).to("cpu", torch.float64)
-            out.symmetry = symmetry_from_inner_products(float(host[0]), float(host[1]))
-            out.directionality = directionality_from_norms(rows.cpu(), cols.cpu(), num_std)
+            finite_layer = finite & torch.isfinite(q_grouped).all()
+            (out.symmetry,), (out.directionality,) = _finish(prods, finite_layer, num_std, dtype)
         if per_head:
-            if not finite:
-                out.head_symmetry = [nan] * num_heads
-                out.head_directionality = [nan] * num_heads
-            else:
-                k_per_head = k[pair_kv_heads(num_heads, num_kv).to(k.device)]
-                trace_mm, frob_sq, rows, cols = _thin_products(q, k_per_head)
-                host = torch.stack([trace_mm, frob_sq]).to("cpu", torch.float64)
-                rows, cols = rows.cpu(), cols.cpu()
-                out.head_symmetry = [
-                    symmetry_from_inner_products(float(t), float(f)) for t, f in host.T
-                ]
-                out.head_directionality = [
-                    directionality_from_norms(rows[h], cols[h], num_std) for h in range(num_heads)
-                ]
-        return out
+            prods = _products(_scale(q).reshape(num_kv, group, head_dim, d), k_scaled)
+            out.head_symmetry, out.head_directionality = _finish(prods, finite, num_std, dtype)
+    return out

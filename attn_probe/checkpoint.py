@@ -1,0 +1,272 @@
+"""Score a saved Hugging Face checkpoint directory without loading the model.
+
+The model is built on the ``meta`` device (no memory, no initialisation) only to learn its
+attention layout with :func:`attn_probe.find_attention`; then exactly the query/key tensors
+of one layer at a time are read from ``model.safetensors`` (single or sharded through
+``model.safetensors.index.json``) or, for legacy checkpoints, from ``pytorch_model.bin``
+(``torch.load(weights_only=True, mmap=True)``, never an unrestricted pickle). Peak memory
+is about one layer's ``W_q`` and ``W_k``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .extraction import AttentionLayer, UnsupportedModelError, find_attention
+from .scoring import Row, score_layer
+
+__all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights"]
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be scored (bad path, unreadable config or weights, no attention)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# --------------------------------------------------------------------------- weights
+class CheckpointWeights:
+    """Lazy, read-only access to the tensors of a checkpoint directory, by saved key.
+
+    Files are opened on first use; :meth:`get` reads one tensor (safetensors) or returns a
+    memory-mapped one (``.bin``), so nothing but the requested tensors is brought into memory.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._handles: dict[str, Any] = {}
+        if (directory / SAFE_INDEX).is_file():
+            self.kind, self._map = "safetensors", self._read_index(directory / SAFE_INDEX)
+        elif (directory / SAFE_SINGLE).is_file():
+            self.kind, self._map = "safetensors", self._keys_of_safetensors(SAFE_SINGLE)
+        elif (directory / BIN_INDEX).is_file():
+            self.kind, self._map = "bin", self._read_index(directory / BIN_INDEX)
+        elif (directory / BIN_SINGLE).is_file():
+            self.kind, self._map = "bin", {k: BIN_SINGLE for k in self._open(BIN_SINGLE)}
+        else:
+            raise CheckpointError(
+                f"{directory}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
+            )
+
+    def _read_index(self, path: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path}: unreadable shard index ({_one_line(exc)})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path}: 'weight_map' is not a mapping")
+        return {str(k): str(v) for k, v in weight_map.items()}
+
+    def _keys_of_safetensors(self, filename: str) -> dict[str, str]:
+        return {k: filename for k in self._open(filename).keys()}
+
+    def _open(self, filename: str) -> Any:
+        if filename in self._handles:
+            return self._handles[filename]
+        path = self.directory / filename
+        if not path.is_file():
+            raise CheckpointError(f"{path}: shard listed in the index does not exist")
+        try:
+            if filename.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                handle: Any = safe_open(str(path), framework="pt", device="cpu")
+            else:
+                try:
+                    handle = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+                except RuntimeError as exc:
+                    if "mmap" not in str(exc):
+                        raise
+                    # legacy (non-zip) serialization cannot be memory-mapped
+                    handle = torch.load(path, weights_only=True, map_location="cpu")
+                if not isinstance(handle, dict):
+                    raise CheckpointError(f"{path}: expected a state dict, got {type(handle).__name__}")
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read weights ({_one_line(exc)})") from None
+        self._handles[filename] = handle
+        return handle
+
+    def keys(self) -> set[str]:
+        """Every tensor name saved in the checkpoint."""
+        return set(self._map)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The saved tensor ``key`` (CPU, original dtype)."""
+        if key not in self._map:
+            raise CheckpointError(f"{self.directory}: tensor {key!r} is not in the checkpoint")
+        handle = self._open(self._map[key])
+        try:
+            return handle.get_tensor(key) if self.kind == "safetensors" else handle[key]
+        except Exception as exc:
+            raise CheckpointError(f"{self.directory}: cannot read tensor {key!r} ({_one_line(exc)})") from None
+
+
+def _key_resolver(saved: set[str], prefix: str) -> Callable[[str], str]:
+    """Map skeleton parameter names to saved keys, allowing for a differing model-class prefix.
+
+    A checkpoint saved from ``BertForMaskedLM`` stores ``bert.encoder...``, one saved from
+    ``BertModel`` stores ``encoder...``; the skeleton may be either class.
+    """
+
+    def resolve(name: str) -> str:
+        if name in saved:
+            return name
+        if prefix and f"{prefix}.{name}" in saved:
+            return f"{prefix}.{name}"
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            tail = ".".join(parts[i:])
+            if tail in saved:
+                return tail
+            if prefix and f"{prefix}.{tail}" in saved:
+                return f"{prefix}.{tail}"
+        matches = [k for k in saved if k.endswith("." + name)]
+        if len(matches) == 1:
+            return matches[0]
+        raise CheckpointError(f"parameter {name!r} of the model has no tensor in the checkpoint")
+
+    return resolve
+
+
+# --------------------------------------------------------------------------- skeleton
+def _load_config(directory: Path) -> Any:
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory}: no config.json (is this a Hugging Face checkpoint directory?)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{directory}/config.json: {_one_line(exc)}") from None
+
+
+def _build_skeleton(config: Any) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: its class from ``config.architectures``, else AutoModel."""
+    import transformers
+
+    errors = []
+    builders: list[tuple[str, Callable[[], torch.nn.Module]]] = []
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, str(arch), None)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module):
+            builders.append((str(arch), lambda cls=cls: cls(config)))
+    builders.append(("AutoModel", lambda: transformers.AutoModel.from_config(config)))
+    for name, build in builders:
+        try:
+            with torch.device("meta"):
+                model = build()
+            return model.eval()
+        except Exception as exc:
+            errors.append(f"{name}: {_one_line(exc)}")
+    model_type = getattr(config, "model_type", "?")
+    raise CheckpointError(f"cannot build a model of type {model_type!r} ({'; '.join(errors)})")
+
+
+def _progress(items: list[AttentionLayer], enabled: bool | None) -> Iterable[AttentionLayer]:
+    show = sys.stderr.isatty() if enabled is None else enabled
+    if not show:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc="scoring layers", unit="layer", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- API
+def score_checkpoint(
+    path: str | Path,
+    per_head: bool = False,
+    *,
+    num_std: float = 2.0,
+    dtype: torch.dtype = torch.float32,
+    groups: Iterable[str] | None = None,
+    layers: Iterable[int] | None = None,
+    progress: bool | None = None,
+) -> list[Row]:
+    """Symmetry and directionality of every attention layer of a saved checkpoint directory.
+
+    ``path`` holds ``config.json`` and ``model.safetensors`` (or shards listed in
+    ``model.safetensors.index.json``, or ``pytorch_model.bin``). Rows are those of
+    :func:`attn_probe.score_model` on the same model; only one layer's query/key tensors
+    are in memory at a time. ``progress`` shows a tqdm bar on stderr (default: when stderr
+    is a terminal). Raises :class:`CheckpointError` for unusable input.
+
+    Example:
+        >>> rows = score_checkpoint("path/to/bert-base-uncased")  # doctest: +SKIP
+        >>> summarize_rows(rows)[0]["symmetry_median"]  # doctest: +SKIP
+    """
+    num_std = float(num_std)
+    if not math.isfinite(num_std):
+        raise CheckpointError(f"num_std must be finite, got {num_std}")
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no such file or directory")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory (pass the checkpoint directory)")
+    config = _load_config(directory)
+    weights = CheckpointWeights(directory)
+    skeleton = _build_skeleton(config)
+    try:
+        found = find_attention(skeleton, groups=groups, layers=layers)
+    except UnsupportedModelError as exc:
+        raise CheckpointError(
+            f"{directory}: no attention layer attn_probe can read in {type(skeleton).__name__}"
+        ) from exc
+    if not found:
+        raise CheckpointError(f"{directory}: no attention layer matches the requested groups/layers")
+    resolve = _key_resolver(weights.keys(), str(getattr(skeleton, "base_model_prefix", "") or ""))
+    rows: list[Row] = []
+    with torch.no_grad():
+        for layer in _progress(found, progress):
+            tensors = {name: weights.get(resolve(name)) for name in layer.param_names}
+            try:
+                query, key = layer.factors(tensors.__getitem__)
+            except (ValueError, RuntimeError) as exc:
+                raise CheckpointError(f"{directory}: {layer.name}: {_one_line(exc)}") from None
+            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype)
+            del tensors, query, key
+    return rows
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    finite = torch.tensor([v for v in values if v is not None and math.isfinite(v)], dtype=torch.float64)
+    if finite.numel() == 0:
+        return (math.nan, math.nan, math.nan)
+    q = torch.quantile(finite, torch.tensor([0.5, 0.25, 0.75], dtype=torch.float64))
+    return (float(q[0]), float(q[1]), float(q[2]))
+
+
+def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
+    """Paper-style summary: per group, median and interquartile range across layers.
+
+    Uses the layer-level rows (``head is None``); quantiles interpolate linearly and skip
+    ``nan``. One dict per group (in order of appearance) with ``group``, ``layers`` and
+    ``{score}_median``, ``{score}_q25``, ``{score}_q75`` for both scores.
+    """
+    by_group: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.get("head") is None:
+            by_group.setdefault(row["group"], []).append(row)
+    out = []
+    for group, items in by_group.items():
+        entry: dict[str, Any] = {"group": group, "layers": len(items)}
+        for score in ("symmetry", "directionality"):
+            med, q25, q75 = _quantiles([r[score] for r in items])
+            entry.update({f"{score}_median": med, f"{score}_q25": q25, f"{score}_q75": q75})
+        out.append(entry)
+    return out

@@ -1,0 +1,87 @@
+"""``attn-probe score PATH [--per-head] [--json] [--num-std X]``: score a saved checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "path", metavar="PATH",
+        help="checkpoint directory: config.json + model.safetensors (or sharded, or pytorch_model.bin)",
+    )
+    parser.add_argument("--per-head", action="store_true", help="also score every head's W_q^h W_k^hT")
+    parser.add_argument("--json", action="store_true", help="print the rows as a JSON array")
+    parser.add_argument(
+        "--num-std", type=_finite_float, default=2.0, metavar="X",
+        help="directionality threshold: mean + X * std of the row/column norms (default 2)",
+    )
+
+
+def _fmt(value: Any, width: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'nan':>{width}}"
+    return f"{value:>{width}.3f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """One line per layer (and head): group, layer, head, symmetry, directionality, module name."""
+    lines = [f"{'group':<8} {'layer':>5} {'head':>4} {'symmetry':>9} {'direction.':>10}  name"]
+    for r in rows:
+        head = "-" if r["head"] is None else str(r["head"])
+        lines.append(
+            f"{r['group']:<8} {r['layer']:>5} {head:>4} {_fmt(r['symmetry'], 9)} "
+            f"{_fmt(r['directionality'], 10)}  {r['name']}"
+        )
+    return "\n".join(lines)
+
+
+def format_summary(summary: list[dict[str, Any]]) -> str:
+    """``group (n layers): symmetry med [q25, q75]  directionality med [q25, q75]`` per group."""
+
+    def cell(entry: dict[str, Any], score: str) -> str:
+        return (f"{entry[f'{score}_median']:.2f} "
+                f"[{entry[f'{score}_q25']:.2f}, {entry[f'{score}_q75']:.2f}]")
+
+    lines = ["median [q25, q75] across layers:"]
+    for e in summary:
+        n = e["layers"]
+        lines.append(
+            f"  {e['group']:<8} ({n} layer{'s' if n != 1 else ''}): symmetry {cell(e, 'symmetry')}"
+            f"  directionality {cell(e, 'directionality')}"
+        )
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import CheckpointError, score_checkpoint, summarize_rows
+    from ..cli import CommandError
+
+    try:
+        rows = score_checkpoint(args.path, per_head=args.per_head, num_std=args.num_std)
+    except CheckpointError as exc:
+        raise CommandError(str(exc)) from None
+    if args.json:
+        print(json.dumps([{k: _json_safe(v) for k, v in r.items()} for r in rows]))
+        return 0
+    print(format_table(rows))
+    print()
+    print(format_summary(summarize_rows(rows)))
+    return 0
