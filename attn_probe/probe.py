@@ -3,8 +3,10 @@
 A :class:`Probe` holds the attention layers found at attach time, a step counter, a schedule
 and its sinks. At a snapshot it reads every layer's factors through
 :func:`attn_probe.distributed.iter_layer_factors` (on every rank, same order, exhausted),
-computes the scores on the weights' own device under ``no_grad``, moves them to the host in
-one transfer per device, and hands plain numbers to the sinks on the main process only.
+computes the scores on the weights' own device under ``no_grad``
+(:func:`attn_probe.scores.factored_scores`: no ``d x d`` product for thin factors, one small
+transfer to the host per layer) and hands plain numbers to the sinks on the main process
+only.
 
 Counting (:func:`watch`):
 
@@ -37,7 +39,7 @@ from torch import nn
 from .distributed import iter_layer_factors
 from .extraction import AttentionLayer, find_attention, unwrap
 from .schedules import Schedule, ScheduleLike, as_schedule
-from .scores import _thin_products, pair_kv_heads
+from .scores import factored_scores
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .tags import STATS
 
@@ -47,7 +49,6 @@ __all__ = [
     "LogDirError",
     "ScorePair",
     "QKPair",
-    "qk_score_tensors",
     "render_heatmap",
     "default_log_dir",
 ]
@@ -75,63 +76,8 @@ def default_is_main_process() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Scores as tensors (one host transfer per snapshot)
+# Scored weight pairs
 # --------------------------------------------------------------------------------------------
-
-
-def _symmetry_t(trace_mm: Tensor, frob_sq: Tensor) -> Tensor:
-    ok = torch.isfinite(trace_mm) & torch.isfinite(frob_sq) & (frob_sq > 0)
-    value = (trace_mm / torch.where(ok, frob_sq, torch.ones_like(frob_sq))).clamp(-1.0, 1.0)
-    return torch.where(ok, value, torch.full_like(value, math.nan))
-
-
-def _directionality_t(rows: Tensor, cols: Tensor, num_std: float) -> Tensor:
-    """Batched ``(R - C)/(R + C)`` over the last dim; same edge cases as ``scores.directionality_from_norms``."""
-    wide = torch.float32 if rows.device.type == "mps" else torch.float64
-    r, c = rows.to(wide), cols.to(wide)
-    tau_r = r.mean(-1, keepdim=True) + num_std * r.std(-1, keepdim=True)
-    tau_c = c.mean(-1, keepdim=True) + num_std * c.std(-1, keepdim=True)
-    excess_r = (r - tau_r).clamp_min(0).sum(-1)
-    excess_c = (c - tau_c).clamp_min(0).sum(-1)
-    total = excess_r + excess_c
-    value = torch.where(total > 0, (excess_r - excess_c) / torch.where(total > 0, total, 1.0), 0.0)
-    finite = torch.isfinite(r).all(-1) & torch.isfinite(c).all(-1)
-    nonzero = (r.amax(-1) > 0) | (c.amax(-1) > 0)
-    return torch.where(finite & nonzero, value, torch.full_like(value, math.nan))
-
-
-def qk_score_tensors(
-    query: Tensor,
-    key: Tensor,
-    *,
-    per_head: bool = False,
-    num_std: float = 2.0,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """``(2, 1 + H*per_head)`` tensor on the factors' device: rows symmetry, directionality;
-    column 0 the layer matrix ``M = sum_h Q_h^T K_g(h)``, then one column per head.
-
-    Tensor-returning twin of :func:`attn_probe.scores.factored_scores` (same maths and edge
-    cases, no host synchronisation).
-    """
-    num_heads, head_dim, d = query.shape
-    num_kv = key.shape[0]
-    with torch.no_grad():
-        q = query.detach().to(dtype)
-        k = key.detach().to(dtype)
-        finite = torch.isfinite(q).all() & torch.isfinite(k).all()
-        q_grouped = q.reshape(num_kv, num_heads // num_kv, head_dim, d).sum(1)
-        tm, fs, rows, cols = _thin_products(q_grouped.reshape(num_kv * head_dim, d),
-                                            k.reshape(num_kv * head_dim, d))
-        sym = [_symmetry_t(tm, fs).reshape(1).double()]
-        dirn = [_directionality_t(rows, cols, num_std).reshape(1).double()]
-        if per_head:
-            k_per_head = k[pair_kv_heads(num_heads, num_kv).to(k.device)]
-            tm, fs, rows, cols = _thin_products(q, k_per_head)
-            sym.append(_symmetry_t(tm, fs).double())
-            dirn.append(_directionality_t(rows, cols, num_std).double())
-        out = torch.stack([torch.cat(sym), torch.cat(dirn)])
-        return torch.where(finite, out, torch.full_like(out, math.nan))
 
 
 class ScorePair(Protocol):
@@ -139,7 +85,9 @@ class ScorePair(Protocol):
 
     ``metrics`` are the metric names it writes (``tags.scalar_tag`` metric field; prefix new
     pairs, e.g. ``vo_symmetry``); ``score`` returns a ``(len(metrics), 1 + H*per_head)``
-    tensor for one layer, column 0 the layer-level value, on any device.
+    tensor for one layer, column 0 the layer-level value. It may stay on the weights'
+    device: the probe moves all pairs' and layers' results to the host together, one
+    transfer per device and snapshot.
     """
 
     metrics: tuple[str, ...]
@@ -155,7 +103,12 @@ class QKPair:
 
     def score(self, layer: AttentionLayer, query: Tensor, key: Tensor, *,
               per_head: bool, num_std: float) -> Tensor:
-        return qk_score_tensors(query, key, per_head=per_head, num_std=num_std)
+        s = factored_scores(query, key, per_head=per_head, num_std=num_std)
+        sym, dirn = [s.symmetry], [s.directionality]
+        if per_head:
+            sym += s.head_symmetry or []
+            dirn += s.head_directionality or []
+        return torch.tensor([sym, dirn], dtype=torch.float64)
 
 
 # --------------------------------------------------------------------------------------------

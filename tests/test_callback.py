@@ -1,0 +1,141 @@
+"""AttnProbeCallback in a real transformers Trainer: directory rule, steps, values, layout."""
+
+import copy
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
+
+import attn_probe
+from attn_probe import directionality_score, find_attention, symmetry_score
+from attn_probe.tags import scalar_tag
+
+VOCAB, SEQ = 50, 12
+
+
+def tiny_bert(seed=0, layers=2):
+    torch.manual_seed(seed)
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ))
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class KeepWeights(TrainerCallback):
+    """Copies the model's weights at train begin and after every optimizer step (the reference)."""
+
+    def __init__(self):
+        self.states = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.states[state.global_step] = copy.deepcopy(model.state_dict())
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.states[state.global_step] = copy.deepcopy(model.state_dict())
+
+
+def make_args(out, steps, **kw):
+    base = dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-3,
+                report_to=["tensorboard"], logging_steps=2, save_strategy="no", use_cpu=True,
+                disable_tqdm=True, seed=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def reference(model, state_dict):
+    model = copy.deepcopy(model)
+    model.load_state_dict(state_dict)
+    out = {}
+    for a in find_attention(model):
+        m = a.qk_matrix()
+        out[scalar_tag(a.group, "symmetry", layer=a.layer)] = symmetry_score(m)
+        out[scalar_tag(a.group, "directionality", layer=a.layer)] = directionality_score(m)
+    return out
+
+
+def scalars(log_dir):
+    ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    return ea, {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
+
+
+def test_trainer_run_writes_scores_into_the_trainers_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    model, keep = tiny_bert(), KeepWeights()
+    trainer = Trainer(model=model, args=make_args(tmp_path, 7), train_dataset=RandomTokens(),
+                      callbacks=[keep, attn_probe.AttnProbeCallback(every=3)])
+    trainer.train()
+    (run,) = glob.glob(str(tmp_path / "runs" / "*"))  # one run directory: the Trainer's and ours
+    ea, series = scalars(run)
+    assert "train/loss" in series  # the Trainer's own logging sits in the same run
+    ours = {t for t in series if t.startswith("attn_probe/")}
+    expected_tags = {scalar_tag("self", m, layer=i) for m in ("symmetry", "directionality") for i in (0, 1)}
+    expected_tags |= {scalar_tag("self", m, stat=s) for m in ("symmetry", "directionality")
+                      for s in ("median", "q25", "q75")}
+    assert ours == expected_tags
+    for tag in ours:
+        assert [s for s, _ in series[tag]] == [0, 3, 6, 7]  # start, schedule, last step
+    for step in (0, 3, 6, 7):
+        ref = reference(model, keep.states[step])
+        for tag, want in ref.items():
+            got = dict(series[tag])[step]
+            assert got == pytest.approx(want, abs=2e-4), (tag, step)
+    # the trajectory file beside the event files holds the same numbers
+    rows = [json.loads(line) for line in open(os.path.join(run, "attn_probe.jsonl"))]
+    assert sorted({r["step"] for r in rows}) == [0, 3, 6, 7]
+    final = {scalar_tag(r["group"], r["metric"], layer=r["layer"]): r["value"] for r in rows if r["step"] == 7}
+    assert final == pytest.approx(dict((t, dict(series[t])[7]) for t in final), abs=1e-6)
+    # layout and configuration text were written once
+    tensors = ea.Tags()["tensors"]
+    assert "custom_scalars__config__" in tensors and "attn_probe/config/text_summary" in tensors
+
+
+def test_log_dir_rules(tmp_path, monkeypatch):
+    env_dir = tmp_path / "from_env"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(env_dir))
+    Trainer(model=tiny_bert(), args=make_args(tmp_path / "a", 2), train_dataset=RandomTokens(),
+            callbacks=[attn_probe.AttnProbeCallback(every=1)]).train()
+    _, series = scalars(env_dir)
+    assert "train/loss" in series and [s for s, _ in series["attn_probe/self/symmetry/median"]] == [0, 1, 2]
+
+    own = tmp_path / "own"  # log_dir= overrides; no TensorBoard reporting needed
+    Trainer(model=tiny_bert(), args=make_args(tmp_path / "b", 2, report_to="none"), train_dataset=RandomTokens(),
+            callbacks=[attn_probe.AttnProbeCallback(every=2, log_dir=str(own), per_head=True)]).train()
+    _, series = scalars(own)
+    assert "train/loss" not in series
+    assert [s for s, _ in series["attn_probe/self/symmetry/layer_01/head_03"]] == [0, 2]
+
+
+def test_unsupported_model_fails_when_the_trainer_is_built(tmp_path):
+    class NoAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, labels=None):
+            return {"loss": self.lin(x).sum()}
+
+    with pytest.raises(attn_probe.UnsupportedModelError):
+        Trainer(model=NoAttention(), args=make_args(tmp_path, 2, report_to="none"),
+                callbacks=[attn_probe.AttnProbeCallback(every=1)])
+
+
+def test_gradient_accumulation_counts_optimizer_updates(tmp_path):
+    Trainer(model=tiny_bert(), args=make_args(tmp_path, 4, gradient_accumulation_steps=3, report_to="none"),
+            train_dataset=RandomTokens(),
+            callbacks=[attn_probe.AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"))]).train()
+    rows = [json.loads(line) for line in open(tmp_path / "tb" / "attn_probe.jsonl")]
+    assert sorted({r["step"] for r in rows}) == [0, 2, 4]
+    assert not any(r["value"] is None or math.isnan(r["value"]) for r in rows)
