@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from .base import ParamGetter, Tensor
+from .base import ParamGetter, Tensor, UnsupportedModelError
 
 #: Child-module name pairs (query, key) of attention modules with separate projections.
 SEPARATE_QK_NAMES: list[tuple[str, str]] = [
@@ -70,6 +70,10 @@ def projection(module: nn.Module, path: str) -> Projection | None:
         if getattr(module, "merged", False):
             return base
         adapters = [a for a in _active_adapters(module) if a in module.lora_A and a in module.lora_B]
+        if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
+            raise UnsupportedModelError(
+                f"{path}: DoRA adapters are not supported; merge them first (model.merge_and_unload())"
+            )
         names = list(base.param_names)
         terms = []
         for a in adapters:
@@ -470,6 +474,10 @@ def group_of(path: str, is_encoder_decoder: bool) -> str:
     return "self"
 
 
+def _mro_names(obj: object) -> set[str]:
+    return {c.__name__ for c in type(obj).__mro__}
+
+
 _MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
 
 
@@ -482,9 +490,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         elif type(model).__name__ in _MODULE_WRAPPERS and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
-        elif hasattr(model, "peft_config") and hasattr(model, "base_model") and model.base_model is not model:
-            model = model.base_model  # PeftModel -> LoraModel
-        elif hasattr(model, "peft_config") and isinstance(getattr(model, "model", None), nn.Module):
+        elif "PeftModel" in _mro_names(model) and isinstance(getattr(model, "base_model", None), nn.Module):
+            model = model.base_model  # PeftModel -> LoraModel (a BaseTuner)
+        elif "BaseTuner" in _mro_names(model) and isinstance(getattr(model, "model", None), nn.Module):
             model = model.model  # LoraModel -> the transformers model
     return model
 
