@@ -38,12 +38,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _check_path(path: str | os.PathLike | None) -> None:
+    if path is not None and Path(path).suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps"):
+        raise ValueError(f"cannot tell the image format of {str(path)!r}: use .png, .pdf or .svg")
+
+
 def _save(fig: Figure, path: str | os.PathLike | None) -> None:
     if path is None:
         return
     out = Path(path)
-    if out.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps"):
-        raise ValueError(f"cannot tell the image format of {str(out)!r}: use .png, .pdf or .svg")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=fig.dpi, bbox_inches="tight")
 
@@ -91,6 +94,7 @@ def plot_dynamics(
     Example:
         >>> fig = plot_dynamics(["runs/encoder", "runs/decoder"], path="dynamics.png")  # doctest: +SKIP
     """
+    _check_path(path)
     plt = _pyplot()
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
@@ -203,10 +207,16 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> nn.Module:
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None or not hasattr(cls, "from_pretrained"):
         cls = transformers.AutoModel
+    tlog = transformers.utils.logging
+    bar = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
     try:
         return cls.from_pretrained(str(path), local_files_only=True)
     except OSError as exc:
         raise ValueError(f"cannot load the checkpoint in {path}: {str(exc).splitlines()[0]}") from exc
+    finally:
+        if bar:
+            tlog.enable_progress_bar()
 
 
 def qk_for_layer(model: nn.Module, layer: int, group: str | None = None, head: int | None = None
@@ -239,6 +249,7 @@ def plot_heatmap(
     group: str | None = None,
     head: int | None = None,
     vmax: float | None = None,
+    clip_percentile: float = 99.5,
     cmap: str = "RdBu_r",
     figsize: tuple[float, float] = (5.2, 4.6),
     path: str | os.PathLike | None = None,
@@ -247,26 +258,35 @@ def plot_heatmap(
 
     ``checkpoint`` is a local Hugging Face checkpoint directory or an ``nn.Module``. Rows are
     the query token's embedding dimensions, columns the key token's. The colour scale is
-    diverging and symmetric around 0 (``[-vmax, vmax]``, default ``max |W_qk|``); the title
-    gives the matrix's symmetry and directionality scores. Saved to ``path`` if given.
+    diverging and symmetric around 0, ``[-vmax, vmax]``; by default ``vmax`` is the
+    ``clip_percentile``-th percentile of ``|W_qk|`` so that a few large entries do not wash out
+    the rest (``clip_percentile=100`` gives ``max |W_qk|``). The title gives the matrix's
+    symmetry and directionality scores. Saved to ``path`` if given.
     """
     from torch import nn
 
     from ..scores import directionality_score, symmetry_score
 
+    _check_path(path)
     model = checkpoint if isinstance(checkpoint, nn.Module) else load_checkpoint(checkpoint)
     m, grp = qk_for_layer(model, layer, group, head)
     sym = symmetry_score(m)
     dirn = directionality_score(m)
     plt = _pyplot()
     arr = m.numpy()
-    scale = float(vmax) if vmax is not None else float(abs(arr).max())
+    import numpy as np
+
+    finite = np.abs(arr[np.isfinite(arr)])
+    if vmax is not None:
+        scale = float(vmax)
+    else:
+        scale = float(np.percentile(finite, clip_percentile)) if finite.size else 1.0
     if not scale > 0:
         scale = 1.0
     fig, ax = plt.subplots(figsize=figsize, layout="constrained")
     im = ax.imshow(arr, cmap=cmap, vmin=-scale, vmax=scale, interpolation="nearest", aspect="equal")
     cbar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
-    cbar.set_label("$W_{qk}$ entry")
+    cbar.set_label("$W_{qk}$ entry" + (" (clipped)" if scale < float(finite.max(initial=0.0)) else ""))
     ax.set_xlabel("key dimension (column)")
     ax.set_ylabel("query dimension (row)")
     where = f"{grp} layer {layer}" + (f" head {head}" if head is not None else "")

@@ -168,7 +168,7 @@ def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
             else:
                 raise TrajectoryError(
                     f"{root} is a file; expected a run directory (with {TRAJECTORY_FILENAME} "
-                    "or TensorBoard event files). Read exported tables with read_table()."
+                    "or TensorBoard event files) or an exported table (.csv, .parquet, .jsonl)"
                 )
         dirs = [d for d in _run_dirs_below(root) if d.resolve() not in seen]
         seen.update(d.resolve() for d in dirs)
@@ -309,7 +309,8 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``.
 
     ``runs`` is a run directory, a parent of run directories (``encoder/`` and ``decoder/``
-    give two runs), a list of those, or ``{name: directory}``. Duplicate steps of a resumed
+    give two runs), a table written by :func:`export_trajectory`, a list of those, or
+    ``{name: directory}``. Duplicate steps of a resumed
     run keep the value written last. Corrupt or truncated trajectory lines are skipped with
     one :class:`TrajectoryWarning` per file; directories without probe data are skipped with
     a warning, and :class:`TrajectoryError` is raised when nothing usable is left.
@@ -318,9 +319,10 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
         >>> df = load_trajectory("runs/encoder")                      # doctest: +SKIP
         >>> df[df["head"].isna()].groupby(["metric", "step"])["value"].median()  # doctest: +SKIP
     """
-    found = find_runs(runs)
     pd = _pandas()
-    frames = []
+    tables, dirs = _split_tables(runs)
+    frames = [read_table(t) for t in tables]
+    found = find_runs(dirs) if dirs or not tables else []
     empty = []
     for name, run_dir in found:
         rows = _read_run(run_dir)
@@ -339,6 +341,21 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     for d in empty:
         warnings.warn(f"{d}: no probe data, skipped", TrajectoryWarning, stacklevel=2)
     return normalize(pd.concat(frames, ignore_index=True))
+
+
+def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
+    """Exported table files among ``runs``, and the rest (directories, trajectory files)."""
+    if isinstance(runs, Mapping):
+        return [], runs
+    items = [runs] if isinstance(runs, (str, os.PathLike)) else list(runs)
+    suffixes = {s for ss in FORMATS.values() for s in ss}
+    tables, rest = [], []
+    for item in items:
+        p = Path(item)
+        is_table = (p.is_file() and p.name != TRAJECTORY_FILENAME and not _is_event_file(p.name)
+                    and p.suffix.lower() in suffixes)
+        (tables if is_table else rest).append(p if is_table else item)
+    return tables, rest
 
 
 def as_frame(df_or_runs: Any) -> pd.DataFrame:
