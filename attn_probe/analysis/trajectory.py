@@ -292,12 +292,12 @@ def normalize(df: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise TrajectoryError(f"table lacks column(s) {', '.join(missing)}; expected {', '.join(COLUMNS)}")
     out = pd.DataFrame({
-        "run": df["run"].astype(str).astype(object),
-        "group": df["group"].astype(str).astype(object),
+        "run": df["run"].astype(str),
+        "group": df["group"].astype(str),
         "step": pd.to_numeric(df["step"]).astype("int64"),
         "layer": pd.to_numeric(df["layer"]).astype("Int64"),
         "head": pd.to_numeric(df["head"]).astype("Int64"),
-        "metric": df["metric"].astype(str).astype(object),
+        "metric": df["metric"].astype(str),
         "value": pd.to_numeric(df["value"]).astype("float64"),
     })
     out = out.drop_duplicates(subset=_KEY, keep="last")
