@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -292,8 +292,9 @@ def _products(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Ten
     return (m * m.mT).sum((-1, -2)), rows.square().sum(-1), bound, rows, cols
 
 
-def _scale(t: Tensor) -> Tensor:
-    amax = t.abs().amax()
+def _scale(t: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``t / max|t|`` over ``dims`` (scores are scale-invariant; avoids overflow and underflow)."""
+    amax = t.abs().amax(dims, keepdim=True)
     return t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
 
 
@@ -309,9 +310,11 @@ def _finish(
     eps = torch.finfo(dtype).eps
     ok = finite & torch.isfinite(frob_sq) & (frob_sq > 16 * eps * bound)
     small = torch.stack([trace_mm, frob_sq, ok.to(frob_sq.dtype).expand(shape)], -1)
-    host_small = small.to("cpu", torch.float64).reshape(-1, 3)
-    host_rows = rows.to("cpu", torch.float64).reshape(-1, rows.shape[-1])
-    host_cols = cols.to("cpu", torch.float64).reshape(-1, cols.shape[-1])
+    n, count = rows.shape[-1], trace_mm.numel()
+    host = torch.cat([small.reshape(-1), rows.reshape(-1), cols.reshape(-1)]).to("cpu", torch.float64)
+    host_small = host[: 3 * count].reshape(-1, 3)
+    host_rows = host[3 * count : (3 + n) * count].reshape(-1, n)
+    host_cols = host[(3 + n) * count :].reshape(-1, n)
     valid = host_small[:, 2] > 0
     sym = (host_small[:, 0] / torch.where(valid, host_small[:, 1], 1.0)).clamp(-1.0, 1.0)
     sym = torch.where(valid, sym, float("nan"))
@@ -354,17 +357,17 @@ def factored_scores(
     with torch.no_grad():
         q = query.detach().to(dtype)
         k = key.detach().to(dtype)
-        finite = torch.isfinite(q).all() & torch.isfinite(k).all()
-        q, k = torch.nan_to_num(q), torch.nan_to_num(k)
-        k_scaled = _scale(k)
         if layer:
-            q_grouped = _scale(q.reshape(num_kv, group, head_dim, d).sum(1))
-            prods = _products(
-                q_grouped.reshape(1, 1, num_kv * head_dim, d), k_scaled.reshape(1, num_kv * head_dim, d)
-            )
-            finite_layer = finite & torch.isfinite(q_grouped).all()
-            (out.symmetry,), (out.directionality,) = _finish(prods, finite_layer, num_std, dtype)
+            q_grouped = _scale(q.reshape(num_kv, group, head_dim, d).sum(1), (0, 1, 2))
+            k_all = _scale(k, (0, 1, 2))
+            finite = torch.isfinite(q_grouped).all() & torch.isfinite(k_all).all()
+            prods = _products(q_grouped.reshape(1, 1, num_kv * head_dim, d), k_all.reshape(1, num_kv * head_dim, d))
+            (out.symmetry,), (out.directionality,) = _finish(prods, finite, num_std, dtype)
         if per_head:
-            prods = _products(_scale(q).reshape(num_kv, group, head_dim, d), k_scaled)
+            # every head scaled on its own: a diverged (non-finite) head does not spoil the others
+            q_heads = _scale(q.reshape(num_kv, group, head_dim, d), (-1, -2))
+            k_heads = _scale(k, (-1, -2))
+            finite = torch.isfinite(q_heads).all((-1, -2)) & torch.isfinite(k_heads).all((-1, -2))[:, None]
+            prods = _products(q_heads, k_heads)
             out.head_symmetry, out.head_directionality = _finish(prods, finite, num_std, dtype)
     return out

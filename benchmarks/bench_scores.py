@@ -24,7 +24,8 @@ import json
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -71,7 +72,7 @@ def factored_layer(q: torch.Tensor, k: torch.Tensor) -> list[float]:
 
 def factored_per_head(q: torch.Tensor, k: torch.Tensor) -> list[float]:
     s = factored_scores(q, k, per_head=True, layer=False)
-    return [x for pair in zip(s.head_symmetry, s.head_directionality) for x in pair]
+    return [x for pair in zip(s.head_symmetry, s.head_directionality, strict=True) for x in pair]
 
 
 def median_time(fn: Callable[[], list[float]], repeats: int) -> tuple[float, list[float]]:
@@ -107,9 +108,9 @@ def main() -> None:
         k = torch.randn(num_kv, head_dim, d) * 0.02
         for mode in args.modes:
             ref_fn, fast_fn = (explicit_layer, factored_layer) if mode == "layer" else (explicit_per_head, factored_per_head)
-            t_ref, ref = median_time(lambda: ref_fn(q, k), args.repeats)
-            t_fast, fast = median_time(lambda: fast_fn(q, k), args.repeats)
-            diff = max(abs(a - b) for a, b in zip(ref, fast))
+            t_ref, ref = median_time(partial(ref_fn, q, k), args.repeats)
+            t_fast, fast = median_time(partial(fast_fn, q, k), args.repeats)
+            diff = max(abs(a - b) for a, b in zip(ref, fast, strict=True))
             row = {"shape": name, "mode": mode, "explicit_s": t_ref, "factored_s": t_fast,
                    "speedup": t_ref / t_fast, "max_abs_diff": diff}
             if args.json:
