@@ -253,6 +253,7 @@ class Probe:
         start_step: int = 0,
         find_kwargs: dict[str, Any] | None = None,
         extra_config: dict[str, Any] | None = None,
+        purge_stale: bool = True,
     ) -> None:
         if image_mode not in ("downsample", "block"):
             raise ValueError(f"image_mode must be 'downsample' or 'block', got {image_mode!r}")
@@ -304,11 +305,12 @@ class Probe:
             resume_step=self.step if self.step > 0 else None,
         )
         if self.is_main_process:
-            self._open_sinks(log_dir, writer, sinks)
+            self._open_sinks(log_dir, writer, sinks, purge_stale)
 
     # -- sinks -------------------------------------------------------------------------------
 
-    def _open_sinks(self, log_dir: str | None, writer: Any, sinks: Sequence[Sink] | None) -> None:
+    def _open_sinks(self, log_dir: str | None, writer: Any, sinks: Sequence[Sink] | None,
+                    purge_stale: bool) -> None:
         from .sinks.tensorboard import TensorBoardSink
         from .sinks.trajectory import TrajectorySink
 
@@ -321,7 +323,8 @@ class Probe:
             path = os.path.abspath(trajectory.path)
             if path in _OPEN_PATHS:
                 raise LogDirError(f"another open attn_probe already writes {path}; give each probe its own log_dir")
-            tb = TensorBoardSink(writer=writer) if writer is not None else TensorBoardSink(log_dir)
+            tb = (TensorBoardSink(writer=writer) if writer is not None
+                  else TensorBoardSink(log_dir, purge_stale=purge_stale))
             built: list[Sink] = [tb, trajectory]
             self.log_dir = log_dir
             self._paths.append(path)

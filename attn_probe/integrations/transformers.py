@@ -41,6 +41,14 @@ def _find_callback_handler() -> Any:
     return None
 
 
+def _tensorboard_callbacks(handler: Any) -> list[Any]:
+    if handler is None:
+        return []
+    from transformers.integrations import TensorBoardCallback
+
+    return [cb for cb in handler.callbacks if isinstance(cb, TensorBoardCallback)]
+
+
 def trainer_log_dir(args: Any, handler: Any = None) -> str:
     """Where the Trainer's TensorBoard logging writes (transformers 5 rule).
 
@@ -51,11 +59,7 @@ def trainer_log_dir(args: Any, handler: Any = None) -> str:
     env = os.getenv("TENSORBOARD_LOGGING_DIR")
     if env is not None:
         return os.path.expanduser(env)
-    tb_callbacks = []
-    if handler is not None:
-        from transformers.integrations import TensorBoardCallback
-
-        tb_callbacks = [cb for cb in handler.callbacks if isinstance(cb, TensorBoardCallback)]
+    tb_callbacks = _tensorboard_callbacks(handler)
     for cb in tb_callbacks:
         if getattr(cb, "logging_dir", None):
             return str(cb.logging_dir)
@@ -117,20 +121,43 @@ class AttnProbeCallback(TrainerCallback):
             self.probe.close(final_snapshot=False)
             self.probe = None
         main = bool(state.is_world_process_zero)
-        log_dir = None
-        if main:
-            log_dir = self.log_dir if self.log_dir is not None else trainer_log_dir(args, _find_callback_handler())
         step = int(state.global_step)
+        log_dir, purge_stale = None, True
+        if main:
+            handler = _find_callback_handler()
+            log_dir = self.log_dir if self.log_dir is not None else trainer_log_dir(args, handler)
+            if step > 0:
+                purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
         self.probe = Probe(
             model,
             log_dir=log_dir,
             every=self.every,
             is_main_process=main,
             start_step=step,
+            purge_stale=purge_stale,
             extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
             **self.options,
         )
         self.probe.snapshot(step)
+
+    @staticmethod
+    def _restart_via_trainer_writer(handler: Any, log_dir: str, step: int) -> bool:
+        """On resume into a run that has event files, mark the restart in the Trainer's own file.
+
+        TensorBoard reads a run's files in name order and a ``SessionLog.START`` marker drops
+        everything read before it with a step ``>= step``. The Trainer's new event file is
+        created before ours, so the marker must go into *its* file: placed in ours, it would
+        also drop the Trainer's fresh losses. Returns whether the marker was written.
+        """
+        from ..sinks.tensorboard import emit_session_start, has_event_files
+
+        if not has_event_files(log_dir):
+            return False
+        for cb in _tensorboard_callbacks(handler):
+            writer = getattr(cb, "tb_writer", None)
+            if writer is not None and os.path.realpath(str(getattr(writer, "log_dir", ""))) == os.path.realpath(log_dir):
+                return emit_session_start(writer, step)
+        return False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.probe is not None:

@@ -23,7 +23,8 @@ from typing import Any
 from ..tags import PREFIX, STATS, scalar_tag
 from . import RunInfo, Snapshot
 
-__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "CONFIG_TEXT_TAG"]
+__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
+           "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
 HEATMAP_PREFIX = f"{PREFIX}_heatmap"
@@ -47,6 +48,29 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
     return layout
 
 
+def emit_session_start(writer: Any, step: int) -> bool:
+    """Write TensorBoard's restart marker (``SessionLog.START`` at ``step``) through ``writer``.
+
+    Readers then drop every event of the run with a step ``>= step`` that they read before
+    the marker: what ``SummaryWriter(purge_step=step)`` does, for a writer already open.
+    Returns ``False`` when ``writer`` cannot take raw events.
+    """
+    try:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        file_writer = writer._get_file_writer()
+        file_writer.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
+        file_writer.flush()
+    except Exception:  # noqa: BLE001 - a writer of another kind: the caller falls back
+        return False
+    return True
+
+
+def has_event_files(log_dir: str) -> bool:
+    """Whether ``log_dir`` already holds TensorBoard event files."""
+    return _has_event_files(log_dir)
+
+
 def _has_event_files(log_dir: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(log_dir), "events.out.tfevents.*")))
 
@@ -60,13 +84,15 @@ class TensorBoardSink:
     steps ``>= resume_step`` of the interrupted run.
     """
 
-    def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000) -> None:
+    def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000,
+                 purge_stale: bool = True) -> None:
         if (log_dir is None) == (writer is None):
             raise ValueError("give exactly one of log_dir= and writer=")
         self.log_dir = log_dir if log_dir is not None else writer.log_dir
         self._writer = writer
         self._owned = writer is None
         self._max_queue = max_queue
+        self._purge_stale = purge_stale
 
     @property
     def writer(self) -> Any:
@@ -76,7 +102,8 @@ class TensorBoardSink:
         if self._owned:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = run.resume_step if run.resume_step and _has_event_files(self.log_dir) else None
+            stale = self._purge_stale and run.resume_step and _has_event_files(self.log_dir)
+            purge = run.resume_step if stale else None
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge,
                                          max_queue=self._max_queue, flush_secs=3600)
         w = self._writer
