@@ -150,6 +150,23 @@ def test_resumed_run_keeps_the_value_written_last(tmp_path):
         np.testing.assert_array_equal(df["value"].to_numpy(), np.array(want, dtype=np.float32), err_msg=name)
 
 
+def test_restart_marker_drops_stale_event_steps(tmp_path):
+    """A resumed writer with purge_step=N (SessionLog.START) hides the old steps >= N."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tag = scalar_tag("self", "symmetry", layer=0)
+    with SummaryWriter(str(tmp_path)) as w:
+        for s in range(10):
+            w.add_scalar(tag, 0.25, s)
+    time.sleep(1.1)
+    with SummaryWriter(str(tmp_path), purge_step=5) as w:  # new schedule after the restart
+        for s in (5, 7):
+            w.add_scalar(tag, -0.5, s)
+    df = load_trajectory(tmp_path)
+    assert df["step"].tolist() == [0, 1, 2, 3, 4, 5, 7]
+    assert df["value"].tolist() == [0.25] * 5 + [-0.5] * 2
+
+
 def test_nested_runs_are_named_after_their_directories(tmp_path):
     recs = make_records([0, 1], layers=2)
     for parent in ("seed1", "seed2"):

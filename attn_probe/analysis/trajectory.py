@@ -242,35 +242,38 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     except ImportError as exc:  # pragma: no cover - tensorboard is a core dependency
         raise MissingExtraError("tensorboard is needed to read event files: pip install tensorboard") from exc
 
+    # One accumulator over the directory reads its event files in name (= time) order, so
+    # a resumed run's restart marker (SessionLog.START at step N, e.g. from
+    # SummaryWriter(purge_step=N)) drops the stale steps >= N as TensorBoard does; other
+    # repeated steps keep the value written last (see normalize()).
+    acc = ea.EventAccumulator(
+        str(run_dir),
+        size_guidance={ea.SCALARS: 0, ea.TENSORS: 0, ea.IMAGES: 1, ea.AUDIO: 1,
+                       ea.HISTOGRAMS: 1, ea.COMPRESSED_HISTOGRAMS: 1},
+        purge_orphaned_data=True,
+    )
+    try:
+        acc.Reload()
+    except Exception as exc:  # corrupt event data: report, do not crash
+        warnings.warn(f"{run_dir}: unreadable event files skipped ({type(exc).__name__}: {exc})",
+                      TrajectoryWarning, stacklevel=4)
+        return []
     rows: list[tuple] = []
-    files = sorted(p for p in run_dir.iterdir() if _is_event_file(p.name) and p.is_file())
-    for f in files:  # one accumulator per file keeps the written order across resumed runs
-        acc = ea.EventAccumulator(
-            str(f),
-            size_guidance={ea.SCALARS: 0, ea.TENSORS: 0, ea.IMAGES: 1, ea.AUDIO: 1,
-                           ea.HISTOGRAMS: 1, ea.COMPRESSED_HISTOGRAMS: 1},
-            purge_orphaned_data=False,
-        )
-        try:
-            acc.Reload()
-        except Exception as exc:  # a corrupt event file: keep what the others hold
-            warnings.warn(f"{f}: unreadable event file skipped ({exc})", TrajectoryWarning, stacklevel=4)
+    tags = acc.Tags()
+    for tag in tags.get("scalars", []):
+        parts = parse_tag(tag)
+        if parts is None or parts.stat is not None:
             continue
-        tags = acc.Tags()
-        for tag in tags.get("scalars", []):
-            parts = parse_tag(tag)
-            if parts is None or parts.stat is not None:
-                continue
-            for ev in acc.Scalars(tag):
-                rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(ev.value)))
-        for tag in tags.get("tensors", []):  # scalars written with new_style=True
-            parts = parse_tag(tag)
-            if parts is None or parts.stat is not None:
-                continue
-            for ev in acc.Tensors(tag):
-                arr = tensor_util.make_ndarray(ev.tensor_proto)
-                if arr.size == 1:
-                    rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(arr.item())))
+        for ev in acc.Scalars(tag):
+            rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(ev.value)))
+    for tag in tags.get("tensors", []):  # scalars written with new_style=True
+        parts = parse_tag(tag)
+        if parts is None or parts.stat is not None:
+            continue
+        for ev in acc.Tensors(tag):
+            arr = tensor_util.make_ndarray(ev.tensor_proto)
+            if arr.size == 1:
+                rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(arr.item())))
     return rows
 
 
