@@ -168,12 +168,25 @@ CASES = [
         dict(vocab_size=V, d_model=32, n_head=4, d_head=8, d_inner=37, block_sizes=[1, 1], num_decoder_layers=1),
         4, 4, 8, {"self": 3}, sep("q_head", "k_head", 8), model="FunnelModel",
     ),
+    Case("camembert", "CamembertConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("roformer", "RoFormerConfig", {**BERTLIKE, "embedding_size": 32}, 4, 4, 8, SELF2,
+         sep("query|q_proj", "key|k_proj", 8)),
+    Case("ernie", "ErnieConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("megatron-bert", "MegatronBertConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("layoutlm", "LayoutLMConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("esm", "EsmConfig", {**BERTLIKE, "mask_token_id": 4}, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case("data2vec-text", "Data2VecTextConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
     # --- vision encoders
     Case("vit", "ViTConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
     Case("deit", "DeiTConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
     Case("beit", "BeitConfig", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
     Case("dinov2", "Dinov2Config", VIT, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8), inputs="image"),
     Case("clip_vision_model", "CLIPVisionConfig", VIT, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8), inputs="image"),
+    Case("swin", "SwinConfig", dict(image_size=8, patch_size=2, num_channels=3, embed_dim=32, depths=[2],
+                                    num_heads=[4], window_size=2), 4, 4, 8, SELF2,
+         sep("query|q_proj", "key|k_proj", 8), inputs="image"),
+    Case("siglip_vision_model", "SiglipVisionConfig", {**VIT, "vision_use_head": False}, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8),
+         inputs="image"),
     # --- encoder-decoder
     Case("bart", "BartConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
     Case("mbart", "MBartConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
@@ -181,6 +194,10 @@ CASES = [
          sep("q_proj", "k_proj", 8), inputs="encdec"),
     Case("pegasus", "PegasusConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
     Case("m2m_100", "M2M100Config", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8), inputs="encdec"),
+    Case("blenderbot-small", "BlenderbotSmallConfig", BARTLIKE, 4, 4, 8, ENCDEC, sep("q_proj", "k_proj", 8),
+         inputs="encdec"),
+    Case("umt5", "UMT5Config", dict(vocab_size=V, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4),
+         4, 4, 8, ENCDEC, sep("q", "k", 8), inputs="encdec"),
     # T5: inner dim num_heads * d_kv = 64 differs from d_model = 32
     Case(
         "t5", "T5Config", dict(vocab_size=V, d_model=32, d_kv=16, d_ff=37, num_layers=2, num_heads=4),
@@ -224,6 +241,15 @@ CASES = [
     Case("ctrl", "CTRLConfig", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, dff=37, n_positions=64),
          4, 4, 8, SELF2, sep("Wq", "Wk", 8)),
     Case("biogpt", "BioGptConfig", BERTLIKE, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("xglm", "XGLMConfig", dict(vocab_size=V, d_model=32, num_layers=2, attention_heads=4, ffn_dim=37,
+                                    max_position_embeddings=64, pad_token_id=1),
+         4, 4, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("cohere", "CohereConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("olmo", "OlmoConfig", LLAMALIKE, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("gemma3_text", "Gemma3TextConfig", {**LLAMALIKE, "head_dim": 8}, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
+    Case("qwen2_moe", "Qwen2MoeConfig", {**LLAMALIKE, "num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "shared_expert_intermediate_size": 32}, 4, 2, 8, SELF2,
+         sep("q_proj", "k_proj", 8)),
     # --- fused projections
     Case("gpt2", "GPT2Config", dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64),
          4, 4, 8, SELF2, _gpt2_spec(4, 8)),
@@ -513,3 +539,20 @@ def test_register_adapter_for_custom_fused_layout() -> None:
     check_against_hooks(model, layers, spec, {"input": torch.randn(3, 16)}, 2, 2, 8)
     with pytest.raises(UnsupportedModelError):
         find_attention(model)  # unregistered again
+
+
+@pytest.mark.parametrize("case_id", ["bert", "t5", "llama", "gpt2", "falcon-new-gqa", "phi3", "codegen"])
+def test_layout_survives_flattened_weights(case_id: str) -> None:
+    """Sharding wrappers may flatten the live weights; head counts come from module/config
+    attributes, and ``factors(get)`` works from the full tensors a gather would return."""
+    model = _build(next(c for c in CASES if c.id == case_id))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = [(a.name, a.num_heads, a.num_kv_heads, a.head_dim, a.param_names) for a in find_attention(model)]
+    reference = [a.qk_matrix() for a in find_attention(model)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.flatten()
+    layers = find_attention(model)
+    assert [(a.name, a.num_heads, a.num_kv_heads, a.head_dim, a.param_names) for a in layers] == expected
+    for layer, ref in zip(layers, reference, strict=True):
+        assert torch.equal(layer.qk_matrix(full.__getitem__), ref)
