@@ -70,6 +70,9 @@ class CheckpointWeights:
             raise CheckpointError(f"{path}: unreadable shard index ({_one_line(exc)})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{path}: 'weight_map' is not a mapping")
+        missing = sorted({str(v) for v in weight_map.values()} - {p.name for p in self.directory.iterdir()})
+        if missing:
+            raise CheckpointError(f"{path}: shard {missing[0]} listed in the index does not exist")
         return {str(k): str(v) for k, v in weight_map.items()}
 
     def _keys_of_safetensors(self, filename: str) -> dict[str, str]:
