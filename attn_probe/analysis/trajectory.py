@@ -437,9 +437,11 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
     if not p.is_file():
         raise FileNotFoundError(f"no such file: {p}")
     if fmt == "csv":
-        df = pd.read_csv(p, float_precision="round_trip", keep_default_na=False,
+        # pandas < 3 parses floats inexactly unless asked; pandas 3 is exact and deprecates the flag
+        exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
+        df = pd.read_csv(p, keep_default_na=False,
                          na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"]},
-                         dtype={"run": str, "group": str, "metric": str})
+                         dtype={"run": str, "group": str, "metric": str}, **exact)
     elif fmt == "parquet":
         require("pyarrow", "pandas")
         df = pd.read_parquet(p, engine="pyarrow")
