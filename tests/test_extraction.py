@@ -556,3 +556,51 @@ def test_layout_survives_flattened_weights(case_id: str) -> None:
     assert [(a.name, a.num_heads, a.num_kv_heads, a.head_dim, a.param_names) for a in layers] == expected
     for layer, ref in zip(layers, reference, strict=True):
         assert torch.equal(layer.qk_matrix(full.__getitem__), ref)
+
+
+# --------------------------------------------------------------------------- docs/supported-models.md
+DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
+
+
+LAYOUT_NOTES = {
+    "separate_layout": "separate q, k",
+    "contiguous_qkv": "fused rows `[q, k, v]`",
+    "interleaved_qkv": "fused per head `(H, 3, dh)`",
+    "grouped_qkv": "fused per KV group `(Hkv, H/Hkv + 2, dh)`",
+    "_codegen_layout": "fused, 4 blocks of `[q, v, k]`",
+}
+
+
+def supported_table() -> str:
+    """Markdown table of the tested model types (paste between the markers in the doc)."""
+    lines = [
+        "| model type (test id) | config class | attention module | parameters read | layout | H / Hkv / dh |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in CASES:
+        try:
+            model = _build(case)
+        except pytest.skip.Exception:
+            continue
+        layer = find_attention(model)[0]
+        params = ", ".join(f"`{n[len(layer.name) + 1:]}`" for n in layer.param_names)
+        layout = LAYOUT_NOTES.get(layer.split.__qualname__.split(".")[0], layer.split.__qualname__)
+        owner = model.get_submodule(layer.param_names[0].rsplit(".", 1)[0])
+        if type(owner).__name__ == "Conv1D":
+            layout += " (Conv1D: stored in × out, transposed)"
+        groups = "/".join(f"{g}×{n}" for g, n in case.groups.items())
+        lines.append(
+            f"| `{case.id}` | `{case.config}` | `{type(layer.module).__name__}` ({groups}) | {params} | "
+            f"{layout} | {layer.num_heads} / {layer.num_kv_heads} / {layer.head_dim} |"
+        )
+    return "\n".join(lines)
+
+
+def test_docs_list_every_tested_model_type() -> None:
+    text = DOC.read_text()
+    missing = [c.id for c in CASES if f"| `{c.id}` |" not in text]
+    assert not missing, f"regenerate the table with `python tests/test_extraction.py`: {missing}"
+
+
+if __name__ == "__main__":
+    print(supported_table())
