@@ -416,15 +416,17 @@ def test_covers_at_least_30_model_types() -> None:
 
 
 def test_gqa_pairing_is_block_not_modulo() -> None:
-    """Query head h pairs with KV head h // (H/Hkv) (repeat_kv), not h % Hkv (the paper code's bug)."""
+    """Query head h pairs with KV head h // (H/Hkv) (repeat_kv), not h % Hkv (the paper code's bug).
+
+    The hook test above proves the pairing against the model; here the two rules are shown
+    to disagree on this model, so that test does discriminate."""
     model = _build(next(c for c in CASES if c.id == "llama"))
     layer = find_attention(model)[0]
-    q, k = layer.factors()
+    q, k = (t.double() for t in layer.factors())
     assert (layer.num_heads, layer.num_kv_heads) == (4, 2)
-    for h in range(4):
-        expected = q[h].double().T @ k[h // 2].double()
-        assert torch.allclose(layer.qk_matrix(head=h), expected)
-        assert not torch.allclose(layer.qk_matrix(head=h), q[h].double().T @ k[h % 2].double()) or h % 2 == h // 2
+    # head 1: block pairing -> KV head 0, modulo pairing -> KV head 1
+    assert torch.allclose(layer.qk_matrix(head=1), q[1].T @ k[0])
+    assert not torch.allclose(layer.qk_matrix(head=1), q[1].T @ k[1])
 
 
 def test_factors_are_views_of_the_weights() -> None:
@@ -443,6 +445,24 @@ def test_group_and_layer_filters() -> None:
 
 
 # --------------------------------------------------------------------------- torch MHA and custom models
+def test_subclass_of_a_known_attention_class_is_recognised() -> None:
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention
+
+    class MyAttention(GPTNeoXAttention):
+        pass
+
+    case = next(c for c in CASES if c.id == "gpt_neox")
+    model = _build(case)
+    for block in model.layers:
+        old = block.attention
+        new = MyAttention(model.config, layer_idx=old.layer_idx)
+        new.load_state_dict(old.state_dict())
+        block.attention = new
+    layers = find_attention(model)
+    assert [type(a.module).__name__ for a in layers] == ["MyAttention", "MyAttention"]
+    check_against_hooks(model, layers, case.spec, _inputs(case, model), 4, 4, 8)
+
+
 def test_torch_multihead_attention_matches_attention_weights() -> None:
     """nn.MultiheadAttention: per-head attention probabilities give the logits up to a row constant."""
     torch.manual_seed(0)
@@ -494,6 +514,17 @@ def test_unsupported_model_message_names_class_candidates_and_fix() -> None:
     assert "blocks.0 (TinyAttention: my_q, my_k, my_v)" in msg
     assert "find_attention(model, qk_names=[('my_q', 'my_k')])" in msg
     assert "register_adapter" in msg
+
+
+def test_unsupported_fused_projection_points_to_register_adapter() -> None:
+    class FusedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.out = nn.Linear(16, 16)
+
+    with pytest.raises(UnsupportedModelError, match=r"FusedAttention: qkv, out\).*'qkv' looks like a fused"):
+        find_attention(nn.Sequential(FusedAttention()))
 
 
 def test_qk_names_for_custom_model() -> None:

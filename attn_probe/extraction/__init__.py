@@ -48,20 +48,26 @@ def _linear_children(module: nn.Module) -> list[str]:
     return [n for n, c in module.named_children() if architectures.projection(c, n) is not None]
 
 
-def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str]]:
-    """Modules that look like attention, and a guessed ``(query, key)`` child-name pair."""
+def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str] | None, str | None]:
+    """Attention-looking modules with linear children, a guessed ``(query, key)`` child pair,
+    and the name of a child that looks like a fused q/k/v projection."""
     seen: list[str] = []
     guess: tuple[str, str] | None = None
+    fused: str | None = None
     for path, module in model.named_modules():
         low = (path.rsplit(".", 1)[-1] + type(module).__name__).lower()
-        if "attn" not in low and "attention" not in low:
-            continue
         kids = _linear_children(module)
-        if guess is None and len(kids) >= 2:
-            guess = (kids[0], kids[1])
+        if ("attn" not in low and "attention" not in low) or not kids:
+            continue
+        qs = [n for n in kids if "q" in n.lower() and "k" not in n.lower()]
+        ks = [n for n in kids if "k" in n.lower() and "q" not in n.lower()]
+        if guess is None and qs and ks:
+            guess = (qs[0], ks[0])
+        if fused is None:
+            fused = next((n for n in kids if "q" in n.lower() and "k" in n.lower()), None)
         if len(seen) < limit:
-            seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids) or 'no linear children'})")
-    return seen, guess or ("my_q", "my_k")
+            seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids)})")
+    return seen, guess, fused
 
 
 def find_attention(
@@ -118,10 +124,17 @@ def find_attention(
             )
         )
     if not found:
-        cands, (q_guess, k_guess) = _candidates(root)
+        cands, guess, fused = _candidates(root)
+        q_guess, k_guess = guess or ("my_q", "my_k")
+        hint = (
+            f" '{fused}' looks like a fused q/k/v projection: describe its layout with "
+            "attn_probe.register_adapter(fn)."
+            if fused and guess is None
+            else ""
+        )
         raise UnsupportedModelError(
             f"attn_probe found no attention layer it can read in {type(root).__name__}. "
-            f"Candidate modules: {'; '.join(cands) if cands else 'none'}. "
+            f"Candidate modules: {'; '.join(cands) if cands else 'none'}.{hint} "
             "Name the query/key projection children, e.g. "
             f"attn_probe.find_attention(model, qk_names=[({q_guess!r}, {k_guess!r})]), "
             "or teach a fused layout with attn_probe.register_adapter(fn) "

@@ -188,11 +188,20 @@ def _child(attn: nn.Module, path: str, name: str) -> Projection | None:
 
 
 def _class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) -> bool:
-    """Narrow key: the module's class name (and optionally its Python module) must match."""
-    cls = type(attn)
-    if cls.__name__ not in names:
-        return False
-    return module_suffix is None or cls.__module__.endswith(module_suffix)
+    """Narrow key: the module's class (or a base class, for user subclasses) has one of
+    ``names``, optionally defined in a Python module whose name ends with ``module_suffix``."""
+    return any(
+        cls.__name__ in names and (module_suffix is None or cls.__module__.endswith(module_suffix))
+        for cls in type(attn).__mro__
+    )
+
+
+def _by_class(attn: nn.Module, table: dict[str, str]) -> str | None:
+    """``table[class name]`` for the module's class or its nearest base class listed there."""
+    for cls in type(attn).__mro__:
+        if cls.__name__ in table:
+            return table[cls.__name__]
+    return None
 
 
 def _int(*values: Any) -> int | None:
@@ -306,7 +315,7 @@ def _interleaved_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | N
     """GPT-NeoX/Pythia, GPT-NeoX-Japanese, Persimmon, BLOOM ``query_key_value`` and DeBERTa(v1)
     ``in_proj``: the output is viewed as ``(H, 3*dh)`` and chunked, so rows are ``(H, 3, dh)``."""
     config = getattr(attn, "config", None) or config
-    name = _INTERLEAVED.get(type(attn).__name__)
+    name = _by_class(attn, _INTERLEAVED)
     if name is None and _class_is(attn, "DisentangledSelfAttention", module_suffix="deberta.modeling_deberta"):
         name = "in_proj"
     if name is None:
@@ -361,7 +370,7 @@ def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | No
     """ModernBERT ``Wqkv`` (viewed ``(3, H, dh)``), Phi-3 ``qkv_proj``, MPT/DBRX ``Wqkv``:
     rows ``[q | k | v]``, each block head-major."""
     config = getattr(attn, "config", None) or config
-    name = _CONTIGUOUS.get(type(attn).__name__)
+    name = _by_class(attn, _CONTIGUOUS)
     proj = _child(attn, path, name) if name else None
     if proj is None:
         return None
