@@ -279,7 +279,7 @@ def iter_layer_factors(
     """
     layers = list(layers)
     info = world_info()
-    receive = (not rank0_only) or info.rank == 0
+    receive = (not rank0_only) or (not info.distributed) or info.rank == 0
     kind = sharding_kind(model) if info.distributed else "local"
     plans: list[_Plan] = []
     ok = True

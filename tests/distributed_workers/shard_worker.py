@@ -1,6 +1,7 @@
 """Worker for tests/test_distributed.py: train a tiny sharded model, snapshot scores on rank 0.
 
-Launched with ``torchrun --nproc_per_node N shard_worker.py SETUP OUT``. Writes into ``OUT``:
+Launched with ``torchrun --standalone --nproc_per_node N shard_worker.py SETUP[,SETUP...] ROOT``;
+setups run one after the other in the same process group. Writes into ``ROOT/SETUP``:
 
 * ``scores_<tag>.json`` (rank 0 only): rows from :func:`attn_probe.distributed.gather_scores`;
 * ``ref_<tag>.pt`` (rank 0 only): the full state dict saved through the framework's own API
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -32,8 +34,13 @@ def bert():
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
@@ -44,8 +51,13 @@ def llama():
     from transformers import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
     )
     torch.manual_seed(0)
     return LlamaModel(cfg)
@@ -69,16 +81,26 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 
 def main() -> None:
-    setup, out = sys.argv[1], Path(sys.argv[2])
-    start = time.time()
-    if setup.startswith("zero"):
+    setups, root = sys.argv[1].split(","), Path(sys.argv[2])
+    timeout = timedelta(seconds=float(os.environ.get("WORKER_PG_TIMEOUT", "60")))
+    if any(s.startswith("zero") for s in setups):
         import deepspeed
 
         no_shm_build()
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
     else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+        dist.init_process_group("gloo", timeout=timeout)
+    for setup in setups:
+        out = root / setup
+        out.mkdir(parents=True, exist_ok=True)
+        run(setup, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(setup: str, out: Path) -> None:
+    start = time.time()
+    rank = dist.get_rank()
     model = llama() if setup == "fsdp_tp" else bert()
     ref_model = model  # what to take the state dict from
     engine = None
@@ -93,7 +115,9 @@ def main() -> None:
         from transformers.models.bert.modeling_bert import BertLayer
 
         model = FSDP(
-            model, auto_wrap_policy=ModuleWrapPolicy({BertLayer}), device_id=torch.device("cpu"),
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({BertLayer}),
+            device_id=torch.device("cpu"),
             use_orig_params=setup == "fsdp1_orig",
         )
     elif setup == "fsdp2":
@@ -108,8 +132,12 @@ def main() -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
-                "o_proj": RowwiseParallel()}
+        plan = {
+            "q_proj": ColwiseParallel(),
+            "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel(),
+        }
         for layer in model.layers:
             parallelize_module(layer.self_attn, mesh["tp"], plan)
             fully_shard(layer, mesh=mesh["dp"])
@@ -120,8 +148,12 @@ def main() -> None:
         zero = {"stage": int(setup[-1])}
         if setup == "zero3":
             zero["stage3_param_persistence_threshold"] = 0
-        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         model = engine.module  # what a Trainer callback receives: parameters carry ds_*
@@ -144,7 +176,9 @@ def main() -> None:
         if setup in ("fsdp2", "fsdp_tp"):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         return engine._zero3_consolidated_16bit_state_dict()
 
     def snapshot(tag: str, layers: list[AttentionLayer], save_ref: bool = True) -> None:
@@ -193,13 +227,19 @@ def main() -> None:
     train_step(2)
     snapshot("final", layers)
     info = world_info()
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "received": received, "kind": sharding_kind(model), "world": [info.rank, info.world_size],
-        "seconds": time.time() - start,
-    }))
-    dist.barrier()
-    dist.destroy_process_group()
-    assert world == info.world_size
+    query = layers[0].module.get_submodule(layers[0].param_names[0].rsplit(".", 2)[-2]).weight
+    local = query.to_local() if hasattr(query, "to_local") else query.data
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "received": received,
+                "kind": sharding_kind(model),
+                "world": [info.rank, info.world_size],
+                "seconds": time.time() - start,
+                "local_query_numel": local.numel() if setup != "fsdp1" else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
