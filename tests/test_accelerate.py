@@ -57,8 +57,9 @@ def test_accelerate_gradient_accumulation_and_tracker(tmp_path, fresh_accelerate
     model, opt, loader = accelerator.prepare(model, opt, loader)
     schedule = every(2)
     probe = attn_probe.watch(model, accelerator=accelerator, every=schedule)
-    updates = 0
-    for i, ids in enumerate(loader):
+    updates = micro = 0
+    for ids in loader:
+        micro += 1
         with accelerator.accumulate(model):
             loss = model(input_ids=ids, labels=ids).loss
             accelerator.backward(loss)
@@ -67,7 +68,7 @@ def test_accelerate_gradient_accumulation_and_tracker(tmp_path, fresh_accelerate
             if accelerator.sync_gradients:  # the reference: Accelerate's own notion of an update
                 updates += 1
                 accelerator.log({"loss": loss.item()}, step=updates)
-    assert i == 10 and updates == 4  # 3, 6, 9 and the end of the data loader
+    assert micro == 11 and updates == 4  # 3, 6, 9 and the end of the data loader
     assert probe.step == updates
     probe.close()
     accelerator.end_training()

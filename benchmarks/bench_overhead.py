@@ -1,0 +1,125 @@
+"""Wall-time overhead of the live probe in a real Trainer run (CPU, BERT-mini MLM).
+
+Runs ``Trainer.train()`` on BertForMaskedLM with the bert-mini shape (4 layers, d=256,
+4 heads) on random tokens, alternating: no callback, ``AttnProbeCallback(every=100)``,
+``AttnProbeCallback(every=1)``, repeated ``--repeats`` times, and reports the median
+``train_runtime`` ratio against the baseline (goal at every=100: <= 1.02). It also times
+single snapshots directly, which is the noise-free part of the overhead.
+
+    python benchmarks/bench_overhead.py --steps 200 --repeats 3
+
+Not a test: timings depend on the machine and its load; record them with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def build(args: argparse.Namespace):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=args.vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                     intermediate_size=1024, max_position_embeddings=args.seq)
+    return BertForMaskedLM(cfg)
+
+
+class RandomMLM(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(5, vocab, (n, seq), generator=g)
+        self.mask = torch.rand(n, seq, generator=g) < 0.15
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i].clone()
+        labels = torch.where(self.mask[i], ids, torch.full_like(ids, -100))
+        ids[self.mask[i]] = 4  # [MASK]-like token
+        return {"input_ids": ids, "labels": labels}
+
+
+def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> float:
+    from transformers import Trainer, TrainingArguments
+
+    import attn_probe
+
+    model = build(args)
+    targs = TrainingArguments(
+        output_dir=workdir, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=5e-5,
+        warmup_steps=20, weight_decay=0.01, report_to="none", logging_steps=50, save_strategy="no",
+        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+    callbacks = [] if every is None else [attn_probe.AttnProbeCallback(every=every, log_dir=os.path.join(workdir, "tb"))]
+    trainer = Trainer(model=model, args=targs, train_dataset=RandomMLM(args.steps * args.batch, args.seq, args.vocab),
+                      callbacks=callbacks)
+    start = time.perf_counter()
+    trainer.train()
+    return time.perf_counter() - start
+
+
+def snapshot_cost(args: argparse.Namespace, n: int = 30) -> float:
+    from attn_probe.probe import Probe
+
+    model = build(args)
+    with tempfile.TemporaryDirectory() as d:
+        probe = Probe(model, log_dir=d, every=None)
+        probe.snapshot(0)  # warm-up
+        start = time.perf_counter()
+        for step in range(1, n + 1):
+            probe.snapshot(step)
+        elapsed = (time.perf_counter() - start) / n
+        probe.close(final_snapshot=False)
+    return elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--json", action="store_true", help="print the raw timings as JSON too")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    variants = {"baseline": None, "every=100": 100, "every=1": 1}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    with tempfile.TemporaryDirectory() as root:
+        run_once(args, None, os.path.join(root, "warmup"))  # imports, allocator, caches
+        for rep in range(args.repeats):
+            for name, every in variants.items():  # alternate so drifting load hits all variants
+                t = run_once(args, every, os.path.join(root, f"{name}-{rep}"))
+                times[name].append(t)
+                print(f"rep {rep} {name:>10}: {t:7.2f} s", flush=True)
+    snap = snapshot_cost(args)
+    base = statistics.median(times["baseline"])
+    print(f"\nBERT-mini MLM, {args.steps} steps, batch {args.batch} x seq {args.seq}, "
+          f"{torch.get_num_threads()} threads, {args.repeats} alternating repeats")
+    print("| variant | median train() s | ratio vs baseline | per-rep ratios |")
+    print("|---|---|---|---|")
+    for name in variants:
+        med = statistics.median(times[name])
+        per_rep = ", ".join(f"{t / b:.3f}" for t, b in zip(times[name], times["baseline"], strict=True))
+        print(f"| {name} | {med:.2f} | {med / base:.3f} | {per_rep} |")
+    step_time = base / args.steps
+    print(f"\none snapshot (4 layers, scores + TensorBoard + JSONL): {snap * 1e3:.2f} ms "
+          f"= {snap / step_time:.3f} training steps; at every=100 that is {snap / step_time / 100:.4%} extra")
+    if args.json:
+        print(json.dumps({"times": times, "snapshot_s": snap, "args": vars(args)}))
+
+
+if __name__ == "__main__":
+    main()
