@@ -12,8 +12,9 @@ Explicit reference, as one would write it by hand:
 * per head: ``M_h = Q_h^T K_{g(h)}`` formed one head at a time, same reductions.
 
 Factored: :func:`attn_probe.scores.factored_scores`. Both run in float32 on the same random
-weights (std 0.02); the script prints the median wall time of each, the speed-up and the
-largest absolute difference between their scores. Timings depend on the machine and its
+weights (std 0.02), alternately (so that both see the same machine load); the script prints
+the median wall time of each, the speed-up and the largest absolute difference between
+their scores. Timings depend on the machine and its
 load; record them together with ``--threads`` and what else was running.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -75,14 +77,21 @@ def factored_per_head(q: torch.Tensor, k: torch.Tensor) -> list[float]:
     return [x for pair in zip(s.head_symmetry, s.head_directionality, strict=True) for x in pair]
 
 
-def median_time(fn: Callable[[], list[float]], repeats: int) -> tuple[float, list[float]]:
-    result = fn()  # warm-up (allocator, MKL thread pool)
-    times = []
+def interleaved_medians(
+    ref: Callable[[], list[float]], fast: Callable[[], list[float]], repeats: int
+) -> tuple[float, float, list[float], list[float]]:
+    """Median wall times of ``ref`` and ``fast``, run alternately so both see the same machine load."""
+    ref_out, fast_out = ref(), fast()  # warm-up (allocator, MKL thread pool)
+    t_ref, t_fast = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        ref_out = ref()
+        t1 = time.perf_counter()
+        fast_out = fast()
+        t2 = time.perf_counter()
+        t_ref.append(t1 - t0)
+        t_fast.append(t2 - t1)
+    return statistics.median(t_ref), statistics.median(t_fast), ref_out, fast_out
 
 
 def main() -> None:
@@ -96,9 +105,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-        f"float32, median of {args.repeats}"
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
+        f"({platform.machine()}), float32, median of {args.repeats}, load average {load:.1f} at start"
     )
     if not args.json:
         print(f"{'shape':<10} {'mode':<9} {'explicit s':>11} {'factored s':>11} {'speed-up':>9} {'max |diff|':>11}")
@@ -108,8 +118,7 @@ def main() -> None:
         k = torch.randn(num_kv, head_dim, d) * 0.02
         for mode in args.modes:
             ref_fn, fast_fn = (explicit_layer, factored_layer) if mode == "layer" else (explicit_per_head, factored_per_head)
-            t_ref, ref = median_time(partial(ref_fn, q, k), args.repeats)
-            t_fast, fast = median_time(partial(fast_fn, q, k), args.repeats)
+            t_ref, t_fast, ref, fast = interleaved_medians(partial(ref_fn, q, k), partial(fast_fn, q, k), args.repeats)
             diff = max(abs(a - b) for a, b in zip(ref, fast, strict=True))
             row = {"shape": name, "mode": mode, "explicit_s": t_ref, "factored_s": t_fast,
                    "speedup": t_ref / t_fast, "max_abs_diff": diff}
