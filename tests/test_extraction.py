@@ -536,6 +536,14 @@ def test_unsupported_fused_projection_points_to_register_adapter() -> None:
         find_attention(nn.Sequential(FusedAttention()))
 
 
+def test_quantized_projection_is_refused_clearly() -> None:
+    model = TinyModel()
+    q = model.blocks[0].my_q
+    q.weight = nn.Parameter(torch.zeros(16, 16, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(UnsupportedModelError, match=r"blocks\.0\.my_q: weight is quantized"):
+        find_attention(model, qk_names=[("my_q", "my_k")])
+
+
 def test_qk_names_for_custom_model() -> None:
     model = TinyModel()
     layers = find_attention(model, qk_names=[("my_q", "my_k")])

@@ -81,10 +81,25 @@ def find_attention(
 ) -> list[AttentionLayer]:
     """One :class:`AttentionLayer` per attention module of ``model``, in module order.
 
-    ``model`` may be wrapped (DDP ``.module``, ``torch.compile``, PEFT). ``qk_names`` adds
-    child-name pairs such as ``[("my_q", "my_k")]`` for custom models; ``adapter`` is tried
-    first on every module (see :func:`register_adapter`). ``groups``/``layers`` filter the
-    result. Raises :class:`UnsupportedModelError` when nothing is recognised.
+    ``model`` may be wrapped (DDP/DeepSpeed ``.module``, ``torch.compile``, PEFT); names
+    are relative to the unwrapped model. ``group`` is ``"self"`` for single-stack models and
+    ``"encoder"``/``"decoder"``/``"cross"`` for encoder-decoder ones (cross-attention is also
+    recognised by name elsewhere); ``layer`` counts within the group. Each record's
+    ``factors()`` gives per-head ``W_q (H, dh, d)`` and ``W_k (Hkv, dh, d)``; query head
+    ``h`` pairs with KV head ``h // (H / Hkv)`` as in transformers' ``repeat_kv``.
+
+    ``qk_names`` adds child-name pairs such as ``[("my_q", "my_k")]`` for custom models;
+    ``adapter`` is tried first on every module (see :func:`register_adapter`).
+    ``groups``/``layers`` filter the result. Raises :class:`UnsupportedModelError`, naming
+    the model class, candidate modules and a call that fixes it, when nothing is recognised.
+    Supported architectures: ``docs/supported-models.md``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaModel
+        >>> model = LlamaModel(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ...                                num_key_value_heads=2, intermediate_size=64, vocab_size=99))
+        >>> [(a.group, a.layer, a.num_heads, a.num_kv_heads, a.head_dim) for a in find_attention(model)]
+        [('self', 0, 4, 2, 8), ('self', 1, 4, 2, 8)]
     """
     root = unwrap(model)
     cfg = config if config is not None else getattr(root, "config", None)

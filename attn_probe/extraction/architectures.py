@@ -1,14 +1,22 @@
 """Architecture knowledge: the one place that knows module names and weight layouts.
 
-Two kinds of layout are recognised:
+An attention module is recognised, in this order, by
 
-* *separate projections*: an attention module with two child projections named like
-  ``(q_proj, k_proj)``, ``(query, key)``, ``(q_lin, k_lin)``, ... (see :data:`SEPARATE_QK_NAMES`);
-* *fused projections*: a single child holding q, k and v, with a layout function per
-  architecture (see :data:`FUSED_LAYOUTS`).
+* a user adapter (:data:`USER_ADAPTERS`, filled by :func:`attn_probe.register_adapter`);
+* *separate projections*: two child projections named like ``(q_proj, k_proj)``,
+  ``(query, key)``, ``(q_lin, k_lin)``, ... (see :data:`SEPARATE_QK_NAMES`);
+* a *fused* layout (:data:`FUSED_LAYOUTS`), one function per family, keyed on the attention
+  class name: ``[q, k, v]`` row blocks (:func:`contiguous_qkv`: GPT-2, Phi-3, MPT, DBRX,
+  ModernBERT, multi-query GPTBigCode/Falcon), per-head ``(H, 3, dh)`` interleave
+  (:func:`interleaved_qkv`: GPT-NeoX, BLOOM, Persimmon, Falcon, GPTBigCode, DeBERTa v1),
+  per-KV-group rows (:func:`grouped_qkv`: Falcon ``new_decoder_architecture``), CodeGen's
+  four ``[q, v, k]`` blocks, and ``torch.nn.MultiheadAttention``.
 
-A projection may be an ``nn.Linear``, a transformers ``Conv1D`` (weight stored ``in x out``)
-or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` is scored).
+A projection may be an ``nn.Linear``, a transformers ``Conv1D`` (weight stored ``in x out``,
+transposed here) or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` is
+scored). Head counts come from module attributes and the config, never from weight shapes
+alone, and every ``split`` reads weights only through its getter. See
+``docs/supported-models.md`` for the tested model types.
 """
 
 from __future__ import annotations
@@ -89,6 +97,12 @@ def projection(module: nn.Module, path: str) -> Projection | None:
 
         return Projection(tuple(names), base.out_features, base.in_features, lora_weight)
     if isinstance(module, nn.Linear):
+        weight = getattr(module, "weight", None)
+        if weight is not None and not weight.is_floating_point():
+            raise UnsupportedModelError(
+                f"{path}: weight is quantized ({type(weight).__name__}, {weight.dtype}); "
+                "attn_probe reads floating-point projection weights only (dequantize or merge first)"
+            )
         name = f"{prefix}weight"
         return Projection((name,), module.out_features, module.in_features, lambda get: get(name))
     if _is_conv1d(module):
