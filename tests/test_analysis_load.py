@@ -245,3 +245,48 @@ def test_missing_pandas_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(MissingExtraError, match=r"attn-probe\[pandas\]"):
         load_trajectory(tmp_path)
+
+
+def test_reads_what_the_live_probe_writes(tmp_path):
+    """End to end with the real probe: both sources agree, and recomputed statistics match
+    the probe's own median/q25/q75 tags."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    import attn_probe
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=20,
+        max_position_embeddings=8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    probe = attn_probe.watch(model, optimizer=opt, log_dir=str(tmp_path / "run"), every=1)
+    for _ in range(3):
+        model(input_ids=torch.randint(0, 30, (2, 8))).last_hidden_state.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    (tmp_path / "events").mkdir()
+    for f in (tmp_path / "run").glob("*tfevents*"):
+        shutil.copy(f, tmp_path / "events" / f.name)
+    from_traj = load_trajectory(tmp_path / "run")
+    from_events = load_trajectory(tmp_path / "events")
+    assert sorted(from_traj["step"].unique()) == [0, 1, 2, 3]
+    assert len(from_traj) == 4 * 3 * 2
+    pd.testing.assert_frame_equal(from_traj.drop(columns=["run", "value"]),
+                                  from_events.drop(columns=["run", "value"]))
+    np.testing.assert_array_equal(from_traj["value"].to_numpy(np.float32), from_events["value"].to_numpy())
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "events"), size_guidance={"scalars": 0})
+    acc.Reload()
+    q = layer_quantiles(from_traj)
+    for stat in ("median", "q25", "q75"):
+        for metric in ("symmetry", "directionality"):
+            logged = {e.step: e.value for e in acc.Scalars(scalar_tag("self", metric, stat=stat))}
+            ours = q[q["metric"] == metric].set_index("step")[stat]
+            for step, v in logged.items():
+                assert ours[step] == pytest.approx(v, abs=1e-6), (stat, metric, step)
