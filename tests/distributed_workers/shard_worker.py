@@ -154,13 +154,13 @@ def run(setup: str, out: Path) -> None:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         model = engine.module  # what a Trainer callback receives: parameters carry ds_*
     else:
         raise SystemExit(f"unknown setup {setup}")
     if engine is None:
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
     received = {}
 
     def full_state_dict() -> dict:
