@@ -212,8 +212,12 @@ def test_mixed_usable_and_unusable_runs_keep_the_usable_one(tmp_path):
     recs = make_records([0, 1], layers=2)
     write_jsonl(tmp_path / "good", recs)
     write_jsonl(tmp_path / "bad", [], extra_lines=["garbage\n"])
-    with pytest.warns(TrajectoryWarning, match="no probe data"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         df = load_trajectory(tmp_path)
+    messages = [str(w.message) for w in caught if issubclass(w.category, TrajectoryWarning)]
+    assert len(messages) == 2
+    assert "skipped 1 corrupt or truncated line" in messages[0] and "no probe data" in messages[1]
     assert df["run"].unique().tolist() == ["good"]
 
 

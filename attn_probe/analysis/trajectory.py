@@ -162,15 +162,16 @@ def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
     for key, root in items:
         if not root.exists():
             raise FileNotFoundError(f"no such directory: {root}")
-        if root.is_file():
+        single = root.is_file()
+        if single:
             if root.name == TRAJECTORY_FILENAME or _is_event_file(root.name):
-                root = root.parent
+                root = root.parent  # that run only, not the directories below it
             else:
                 raise TrajectoryError(
                     f"{root} is a file; expected a run directory (with {TRAJECTORY_FILENAME} "
                     "or TensorBoard event files) or an exported table (.csv, .parquet, .jsonl)"
                 )
-        dirs = [d for d in _run_dirs_below(root) if d.resolve() not in seen]
+        dirs = [d for d in ([root] if single else _run_dirs_below(root)) if d.resolve() not in seen]
         seen.update(d.resolve() for d in dirs)
         for d in dirs:
             if key is None:
