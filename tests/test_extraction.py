@@ -187,6 +187,22 @@ CASES = [
          sep("query|q_proj", "key|k_proj", 8), inputs="image"),
     Case("siglip_vision_model", "SiglipVisionConfig", {**VIT, "vision_use_head": False}, 4, 4, 8, SELF2, sep("q_proj", "k_proj", 8),
          inputs="image"),
+    # vision towers with a fused qkv(x).reshape(..., 3, H, dh)
+    Case("blip_vision_model", "BlipVisionConfig", VIT, 4, 4, 8, SELF2,
+         fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="image", model="BlipVisionModel"),
+    Case("blip_2_vision_model", "Blip2VisionConfig", VIT, 4, 4, 8, SELF2,
+         fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="image", model="Blip2VisionModel"),
+    Case("vitdet", "VitDetConfig", {**VIT, "intermediate_size": None, "mlp_ratio": 2, "pretrain_image_size": 8},
+         4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="image",
+         model="VitDetModel"),
+    # TimeSformer: divided space-time attention, a spatial and a temporal module per layer
+    Case("timesformer", "TimesformerConfig", {**VIT, "num_frames": 2}, 4, 4, 8, {"self": 4},
+         fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="video", model="TimesformerModel"),
+    Case("qwen2_vl-vision", "Qwen2VLVisionConfig",
+         dict(depth=2, embed_dim=32, num_heads=4, hidden_size=32, mlp_ratio=2, patch_size=2, temporal_patch_size=2,
+              spatial_merge_size=1, in_channels=3),
+         4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="qwen2vl",
+         model="transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel"),
     # --- encoder-decoder
     # the paper's setups: BertLMHeadModel as a causal decoder, and a BERT2BERT encoder-decoder
     Case("bert-lm-head-decoder", "BertConfig", {**BERTLIKE, "is_decoder": True}, 4, 4, 8, SELF2,
@@ -315,12 +331,14 @@ def _build(case: Case) -> nn.Module:
     cls = getattr(transformers, case.config, None)
     if cls is None:
         pytest.skip(f"{case.config} is not in transformers {transformers.__version__}")
-    config = cls(**case.kwargs)
+    kwargs = {k: v for k, v in case.kwargs.items() if v is not None}
+    config = cls(**kwargs)
     torch.manual_seed(0)
-    model = getattr(transformers, case.model).from_config(config) if case.model == "AutoModel" else getattr(
-        transformers, case.model
-    )(config)
-    return model.eval()
+    if case.model == "AutoModel":
+        return transformers.AutoModel.from_config(config).eval()
+    module_name, _, name = case.model.rpartition(".")
+    owner = __import__("importlib").import_module(module_name) if module_name else transformers
+    return getattr(owner, name)(config).eval()
 
 
 def _inputs(case: Case, model: nn.Module) -> dict:
@@ -328,6 +346,10 @@ def _inputs(case: Case, model: nn.Module) -> dict:
     ids = torch.randint(3, V, (1, 6), generator=g)
     if case.inputs == "image":
         return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g)}
+    if case.inputs == "video":
+        return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g)}
+    if case.inputs == "qwen2vl":  # 1 frame pair of 2x2 patches, flattened as the processor does
+        return {"hidden_states": torch.randn(4, 3 * 2 * 2 * 2, generator=g), "grid_thw": torch.tensor([[1, 2, 2]])}
     if case.inputs == "encdec":
         return {"input_ids": ids, "decoder_input_ids": ids[:, :4]}
     if case.inputs == "whisper":

@@ -210,11 +210,13 @@ def _class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) ->
     )
 
 
-def _by_class(attn: nn.Module, table: dict[str, str]) -> str | None:
-    """``table[class name]`` for the module's class or its nearest base class listed there."""
+def _by_class(attn: nn.Module, table: dict[str, tuple[str, str | None]]) -> str | None:
+    """The fused child name for the module's class (or nearest listed base class); table values
+    are ``(child, suffix)`` where ``suffix`` must end the defining module's name if not None."""
     for cls in type(attn).__mro__:
-        if cls.__name__ in table:
-            return table[cls.__name__]
+        child, suffix = table.get(cls.__name__, ("", None))
+        if child and (suffix is None or cls.__module__.endswith(suffix)):
+            return child
     return None
 
 
@@ -317,11 +319,12 @@ def _gpt_bigcode_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | N
 
 
 #: Attention classes whose fused projection is per-head interleaved ``(H, 3, dh)``.
-_INTERLEAVED = {
-    "GPTNeoXAttention": "query_key_value",
-    "GPTNeoXJapaneseAttention": "query_key_value",
-    "PersimmonAttention": "query_key_value",
-    "BloomAttention": "query_key_value",
+_INTERLEAVED: dict[str, tuple[str, str | None]] = {
+    "GPTNeoXAttention": ("query_key_value", None),
+    "GPTNeoXJapaneseAttention": ("query_key_value", None),
+    "PersimmonAttention": ("query_key_value", None),
+    "BloomAttention": ("query_key_value", None),
+    "DisentangledSelfAttention": ("in_proj", "deberta.modeling_deberta"),  # DeBERTa v1 only
 }
 
 
@@ -330,8 +333,6 @@ def _interleaved_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | N
     ``in_proj``: the output is viewed as ``(H, 3*dh)`` and chunked, so rows are ``(H, 3, dh)``."""
     config = getattr(attn, "config", None) or config
     name = _by_class(attn, _INTERLEAVED)
-    if name is None and _class_is(attn, "DisentangledSelfAttention", module_suffix="deberta.modeling_deberta"):
-        name = "in_proj"
     if name is None:
         return None
     proj = _child(attn, path, name)
@@ -371,18 +372,32 @@ def _falcon_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     return interleaved_qkv(proj, num_heads, head_dim)
 
 
-#: Attention classes whose fused projection is ``[q | k | v]`` (GQA sizes allowed): class -> child.
-_CONTIGUOUS = {
-    "ModernBertAttention": "Wqkv",
-    "Phi3Attention": "qkv_proj",
-    "MptAttention": "Wqkv",
-    "DbrxAttention": "Wqkv",
+#: Attention classes whose fused projection is ``[q | k | v]`` (GQA sizes allowed):
+#: class name -> (child, defining Python module suffix or None).
+_CONTIGUOUS: dict[str, tuple[str, str | None]] = {
+    "ModernBertAttention": ("Wqkv", None),
+    "Phi3Attention": ("qkv_proj", None),
+    "Phi4MultimodalAttention": ("qkv_proj", None),
+    "MptAttention": ("Wqkv", None),
+    "DbrxAttention": ("Wqkv", None),
+    # vision towers: qkv(x).reshape(..., 3, H, dh)
+    "BlipAttention": ("qkv", None),
+    "Blip2Attention": ("qkv", None),
+    "InstructBlipAttention": ("qkv", None),
+    "InstructBlipVideoAttention": ("qkv", None),
+    "VisionAttention": ("qkv", "qwen2_vl.modeling_qwen2_vl"),
+    "Qwen2_5_VLVisionAttention": ("qkv", None),
+    "Glm4vVisionAttention": ("qkv", None),
+    "VitDetAttention": ("qkv", None),
+    "TimesformerSelfAttention": ("qkv", None),
+    "SamVisionAttention": ("qkv", None),
 }
 
 
 def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """ModernBERT ``Wqkv`` (viewed ``(3, H, dh)``), Phi-3 ``qkv_proj``, MPT/DBRX ``Wqkv``:
-    rows ``[q | k | v]``, each block head-major."""
+    """ModernBERT ``Wqkv`` (viewed ``(3, H, dh)``), Phi-3 ``qkv_proj``, MPT/DBRX ``Wqkv`` and
+    the ``qkv`` of BLIP/Qwen-VL/SAM/ViTDet/TimeSformer vision blocks: rows ``[q | k | v]``,
+    each block head-major."""
     config = getattr(attn, "config", None) or config
     name = _by_class(attn, _CONTIGUOUS)
     proj = _child(attn, path, name) if name else None
@@ -392,14 +407,13 @@ def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | No
     num_heads = _int(
         getattr(attn, "num_heads", None),
         getattr(attn, "n_heads", None),
+        getattr(attn, "num_attention_heads", None),
         getattr(config, "num_attention_heads", None),
         getattr(config, "n_heads", None),
     )
     if head_dim is None and num_heads:
         head_dim = proj.in_features // num_heads
-    if head_dim is None:
-        return None
-    if num_heads is None:
+    if head_dim is None or num_heads is None:
         return None
     num_kv = _int(getattr(attn, "num_key_value_heads", None), getattr(attn, "kv_n_heads", None))
     if num_kv is None:
