@@ -36,11 +36,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .distributed import iter_layer_factors
+from .distributed import is_main_process, iter_layer_factors
 from .extraction import AttentionLayer, find_attention, unwrap
 from .schedules import Schedule, ScheduleLike, as_schedule
 from .scores import factored_scores
 from .sinks import Record, RunInfo, Sink, Snapshot
+from .sinks.tensorboard import writer_log_dir
 from .tags import STATS
 
 __all__ = [
@@ -70,9 +71,8 @@ def default_log_dir() -> str:
 
 
 def default_is_main_process() -> bool:
-    """Rank 0 of the default process group, or True without one."""
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    """Global rank 0 (``torch.distributed``, else the ``RANK`` variable), or True alone."""
+    return is_main_process()
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ class Probe:
         from .sinks.trajectory import TrajectorySink
 
         if writer is not None and log_dir is None:
-            log_dir = writer.log_dir
+            log_dir = writer_log_dir(writer)
         if sinks is None or log_dir is not None or writer is not None:
             log_dir = os.path.expanduser(log_dir if log_dir is not None else default_log_dir())
             _check_log_dir(log_dir)

@@ -24,6 +24,7 @@ from ..tags import PREFIX, STATS, scalar_tag
 from . import RunInfo, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
+           "writer_log_dir",
            "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
@@ -46,6 +47,13 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
             charts[f"{metric}: per layer"] = ["Multiline", [per_layer]]
         layout[f"{PREFIX}/{group}"] = charts
     return layout
+
+
+def writer_log_dir(writer: Any) -> str:
+    """The directory of a ``SummaryWriter`` (torch's or tensorboardX's)."""
+    if hasattr(writer, "get_logdir"):
+        return str(writer.get_logdir())
+    return str(getattr(writer, "log_dir", None) or writer.logdir)
 
 
 def emit_session_start(writer: Any, step: int) -> bool:
@@ -88,7 +96,7 @@ class TensorBoardSink:
                  purge_stale: bool = True) -> None:
         if (log_dir is None) == (writer is None):
             raise ValueError("give exactly one of log_dir= and writer=")
-        self.log_dir = log_dir if log_dir is not None else writer.log_dir
+        self.log_dir = log_dir if log_dir is not None else writer_log_dir(writer)
         self._writer = writer
         self._owned = writer is None
         self._max_queue = max_queue
