@@ -203,6 +203,21 @@ CASES = [
               spatial_merge_size=1, in_channels=3),
          4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="qwen2vl",
          model="transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel"),
+    Case("qwen2_5_vl-vision", "Qwen2_5_VLVisionConfig",
+         dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=37, out_hidden_size=32, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=1, in_channels=3, fullatt_block_indexes=[1], window_size=4),
+         4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="qwen2vl",
+         model="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel"),
+    Case("glm4v-vision", "Glm4vVisionConfig",
+         dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=37, out_hidden_size=32, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=1, in_channels=3, image_size=8),
+         4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="qwen2vl",
+         model="transformers.models.glm4v.modeling_glm4v.Glm4vVisionModel"),
+    Case("sam-vision", "SamVisionConfig",
+         dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+              patch_size=4, mlp_dim=37, global_attn_indexes=[1], window_size=2),
+         4, 4, 8, SELF2, fused("qkv", contiguous(0, 4, 4, 8), contiguous(1, 4, 4, 8)), inputs="image16",
+         model="SamVisionModel"),
     # --- encoder-decoder
     # the paper's setups: BertLMHeadModel as a causal decoder, and a BERT2BERT encoder-decoder
     Case("bert-lm-head-decoder", "BertConfig", {**BERTLIKE, "is_decoder": True}, 4, 4, 8, SELF2,
@@ -346,6 +361,8 @@ def _inputs(case: Case, model: nn.Module) -> dict:
     ids = torch.randint(3, V, (1, 6), generator=g)
     if case.inputs == "image":
         return {"pixel_values": torch.randn(1, 3, 8, 8, generator=g)}
+    if case.inputs == "image16":
+        return {"pixel_values": torch.randn(1, 3, 16, 16, generator=g)}
     if case.inputs == "video":
         return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g)}
     if case.inputs == "qwen2vl":  # 1 frame pair of 2x2 patches, flattened as the processor does
