@@ -150,7 +150,7 @@ def sharding_kind(model: nn.Module) -> str:
 class _Plan:
     layer: AttentionLayer
     refs: dict[str, tuple[nn.Module, str]]  # param name -> (owning module, attribute)
-    units: tuple[nn.Module, ...] = ()  # FSDP1 units owning the q/k params (outermost first)
+    units: tuple[nn.Module, ...] = ()  # FSDP1 units owning the q/k params, in parameter order
 
 
 def _fsdp_owners(model: nn.Module) -> dict[int, nn.Module]:
@@ -205,28 +205,28 @@ def _fsdp1_root_ready(model: nn.Module) -> bool:
     """Make sure FSDP1's lazy init ran from the root (as the first forward would).
 
     Summoning a nested unit first would make that unit believe it is the root. The lazy
-    init is local (no collective). If it cannot be run, snapshots are skipped until the
-    first forward.
+    init is local (no collective) and only run when ``model`` itself is the FSDP root; if it
+    cannot be run, the snapshot is skipped (with a warning) until the first forward.
     """
     fsdp = _fsdp1_class()
-    roots = [m for m in model.modules() if isinstance(m, fsdp)][:1]
-    if not roots:
+    units = [m for m in model.modules() if isinstance(m, fsdp)]
+    if all(getattr(u, "_is_root", None) is not None for u in units):
         return True
-    root = roots[0]
-    if getattr(root, "_is_root", None) is not None:
-        return True
-    try:
-        from torch.distributed.fsdp._runtime_utils import _lazy_init
+    reason = "the model given is not the FSDP root"
+    if isinstance(model, fsdp) and getattr(model, "_is_root", None) is None:
+        try:
+            from torch.distributed.fsdp._runtime_utils import _lazy_init
 
-        _lazy_init(root, root)
-        return True
-    except Exception as exc:  # pragma: no cover - depends on torch internals
-        logger.warning(
-            "attn_probe: FSDP is not initialised yet (no forward pass ran) and its lazy "
-            "init failed (%s); skipping this snapshot. Snapshots work after the first forward.",
-            exc,
-        )
-        return False
+            _lazy_init(model, model)
+            return True
+        except Exception as exc:  # pragma: no cover - depends on torch internals
+            reason = f"its lazy init failed ({type(exc).__name__}: {exc})"
+    logger.warning(
+        "attn_probe: FSDP is not initialised yet (no forward pass ran) and %s; skipping this "
+        "snapshot. Snapshots work after the first forward.",
+        reason,
+    )
+    return False
 
 
 def _fsdp1_gather(stack: contextlib.ExitStack, units: tuple[nn.Module, ...], rank0_only: bool) -> bool:

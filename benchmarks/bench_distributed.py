@@ -43,9 +43,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def launch(args: argparse.Namespace) -> int:
     repo = Path(__file__).resolve().parents[1]
+    # options travel by environment: torchrun would try to parse ``--nproc`` itself
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
+        "BENCH_DISTRIBUTED_ARGS": json.dumps(vars(args)),
         "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [
@@ -56,7 +58,6 @@ def launch(args: argparse.Namespace) -> int:
         f"--nproc_per_node={args.nproc}",
         __file__,
         "--worker",
-        *sys.argv[1:],
     ]
     return subprocess.call(cmd, env=env)
 
@@ -67,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import BertConfig, BertForMaskedLM
 
     from attn_probe import find_attention
-    from attn_probe.distributed import gather_bytes, gather_scores
+    from attn_probe.distributed import gather_bytes, gather_scores, iter_layer_factors
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
     if args.setup == "zero3":
@@ -137,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(2):
         step()
         gather_scores(model, layers)
-    step_times, snap_times = [], []
+    step_times, snap_times, gather_times = [], [], []
     for _ in range(args.repeats):
         dist.barrier()
         t = time.perf_counter()
@@ -148,6 +149,11 @@ def worker(args: argparse.Namespace) -> None:
         rows = gather_scores(model, layers)
         dist.barrier()
         snap_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in iter_layer_factors(model, layers):  # gathers only, no scoring
+            pass
+        dist.barrier()
+        gather_times.append(time.perf_counter() - t)
     if rank == 0:
         step_s, snap_s = statistics.median(step_times), statistics.median(snap_times)
         print(
@@ -164,6 +170,7 @@ def worker(args: argparse.Namespace) -> None:
                     "rows": len(rows or []),
                     "step_ms": round(1e3 * step_s, 2),
                     "snapshot_ms": round(1e3 * snap_s, 2),
+                    "gather_only_ms": round(1e3 * statistics.median(gather_times), 2),
                     "snapshot_over_step": round(snap_s / step_s, 4),
                     "qk_bytes_per_snapshot": 0 if args.setup == "ddp" else gather_bytes(layers),
                     "qk_bytes_per_layer": gather_bytes(layers[:1]),
@@ -177,7 +184,7 @@ def worker(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
-        worker(args)
+        worker(argparse.Namespace(**json.loads(os.environ["BENCH_DISTRIBUTED_ARGS"])))
         return 0
     return launch(args)
 

@@ -46,6 +46,7 @@ SETUPS = {
     "ddp": ("torch", "local", 2),
     "fsdp1": ("torch", "fsdp1", 2),
     "fsdp1_orig": ("torch", "fsdp1", 2),
+    "fsdp1_inner": ("torch", "fsdp1", 2),  # probe given the module inside the FSDP root
     "fsdp2": ("torch", "dtensor", 2),
     "zero2": ("deepspeed", "local", 2),
     "zero3": ("deepspeed", "zero3", 2),
@@ -144,9 +145,14 @@ def scores(out: Path, tag: str) -> dict:
 def test_scores_equal_single_process(runs, setup: str) -> None:
     out = runs(setup)
     for tag in ("init", "step1", "final"):
+        if setup == "fsdp1_inner" and tag == "init":
+            # not the FSDP root and no forward yet: lazy init cannot be run safely -> skipped
+            assert scores(out, tag) == {}
+            continue
         assert_close(scores(out, tag), reference_rows(setup, out / f"ref_{tag}.pt"))
     # training moved the weights: reading stale or initial weights would be caught
-    init, final = scores(out, "init"), scores(out, "final")
+    init = reference_rows(setup, out / "ref_init.pt")
+    final = scores(out, "final")
     assert max(abs(init[k][0] - final[k][0]) for k in init) > 1e-3
 
 
@@ -163,7 +169,7 @@ def test_only_rank0_receives_and_weights_really_sharded(runs, setup: str) -> Non
     local = [r["local_query_numel"] for r in ranks]
     if kind == "local":
         assert local == [full] * nproc
-    elif setup != "fsdp1":  # FSDP1 flat parameters: no per-weight view outside summon
+    elif local[0] is not None:  # None: FSDP1 flat parameters, no per-weight view outside summon
         assert min(local) < full, "the test model was not sharded"
 
 

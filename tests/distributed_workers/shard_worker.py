@@ -109,7 +109,7 @@ def run(setup: str, out: Path) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-    elif setup in ("fsdp1", "fsdp1_orig"):
+    elif setup in ("fsdp1", "fsdp1_orig", "fsdp1_inner"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         from transformers.models.bert.modeling_bert import BertLayer
@@ -182,8 +182,8 @@ def run(setup: str, out: Path) -> None:
         return engine._zero3_consolidated_16bit_state_dict()
 
     def snapshot(tag: str, layers: list[AttentionLayer], save_ref: bool = True) -> None:
-        rows = gather_scores(model, layers, per_head=True)
-        received[tag] = sum(1 for _ in iter_layer_factors(model, layers))
+        rows = gather_scores(probed, layers, per_head=True)
+        received[tag] = sum(1 for _ in iter_layer_factors(probed, layers))
         if rank == 0:
             (out / f"scores_{tag}.json").write_text(json.dumps(rows))
         if save_ref:
@@ -203,7 +203,9 @@ def run(setup: str, out: Path) -> None:
             opt.step()
             opt.zero_grad()
 
-    layers = find_attention(model)
+    # fsdp1_inner: the probe is (wrongly) given the module inside the FSDP root
+    probed = model.module if setup == "fsdp1_inner" else model
+    layers = find_attention(probed)
     snapshot("init", layers)  # before the first forward (FSDP1 lazy init)
     train_step(1)
     snapshot("step1", layers)
@@ -227,16 +229,18 @@ def run(setup: str, out: Path) -> None:
     train_step(2)
     snapshot("final", layers)
     info = world_info()
-    query = layers[0].module.get_submodule(layers[0].param_names[0].rsplit(".", 2)[-2]).weight
-    local = query.to_local() if hasattr(query, "to_local") else query.data
+    local_numel = None  # FSDP1 flat parameters: the per-weight views outside summon are not safe to read
+    if setup not in ("fsdp1", "fsdp1_inner"):
+        query = layers[0].module.get_submodule(layers[0].param_names[0].rsplit(".", 2)[-2]).weight
+        local_numel = (query.to_local() if hasattr(query, "to_local") else query.data).numel()
     (out / f"rank{rank}.json").write_text(
         json.dumps(
             {
                 "received": received,
-                "kind": sharding_kind(model),
+                "kind": sharding_kind(probed),
                 "world": [info.rank, info.world_size],
                 "seconds": time.time() - start,
-                "local_query_numel": local.numel() if setup != "fsdp1" else None,
+                "local_query_numel": local_numel,
             }
         )
     )
