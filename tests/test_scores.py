@@ -223,11 +223,12 @@ def test_shared_query_key_weights_give_symmetry_one(qk):
     got = factored_scores(t, t, per_head=True, dtype=torch.float64)
     assume(np.abs(q).max() > 0)
     assert got.symmetry == pytest.approx(1.0, abs=1e-9)
-    assert got.directionality == 0.0  # rows and columns computed identically: R == C exactly
+    # M = A^T A is symmetric: R == C up to rounding (exactly, on the Gram path)
+    assert got.directionality == pytest.approx(0.0, abs=1e-9)
     for h in range(q.shape[0]):
         if np.abs(q[h]).max() > 0:
             assert got.head_symmetry[h] == pytest.approx(1.0, abs=1e-9)
-            assert got.head_directionality[h] == 0.0
+            assert got.head_directionality[h] == pytest.approx(0.0, abs=1e-9)
 
 
 @SETTINGS
@@ -406,3 +407,24 @@ def test_docstring_examples_run():
     result = doctest.testmod(scores, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("rank_deficient", [False, True], ids=["cholesky", "singular-fallback"])
+def test_large_layer_path_matches_definitions(rank_deficient):
+    """r >= 512 takes the blocked-Gram / Cholesky route (or its fallback for singular B B^T)."""
+    rng = np.random.default_rng(8)
+    num_kv, head_dim, d = 8, 64, 2048
+    q = rng.standard_normal((num_kv * 2, head_dim, d)) * 0.02
+    k = rng.standard_normal((num_kv, head_dim, d)) * 0.02
+    k[..., 3] *= 8
+    if rank_deficient:
+        k[1] = k[0]  # duplicate key head: B B^T singular
+    assert gram_is_cheaper(num_kv * head_dim, d)
+    got = factored_scores(torch.from_numpy(q), torch.from_numpy(k), dtype=torch.float64)
+    m = sum(q[h].T @ k[h // 2] for h in range(num_kv * 2))  # explicit, one head at a time
+    assert got.symmetry == pytest.approx(ref_symmetry(m), abs=1e-9)
+    assert got.directionality == pytest.approx(ref_directionality(m), abs=1e-9)
+    assert got.directionality < -0.3
+    got32 = factored_scores(torch.from_numpy(q).float(), torch.from_numpy(k).float())
+    assert got32.symmetry == pytest.approx(ref_symmetry(m), abs=1e-5)
+    assert got32.directionality == pytest.approx(ref_directionality(m), abs=1e-4)
