@@ -53,6 +53,8 @@ def test_round_trip_is_exact(two_runs, tmp_path, suffix):
     pd.testing.assert_frame_equal(back, df)
     # bit-exact values, NaN where NaN, -0.0 kept as a value equal to 0
     np.testing.assert_array_equal(back["value"].to_numpy(), df["value"].to_numpy())
+    np.testing.assert_array_equal(np.signbit(back["value"].to_numpy()), np.signbit(df["value"].to_numpy()))
+    assert np.signbit(df["value"].to_numpy()).any() and (df["value"] == 5e-324).any()
     assert back["head"].isna().sum() == df["head"].isna().sum() > 0
     assert back["value"].isna().sum() == df["value"].isna().sum() > 0
     # and an exported table loads like a run directory
