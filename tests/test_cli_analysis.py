@@ -166,6 +166,13 @@ def test_mixed_runs_keep_the_usable_ones_with_a_warning(runs, tmp_path, capsys):
     assert "warning:" in err and "no probe data, skipped" in err
 
 
+def test_missing_pandas_is_a_one_line_error(runs, capsys, monkeypatch):
+    root, _ = runs
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    code, _, err = run_cli(capsys, "summary", root)
+    assert code == 2 and "pip install 'attn-probe[pandas]'" in err and "Traceback" not in err
+
+
 def test_subprocess_smoke(runs):
     root, _ = runs
     proc = subprocess.run([sys.executable, "-m", "attn_probe", "summary", str(root)],

@@ -201,7 +201,7 @@ def load_checkpoint(checkpoint: str | os.PathLike) -> nn.Module:
         subs = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file())
         hint = f" (sub-directories with one: {', '.join(subs[:5])})" if subs else ""
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory{hint}")
-    transformers = require("transformers", "demo")
+    import transformers
     config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None

@@ -10,7 +10,8 @@ FORMAT_CHOICES = ("csv", "parquet", "jsonl")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (attn_probe.jsonl or TensorBoard event files), or parents of them")
+                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
+                             "or tables written by export")
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="output file; the format follows its suffix (.csv, .parquet, .jsonl)")
     parser.add_argument("--format", choices=FORMAT_CHOICES, default=None,

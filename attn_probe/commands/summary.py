@@ -7,7 +7,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (attn_probe.jsonl or TensorBoard event files), or parents of them")
+                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
+                             "or tables written by export")
     parser.add_argument("--format", choices=("text", "csv"), default="text",
                         help="plain-text table (default) or CSV on stdout")
     parser.add_argument("--digits", type=int, default=2, help="decimals in the text table (default 2)")
