@@ -157,7 +157,7 @@ def test_scores_equal_single_process(runs, setup: str) -> None:
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
-def test_only_rank0_receives_and_weights_really_sharded(runs, setup: str) -> None:
+def test_rank0_only_receives_all_ranks_on_request_and_weights_sharded(runs, setup: str) -> None:
     out = runs(setup)
     _, kind, nproc = SETUPS[setup]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
@@ -165,6 +165,11 @@ def test_only_rank0_receives_and_weights_really_sharded(runs, setup: str) -> Non
     assert {r["kind"] for r in ranks} == {kind}
     assert ranks[0]["received"]["final"] == 2
     assert all(v == 0 for r in ranks[1:] for v in r["received"].values())
+    assert [r["all_ranks_ok"] for r in ranks] == [[True, False]] * nproc  # rank 1 said "not ok"
+    # rank0_only=False: every rank gets the full factors and the single-process scores
+    want = reference_rows(setup, out / "ref_final.pt")
+    for r in range(nproc):
+        assert_close(keyed(json.loads((out / f"scores_all_rank{r}.json").read_text())), want)
     full = 32 * 32  # W_q of the tiny models: (hidden, hidden)
     local = [r["local_query_numel"] for r in ranks]
     if kind == "local":

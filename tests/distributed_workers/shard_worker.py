@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from attn_probe import find_attention
-from attn_probe.distributed import gather_scores, iter_layer_factors, sharding_kind, world_info
+from attn_probe.distributed import all_ranks_ok, gather_scores, iter_layer_factors, sharding_kind, world_info
 from attn_probe.extraction import AttentionLayer
+from attn_probe.scoring import score_layer
 
 
 def bert():
@@ -228,6 +229,12 @@ def run(setup: str, out: Path) -> None:
 
     train_step(2)
     snapshot("final", layers)
+    # every rank receives the full factors with rank0_only=False
+    rows_here = []
+    for layer, query, key in iter_layer_factors(probed, layers, rank0_only=False):
+        rows_here += score_layer(layer, query, key, per_head=True)
+    (out / f"scores_all_rank{rank}.json").write_text(json.dumps(rows_here))
+    agreed = [all_ranks_ok(True), all_ranks_ok(rank != 1)]
     info = world_info()
     local_numel = None  # FSDP1 flat parameters: the per-weight views outside summon are not safe to read
     if setup not in ("fsdp1", "fsdp1_inner"):
@@ -241,6 +248,7 @@ def run(setup: str, out: Path) -> None:
                 "world": [info.rank, info.world_size],
                 "seconds": time.time() - start,
                 "local_query_numel": local_numel,
+                "all_ranks_ok": agreed,
             }
         )
     )
