@@ -71,7 +71,7 @@ class DemoConfig:
     """Every knob of the demo. The defaults are the measured CPU configuration (see docs)."""
 
     size: str = "mini"
-    steps: int = 600
+    steps: int = 500
     batch_size: int = 16
     seq_len: int = 64
     lr: float = 1e-3
