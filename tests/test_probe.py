@@ -192,3 +192,15 @@ def test_images_are_written(tmp_path):
     assert sorted(ea.Tags()["images"]) == ["attn_probe_heatmap/self/layer_00", "attn_probe_heatmap/self/layer_01"]
     (img,) = ea.Images("attn_probe_heatmap/self/layer_00")
     assert (img.width, img.height) == (16, 16)
+
+
+def test_reusing_a_log_dir_from_step_0_warns(tmp_path):
+    model = tiny_bert()
+    Probe(model, log_dir=str(tmp_path), every=None).close()
+    with pytest.warns(RuntimeWarning, match="already holds a trajectory"):
+        Probe(model, log_dir=str(tmp_path), every=None).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Probe(model, log_dir=str(tmp_path), every=None, start_step=1).close()  # a resume: no warning
+    steps = [r["step"] for r in read_jsonl(tmp_path)]
+    assert steps == sorted(steps) and set(steps) == {0, 1}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import IO
 
 from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
@@ -55,6 +56,13 @@ class TrajectorySink:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if run.resume_step is not None:
             truncate_trajectory(self.path, run.resume_step)
+        elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+            warnings.warn(
+                f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "
+                "and its rows are appended after the old ones. Use a fresh log_dir for a new run.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, snapshot: Snapshot) -> None:
