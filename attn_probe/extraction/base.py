@@ -1,9 +1,12 @@
 """Records describing one attention layer's query/key weights, and how to read them.
 
-An :class:`AttentionLayer` never copies weights. It names the parameters it needs
+An :class:`AttentionLayer` holds no copy of the model. It names the parameters it needs
 (``param_names``, relative to the unwrapped model) and knows how to turn those tensors into
 per-head factors ``W_q: (num_heads, head_dim, d)`` and ``W_k: (num_kv_heads, head_dim, d)``
-(``nn.Linear`` convention: ``q_h = W_q[h] @ x``), so that ``M = sum_h W_q[h]^T W_k[g(h)]``.
+(``nn.Linear`` convention: ``q_h = W_q[h] @ x``), so that ``M = sum_h W_q[h]^T W_k[g(h)]``
+with ``g(h) = h // (num_heads / num_kv_heads)``. The factors are views of the weights, except
+that one layer's factors are materialised when they must be computed (LoRA ``W + s B A``) or
+the query rows are not evenly strided (Falcon ``new_decoder_architecture``, CodeGen).
 Distributed code can gather exactly those parameters and call :meth:`AttentionLayer.factors`
 with the full tensors.
 """
