@@ -495,6 +495,46 @@ def test_group_and_layer_filters() -> None:
     assert "encoder_attn" in cross[0].name
 
 
+def test_xlnet_raw_parameter_projections() -> None:
+    """XLNet's q/k are parameters, not modules: capture the q/k heads the model passes to
+    ``rel_attn_core`` (its content-stream logits are ``q_head . k_head_h`` plus biases)."""
+    if not hasattr(transformers, "XLNetConfig"):
+        pytest.skip("XLNet is not in this transformers")
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=V, d_model=32, n_layer=2, n_head=4, d_inner=37)
+    model = transformers.XLNetModel(config).eval()
+    layers = find_attention(model)
+    assert [(a.name, a.num_heads, a.head_dim, a.param_names) for a in layers] == [
+        (f"layer.{i}.rel_attn", 4, 8, (f"layer.{i}.rel_attn.q", f"layer.{i}.rel_attn.k")) for i in range(2)
+    ]
+    seen: dict[int, dict] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+        mod, store = layer.module, seen.setdefault(i, {})
+        core = mod.rel_attn_core
+
+        def capture_core(q_head, k_head_h, *args, _core=core, _store=store, **kwargs):
+            _store.setdefault("qk", (q_head.detach().double(), k_head_h.detach().double()))
+            return _core(q_head, k_head_h, *args, **kwargs)
+
+        def capture_h(module, args, kwargs, _store=store):
+            _store.setdefault("h", (args[0] if args else kwargs["h"]).detach().double())
+
+        mod.rel_attn_core = capture_core
+        handles.append(mod.register_forward_pre_hook(capture_h, with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(0)))
+    for h in handles:
+        h.remove()
+    for i, layer in enumerate(layers):
+        x = seen[i]["h"].reshape(-1, 32)
+        q, k = (t.reshape(-1, 4, 8) for t in seen[i]["qk"])
+        ref = torch.einsum("nhd,mhd->hnm", q, k)
+        for head in range(4):
+            ours = x @ layer.qk_matrix(head=head) @ x.T
+            assert torch.allclose(ours, ref[head], atol=1e-5 * float(ref.abs().max()))
+
+
 # --------------------------------------------------------------------------- torch MHA and custom models
 def test_subclass_of_a_known_attention_class_is_recognised() -> None:
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention

@@ -464,6 +464,25 @@ def _torch_mha_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | Non
     return QKLayout((q_name, k_name), h, h, dh, d, split)
 
 
+def _xlnet_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """XLNet: ``q``/``k`` are raw parameters ``(d, H, dh)`` used as ``einsum("ibh,hnd->ibnd")``,
+    so ``W_q[n] = q[:, n, :]^T``. Only the content stream's bilinear form is scored (the
+    relative-position and segment terms are not part of ``W_qk``)."""
+    if not _class_is(attn, "XLNetRelativeAttention"):
+        return None
+    num_heads, head_dim, d = (_int(getattr(attn, a, None)) for a in ("n_head", "d_head", "d_model"))
+    if num_heads is None or head_dim is None or d is None:
+        return None
+    prefix = f"{path}." if path else ""
+    q_name, k_name = prefix + "q", prefix + "k"
+
+    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
+        shape = (d, num_heads, head_dim)
+        return get(q_name).reshape(shape).permute(1, 2, 0), get(k_name).reshape(shape).permute(1, 2, 0)
+
+    return QKLayout((q_name, k_name), num_heads, num_heads, head_dim, d, split)
+
+
 #: Fused layouts, tried in order on every module: ``(module, path, config) -> QKLayout | None``.
 #: Each one is keyed narrowly (attention class name) so it never misfires on another model.
 FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
@@ -474,6 +493,7 @@ FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
     _contiguous_layout,
     _codegen_layout,
     _torch_mha_layout,
+    _xlnet_layout,
 ]
 
 
