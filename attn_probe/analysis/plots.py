@@ -1,7 +1,7 @@
 """Figures after the paper: emergent dynamics of the scores, and one layer's W_qk heatmap.
 
 matplotlib is optional (``pip install attn-probe[plot]``) and imported inside the functions,
-with the non-interactive Agg backend unless a figure backend is already in use.
+with the non-interactive Agg backend unless pyplot is already loaded or ``MPLBACKEND`` is set.
 """
 
 from __future__ import annotations
@@ -28,14 +28,21 @@ _LINESTYLES = ("-", "--", ":", "-.")
 
 
 def _pyplot() -> Any:
+    """pyplot on the Agg backend, unless pyplot is already in use or MPLBACKEND picks one
+    (as Jupyter kernels do), so that notebooks keep their inline figures."""
     mpl = require("matplotlib", "plot")
     import sys
 
-    if "matplotlib.pyplot" not in sys.modules:
+    if "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND"):
         mpl.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def use_agg() -> None:
+    """Switch matplotlib to the file-only Agg backend (what the CLI does before drawing)."""
+    require("matplotlib", "plot").use("Agg")
 
 
 def _check_path(path: str | os.PathLike | None) -> None:
@@ -268,14 +275,18 @@ def plot_heatmap(
     from ..scores import directionality_score, symmetry_score
 
     _check_path(path)
+    if not 0 < clip_percentile <= 100:
+        raise ValueError(f"clip_percentile must be in (0, 100], got {clip_percentile}")
+    if vmax is not None and not vmax > 0:
+        raise ValueError(f"vmax must be positive, got {vmax}")
     model = checkpoint if isinstance(checkpoint, nn.Module) else load_checkpoint(checkpoint)
     m, grp = qk_for_layer(model, layer, group, head)
     sym = symmetry_score(m)
     dirn = directionality_score(m)
     plt = _pyplot()
-    arr = m.numpy()
     import numpy as np
 
+    arr = m.numpy()
     finite = np.abs(arr[np.isfinite(arr)])
     if vmax is not None:
         scale = float(vmax)

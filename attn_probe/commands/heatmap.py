@@ -15,17 +15,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head", type=int, default=None, metavar="H",
                         help="one head's W_q^h W_k^h^T instead of the layer sum")
     parser.add_argument("--vmax", type=float, default=None,
-                        help="colour scale [-vmax, vmax] (default: max |W_qk|)")
+                        help="colour scale [-vmax, vmax] (default: a percentile of |W_qk|, see --clip-percentile)")
+    parser.add_argument("--clip-percentile", type=float, default=99.5, metavar="P",
+                        help="default vmax = the P-th percentile of |W_qk|; 100 = max |W_qk| (default: 99.5)")
     parser.add_argument("-o", "--output", required=True, metavar="FIG", help="image file: .png, .pdf or .svg")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
-    from ..analysis.plots import plot_heatmap
+    from ..analysis.plots import plot_heatmap, use_agg
 
     with cli_errors("heatmap"):  # UnsupportedModelError is a ValueError: one line too
+        use_agg()
         fig = plot_heatmap(args.checkpoint, args.layer, group=args.group, head=args.head,
-                           vmax=args.vmax, path=args.output)
+                           vmax=args.vmax, clip_percentile=args.clip_percentile, path=args.output)
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -24,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
-    from ..analysis.plots import plot_dynamics
+    from ..analysis.plots import plot_dynamics, use_agg
 
     with cli_errors("plot"):
+        use_agg()
         fig = plot_dynamics(args.runs, metrics=args.metric, groups=args.group, per_layer=args.per_layer,
                             logx=args.logx, title=args.title, path=args.output)
     import matplotlib.pyplot as plt
