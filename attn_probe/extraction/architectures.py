@@ -289,16 +289,14 @@ def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
         return None
     if getattr(attn, "is_cross_attention", False):
         q = _child(attn, path, "q_attn")
-        if q is None or c_attn.out_features != 2 * q.out_features:
-            return None
+        if q is None or c_attn.out_features != 2 * q.out_features or c_attn.in_features != q.in_features:
+            return None  # (an encoder of another width would make W_qk non-square)
         h, d, q_out = q.out_features // head_dim, q.in_features, q.out_features
 
         def cross_split(get: ParamGetter) -> tuple[Tensor, Tensor]:
             k = c_attn.weight(get)[:q_out]
-            return q.weight(get).reshape(h, head_dim, d), k.reshape(h, head_dim, k.shape[-1])
+            return q.weight(get).reshape(h, head_dim, d), k.reshape(h, head_dim, d)
 
-        if c_attn.in_features != d:
-            return None  # encoder width differs: W_qk would not be square
         return QKLayout(q.param_names + c_attn.param_names, h, h, head_dim, d, cross_split)
     h = c_attn.out_features // (3 * head_dim)
     return contiguous_qkv(c_attn, h, h, head_dim)
