@@ -202,3 +202,27 @@ def test_heatmap_bad_selection(bert_checkpoint, kwargs, match):
     layer = kwargs.pop("layer")
     with pytest.raises(ValueError, match=match):
         plot_heatmap(model, layer, **kwargs)
+
+
+def test_logx_axis_starts_at_zero(runs):
+    root, _ = runs
+    fig = plot_dynamics(root, logx=True)
+    for ax in fig.axes:
+        assert ax.get_xscale() == "symlog" and ax.get_xlim()[0] == 0
+    plt.close(fig)
+
+
+def test_heatmap_of_an_encoder_decoder_needs_a_group():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.T5Model(transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2,
+                                                       num_decoder_layers=2, num_heads=4))
+    with pytest.raises(ValueError, match="choose one with group="):
+        plot_heatmap(model, 1)
+    fig = plot_heatmap(model, 1, group="cross", clip_percentile=100)
+    attn = model.decoder.block[1].layer[1].EncDecAttention
+    ref = attn.q.weight.detach().double().numpy().T @ attn.k.weight.detach().double().numpy()
+    (im,) = fig.axes[0].get_images()
+    np.testing.assert_allclose(np.asarray(im.get_array()), ref, rtol=1e-6, atol=1e-8)
+    assert fig.axes[0].get_title().startswith("cross layer 1:")
+    plt.close(fig)
