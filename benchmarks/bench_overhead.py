@@ -3,8 +3,9 @@
 Runs ``Trainer.train()`` on BertForMaskedLM with the bert-mini shape (4 layers, d=256,
 4 heads) on random tokens, alternating: no callback, ``AttnProbeCallback(every=100)``,
 ``AttnProbeCallback(every=1)``, repeated ``--repeats`` times, and reports the median
-``train_runtime`` ratio against the baseline (goal at every=100: <= 1.02). It also times
-single snapshots directly, which is the noise-free part of the overhead.
+wall time of ``trainer.train()`` against the baseline (goal at every=100: <= 1.02), and the
+CPU-time ratio (steadier than wall time on a shared machine). It also times single
+snapshots directly, the part of the overhead that load does not blur.
 
     python benchmarks/bench_overhead.py --steps 200 --repeats 3
 
@@ -48,7 +49,8 @@ class RandomMLM(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> float:
+def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) of ``trainer.train()``."""
     from transformers import Trainer, TrainingArguments
 
     import attn_probe
@@ -62,9 +64,9 @@ def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> float
     callbacks = [] if every is None else [attn_probe.AttnProbeCallback(every=every, log_dir=os.path.join(workdir, "tb"))]
     trainer = Trainer(model=model, args=targs, train_dataset=RandomMLM(args.steps * args.batch, args.seq, args.vocab),
                       callbacks=callbacks)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def snapshot_cost(args: argparse.Namespace, n: int = 30) -> float:
@@ -89,36 +91,42 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=2000)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads (default 1: on a shared machine OpenMP spinning with more "
+                   "threads than free cores makes steps 10x slower and the timings meaningless; 0 = torch default)")
     p.add_argument("--json", action="store_true", help="print the raw timings as JSON too")
     args = p.parse_args()
-    if args.threads:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
 
     variants = {"baseline": None, "every=100": 100, "every=1": 1}
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     with tempfile.TemporaryDirectory() as root:
         run_once(args, None, os.path.join(root, "warmup"))  # imports, allocator, caches
         for rep in range(args.repeats):
             for name, every in variants.items():  # alternate so drifting load hits all variants
-                t = run_once(args, every, os.path.join(root, f"{name}-{rep}"))
+                t, c = run_once(args, every, os.path.join(root, f"{name}-{rep}"))
                 times[name].append(t)
-                print(f"rep {rep} {name:>10}: {t:7.2f} s", flush=True)
+                cpu[name].append(c)
+                print(f"rep {rep} {name:>10}: {t:7.2f} s wall, {c:7.2f} s CPU", flush=True)
     snap = snapshot_cost(args)
     base = statistics.median(times["baseline"])
+    base_cpu = statistics.median(cpu["baseline"])
     print(f"\nBERT-mini MLM, {args.steps} steps, batch {args.batch} x seq {args.seq}, "
-          f"{torch.get_num_threads()} threads, {args.repeats} alternating repeats")
-    print("| variant | median train() s | ratio vs baseline | per-rep ratios |")
-    print("|---|---|---|---|")
+          f"{torch.get_num_threads()} threads, {args.repeats} alternating repeats, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print("| variant | median wall s | wall ratio | per-rep wall ratios | median CPU s | CPU ratio |")
+    print("|---|---|---|---|---|---|")
     for name in variants:
-        med = statistics.median(times[name])
+        med, med_cpu = statistics.median(times[name]), statistics.median(cpu[name])
         per_rep = ", ".join(f"{t / b:.3f}" for t, b in zip(times[name], times["baseline"], strict=True))
-        print(f"| {name} | {med:.2f} | {med / base:.3f} | {per_rep} |")
+        print(f"| {name} | {med:.2f} | {med / base:.3f} | {per_rep} | {med_cpu:.2f} | {med_cpu / base_cpu:.3f} |")
     step_time = base / args.steps
     print(f"\none snapshot (4 layers, scores + TensorBoard + JSONL): {snap * 1e3:.2f} ms "
           f"= {snap / step_time:.3f} training steps; at every=100 that is {snap / step_time / 100:.4%} extra")
     if args.json:
-        print(json.dumps({"times": times, "snapshot_s": snap, "args": vars(args)}))
+        print(json.dumps({"wall": times, "cpu": cpu, "snapshot_s": snap, "args": vars(args)}))
 
 
 if __name__ == "__main__":
