@@ -162,7 +162,8 @@ def test_two_probes_in_one_process(tmp_path):
     p1.close(), p2.close()
     assert_close_rows(rows_at(read_jsonl(tmp_path / "one"), 0), reference_rows(m1))
     assert_close_rows(rows_at(read_jsonl(tmp_path / "two"), 0), reference_rows(m2))
-    Probe(m2, log_dir=str(tmp_path / "one"), every=None).close()  # free again after close
+    with pytest.warns(RuntimeWarning, match="already holds a trajectory"):  # free again after close
+        Probe(m2, log_dir=str(tmp_path / "one"), every=None).close()
 
 
 def test_layout_names_existing_tags():
