@@ -29,12 +29,13 @@ Degenerate input (see ``docs/scores.md``):
 * any non-finite entry (``nan``/``inf``) or the zero matrix: both scores are ``nan``;
   from factors, a product that is zero up to rounding (``||M||_F^2 <= 16 eps ||A||^2 ||B||^2``)
   also gives ``nan``;
-* ``R + C`` within rounding of zero (``<= sqrt(eps) * mean norm``, ``eps`` of the norms'
-  dtype), e.g. an orthogonal ``M`` whose norms are all equal: directionality ``0``;
+* ``R + C`` within rounding of zero (``<= sqrt(eps) * max(mean r, mean c)``, ``eps`` of
+  the norms' dtype), e.g. an orthogonal ``M`` whose norms are all equal: directionality ``0``;
 * a ``1 x 1`` non-zero matrix: symmetry ``1``, directionality ``0``.
 
-Inputs are rescaled by their largest absolute entry before squaring, so both scores are
-exactly scale-invariant even for entries near the floating-point range limits.
+Explicit matrices are divided by their largest absolute entry before squaring, and factors
+whose values would over- or underflow are rescaled likewise, so both scores are
+scale-invariant even for entries near the floating-point range limits.
 
 The factored functions never form ``d x d`` products when the factors are thin:
 with factors ``A, B`` of shape ``(r, d)`` and ``M = A^T B``,
@@ -71,7 +72,8 @@ __all__ = [
 Tensor = torch.Tensor
 
 #: Cost, in multiply-adds per entry of ``M``, charged to the explicit path for the passes
-#: over the ``d x d`` matrix (memory bound; measured on CPU, see docs/performance.md).
+#: over the ``d x d`` matrix (memory bound). With it a Llama-3-8B layer (r = 1024, d = 4096)
+#: takes the Gram path, which ran about 2x faster than forming M on the 2-core dev CPU.
 EXPLICIT_PASS_COST = 512
 
 

@@ -53,7 +53,10 @@ def _perturb(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def assert_rows_match(got: list[dict], want: list[dict], tol: float = 1e-6) -> None:
+F64 = torch.float64  # float64 on both sides: float32 results may differ with memory alignment
+
+
+def assert_rows_match(got: list[dict], want: list[dict], tol: float = 1e-9) -> None:
     assert [(r["group"], r["layer"], r["head"], r["name"]) for r in got] == [
         (r["group"], r["layer"], r["head"], r["name"]) for r in want
     ]
@@ -92,8 +95,8 @@ def saved_bert(tmp_path_factory):
 def test_checkpoint_scores_equal_in_memory_scores(saved):
     name, model, path = saved
     assert (path / "model.safetensors").is_file()
-    got = score_checkpoint(path, per_head=True, progress=False)
-    want = score_model(model, per_head=True)
+    got = score_checkpoint(path, per_head=True, progress=False, dtype=F64)
+    want = score_model(model, per_head=True, dtype=F64)
     assert_rows_match(got, want)
     groups = {r["group"] for r in got}
     assert groups == ({"encoder", "decoder", "cross"} if name == "t5" else {"self"})
@@ -104,7 +107,8 @@ def test_sharded_checkpoint(tmp_path):
     model.save_pretrained(tmp_path, max_shard_size=20_000)
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
-    assert_rows_match(score_checkpoint(tmp_path, per_head=True), score_model(model, per_head=True))
+    got = score_checkpoint(tmp_path, per_head=True, dtype=F64)
+    assert_rows_match(got, score_model(model, per_head=True, dtype=F64))
 
 
 def test_pickle_bin_checkpoint(tmp_path):
@@ -112,7 +116,7 @@ def test_pickle_bin_checkpoint(tmp_path):
     model.config.architectures = ["GPT2LMHeadModel"]
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    assert_rows_match(score_checkpoint(tmp_path), score_model(model))
+    assert_rows_match(score_checkpoint(tmp_path, dtype=F64), score_model(model, dtype=F64))
 
 
 def _set_architectures(path: Path, archs: list[str] | None) -> None:
@@ -134,13 +138,13 @@ def test_key_prefixes_differ_from_skeleton(tmp_path, saved_cls, archs):
     model = _perturb(_bert(saved_cls))
     model.save_pretrained(tmp_path)
     _set_architectures(tmp_path, archs)
-    got = score_checkpoint(tmp_path, per_head=True)
-    want = score_model(model, per_head=True)
+    got = score_checkpoint(tmp_path, per_head=True, dtype=F64)
+    want = score_model(model, per_head=True, dtype=F64)
     assert len(got) == len(want)  # names may carry the prefix of a different class
     for g, w in zip(got, want, strict=True):
         assert g["name"].endswith(w["name"].removeprefix("bert.")) and g["head"] == w["head"]
-        assert g["symmetry"] == pytest.approx(w["symmetry"], abs=1e-6)
-        assert g["directionality"] == pytest.approx(w["directionality"], abs=1e-6)
+        assert g["symmetry"] == pytest.approx(w["symmetry"], abs=1e-9)
+        assert g["directionality"] == pytest.approx(w["directionality"], abs=1e-9)
 
 
 def test_reads_only_query_and_key_tensors(tmp_path):
@@ -150,7 +154,7 @@ def test_reads_only_query_and_key_tensors(tmp_path):
     state = model.state_dict()
     save_file({n: state[n].contiguous() for n in names}, str(tmp_path / "model.safetensors"))
     model.config.save_pretrained(tmp_path)
-    assert_rows_match(score_checkpoint(tmp_path), score_model(model))
+    assert_rows_match(score_checkpoint(tmp_path, dtype=F64), score_model(model, dtype=F64))
     # ... and a missing one is a clear error
     save_file({n: state[n].contiguous() for n in names[1:]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="no tensor in the checkpoint"):
@@ -161,9 +165,9 @@ def test_filters_and_summary(saved_t5):
     model, path = saved_t5
     rows = score_checkpoint(path, groups=["cross"], layers=[1])
     assert [(r["group"], r["layer"]) for r in rows] == [("cross", 1)]
-    summary = summarize_rows(score_checkpoint(path, per_head=True))
+    summary = summarize_rows(score_checkpoint(path, per_head=True, dtype=F64))
     assert [s["group"] for s in summary] == ["encoder", "decoder", "cross"]
-    enc = [r["symmetry"] for r in score_model(model) if r["group"] == "encoder"]
+    enc = [r["symmetry"] for r in score_model(model, dtype=F64) if r["group"] == "encoder"]
     assert summary[0]["layers"] == 2
     assert summary[0]["symmetry_median"] == pytest.approx(sum(enc) / 2, abs=1e-9)  # median of two
     assert summary[0]["symmetry_q25"] <= summary[0]["symmetry_median"] <= summary[0]["symmetry_q75"]
@@ -233,9 +237,9 @@ def _minilm_dir() -> Path:
 
 def test_real_minilm_checkpoint():
     path = _minilm_dir()
-    got = score_checkpoint(path, per_head=True)
+    got = score_checkpoint(path, per_head=True, dtype=F64)
     model = transformers.AutoModel.from_pretrained(str(path)).eval()  # loaded the ordinary way
-    assert_rows_match(got, score_model(model, per_head=True))
+    assert_rows_match(got, score_model(model, per_head=True, dtype=F64))
     (summary,) = summarize_rows(got)
     assert summary["group"] == "self" and summary["layers"] == 6
     # a trained encoder: clearly symmetric (random init gives ~0), directionality near 0

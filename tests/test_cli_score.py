@@ -59,8 +59,10 @@ def test_json_rows(bert_dir, capsys, extra):
     assert len(rows) == len(want) == (3 * 5 if "--per-head" in extra else 3)
     for got, ref in zip(rows, want, strict=True):
         assert (got["group"], got["layer"], got["head"], got["name"]) == (ref["group"], ref["layer"], ref["head"], ref["name"])
-        assert _close(got["symmetry"], ref["symmetry"], 1e-9)
-        assert _close(got["directionality"], ref["directionality"], 1e-9)
+        # float32 on both sides, on differently aligned copies of the weights: MKL may round
+        # differently, and directionality of a 32 x 32 head amplifies that
+        assert _close(got["symmetry"], ref["symmetry"], 1e-5)
+        assert _close(got["directionality"], ref["directionality"], 1e-4)
 
 
 @pytest.mark.parametrize("case", ["missing", "no-config", "unknown-type"])
