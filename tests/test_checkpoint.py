@@ -119,6 +119,21 @@ def test_pickle_bin_checkpoint(tmp_path):
     assert_rows_match(score_checkpoint(tmp_path, dtype=F64), score_model(model, dtype=F64))
 
 
+def test_sharded_pickle_bin_checkpoint(tmp_path):
+    model = _perturb(_llama_gqa())
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    state = model.state_dict()
+    keys = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, part in shards.items():
+        torch.save({k: state[k] for k in part}, tmp_path / name)
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    got = score_checkpoint(tmp_path, per_head=True, dtype=F64)
+    assert_rows_match(got, score_model(model, per_head=True, dtype=F64))
+
+
 def _set_architectures(path: Path, archs: list[str] | None) -> None:
     cfg = json.loads((path / "config.json").read_text())
     if archs is None:
