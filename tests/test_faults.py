@@ -146,3 +146,27 @@ def test_unwritable_log_dir_fails_at_start(tmp_path):
         ro.mkdir(mode=0o500)
         with pytest.raises(LogDirError):
             Probe(tiny_bert(), log_dir=str(ro / "x"))
+
+
+def test_plain_loop_resume_with_start_step_purges_stale_steps(tmp_path):
+    def train(probe_kwargs, steps, seed):
+        model = tiny_bert(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with attn_probe.watch(model, optimizer=opt, log_dir=str(tmp_path), every=1, **probe_kwargs):
+            for i in range(steps):
+                ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+    train({}, 4, seed=0)  # steps 0..4, then "crash"
+    train({"start_step": 2}, 2, seed=1)  # resume at step 2 with other weights: steps 2..4 again
+    rows = jsonl(tmp_path)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and len(rows) == 5 * 2 * 2
+    ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    ea.Reload()
+    events = ea.Scalars("attn_probe/self/symmetry/layer_00")
+    assert [e.step for e in events] == [0, 1, 2, 3, 4]
+    resumed = {r["step"]: r["value"] for r in rows if r["layer"] == 0 and r["metric"] == "symmetry"}
+    assert [e.value for e in events] == pytest.approx([resumed[s] for s in range(5)], abs=1e-6)
