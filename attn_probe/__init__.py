@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .extraction import AttentionLayer, UnsupportedModelError, find_attention, register_adapter
+from .extraction import (
+    AttentionLayer,
+    UnsupportedModelError,
+    find_attention,
+    register_adapter,
+    unregister_adapter,
+)
 from .scores import directionality_score, factored_scores, symmetry_score
 from .scoring import score_model
 
@@ -24,6 +30,7 @@ __all__ = [
     "register_adapter",
     "score_model",
     "symmetry_score",
+    "unregister_adapter",
     "__version__",
 ]
 
@@ -40,6 +47,10 @@ _LAZY = {
     "plot_dynamics": ("attn_probe.analysis.plots", "plot_dynamics"),
     "plot_heatmap": ("attn_probe.analysis.plots", "plot_heatmap"),
     "score_checkpoint": ("attn_probe.checkpoint", "score_checkpoint"),
+    "CheckpointError": ("attn_probe.checkpoint", "CheckpointError"),
+    "LogDirError": ("attn_probe.probe", "LogDirError"),
+    "read_table": ("attn_probe.analysis.trajectory", "read_table"),
+    "layer_quantiles": ("attn_probe.analysis.summary", "layer_quantiles"),
     "symmetric_init_": ("attn_probe.intervention", "symmetric_init_"),
 }
 

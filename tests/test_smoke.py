@@ -9,3 +9,17 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_every_public_name_resolves():
+    import attn_probe
+
+    for name in dir(attn_probe):
+        assert getattr(attn_probe, name) is not None, name
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "attn_probe", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for command in ("score", "export", "plot", "summary", "heatmap", "demo"):
+        assert command in out.stdout
