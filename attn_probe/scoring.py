@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ def score_layer(
     base = {"group": layer.group, "layer": layer.layer, "name": layer.name}
     rows = [{**base, "head": None, "symmetry": s.symmetry, "directionality": s.directionality}]
     if per_head:
-        for h, (sym, dirn) in enumerate(zip(s.head_symmetry, s.head_directionality)):
+        for h, (sym, dirn) in enumerate(zip(s.head_symmetry or [], s.head_directionality or [], strict=True)):
             rows.append({**base, "head": h, "symmetry": sym, "directionality": dirn})
     return rows
 
