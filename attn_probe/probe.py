@@ -4,9 +4,9 @@ A :class:`Probe` holds the attention layers found at attach time, a step counter
 and its sinks. At a snapshot it reads every layer's factors through
 :func:`attn_probe.distributed.iter_layer_factors` (on every rank, same order, exhausted),
 computes the scores on the weights' own device under ``no_grad``
-(:func:`attn_probe.scores.factored_scores`: no ``d x d`` product for thin factors, one small
-transfer to the host per layer) and hands plain numbers to the sinks on the main process
-only.
+(:func:`attn_probe.scores.factored_scores_tensor`: no ``d x d`` product for thin factors, the
+results stay on the device) and moves every layer's scores to the host in one transfer per
+snapshot; the sinks get plain numbers, on the main process only.
 
 Counting (:func:`watch`):
 
@@ -39,7 +39,7 @@ from torch import nn
 from .distributed import is_main_process, iter_layer_factors
 from .extraction import AttentionLayer, find_attention, unwrap
 from .schedules import Schedule, ScheduleLike, as_schedule
-from .scores import factored_scores
+from .scores import factored_scores_tensor
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.tensorboard import writer_log_dir
 from .tags import STATS
@@ -103,12 +103,8 @@ class QKPair:
 
     def score(self, layer: AttentionLayer, query: Tensor, key: Tensor, *,
               per_head: bool, num_std: float) -> Tensor:
-        s = factored_scores(query, key, per_head=per_head, num_std=num_std)
-        sym, dirn = [s.symmetry], [s.directionality]
-        if per_head:
-            sym += s.head_symmetry or []
-            dirn += s.head_directionality or []
-        return torch.tensor([sym, dirn], dtype=torch.float64)
+        # stays on the weights' device: the probe moves every layer's values in one transfer
+        return factored_scores_tensor(query, key, per_head=per_head, num_std=num_std)
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ __all__ = [
     "FactoredScores",
     "pair_kv_heads",
     "gram_is_cheaper",
+    "factored_scores_tensor",
 ]
 
 Tensor = torch.Tensor
@@ -136,7 +137,7 @@ def _directionality_batch(rows: Tensor, cols: Tensor, num_std: float, rtol: floa
     finite = torch.isfinite(rows).all(-1) & torch.isfinite(cols).all(-1)
     zero = (rows.abs().amax(-1) == 0) & (cols.abs().amax(-1) == 0)
     if n < 2 or cols.shape[-1] < 2:  # unbiased std undefined: no row or column stands out
-        out = torch.zeros(rows.shape[:-1], dtype=torch.float64)
+        out = torch.zeros(rows.shape[:-1], dtype=torch.float64, device=rows.device)
     else:
         r = torch.nan_to_num(rows)
         c = torch.nan_to_num(cols)
@@ -302,21 +303,21 @@ def _triu_colsq(u: Tensor, x: Tensor, block: int = 256) -> Tensor:
     return out
 
 
-def _quadratic_diag(gram: Tensor, x: Tensor) -> Tensor:
+def _quadratic_diag(gram: Tensor, x: Tensor, allow_sync: bool = True) -> Tensor:
     """``diag(x^T G x)`` for a Gram matrix ``G (r, r)`` and ``x (r, d)``: squared norms of rows of ``x^T B``.
 
     For large ``r`` this is ``||L^T x_j||^2`` with the Cholesky factor ``G = L L^T``
     (backward stable; the triangular product costs ~0.6x a full one); a numerically singular
     ``G`` falls back to ``(G x) * x``. The Cholesky check is one host sync.
     """
-    if gram.shape[-1] >= 512:
+    if allow_sync and gram.shape[-1] >= 512:
         chol, info = torch.linalg.cholesky_ex(gram)
         if int(info) == 0:
             return _triu_colsq(chol.mT, x)
     return ((gram @ x) * x).sum(-2)
 
 
-def _products(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+def _products(a: Tensor, b: Tensor, allow_sync: bool = True) -> tuple[Tensor, ...]:
     """For ``M_{g,j} = A_{g,j}^T B_g`` with ``a (n, G, r, d)``, ``b (n, r, d)``: every head at once.
 
     Returns ``<M, M^T>``, ``||M||^2``, ``||A||^2`` (each ``(n, G)``), ``||B||^2`` (``(n, 1)``)
@@ -335,8 +336,8 @@ def _products(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
             (gram_a * gram_b).sum(),
             gram_a.diagonal().sum(),
             gram_b.diagonal().sum(),
-            _quadratic_diag(gram_b, a2).clamp_min(0).sqrt(),
-            _quadratic_diag(gram_a, b2).clamp_min(0).sqrt(),
+            _quadratic_diag(gram_b, a2, allow_sync).clamp_min(0).sqrt(),
+            _quadratic_diag(gram_a, b2, allow_sync).clamp_min(0).sqrt(),
         ]
         return tuple(t.reshape(1, 1) if t.ndim == 0 else t.reshape(1, 1, d) for t in out)
     if gram_is_cheaper(r, d):
@@ -458,3 +459,47 @@ def factored_scores(
                 q.reshape(num_kv, group, head_dim, d), k, num_std, dtype, per_matrix=True
             )
     return out
+
+
+def _scores_on_device(products: tuple[Tensor, ...], num_std: float, dtype: torch.dtype) -> Tensor:
+    """``(2, ...)`` float64 tensor of (symmetry, directionality), computed where ``products`` live."""
+    trace_mm, frob_sq, a_sq, b_sq, rows, cols = (t.to(torch.float64) for t in products)
+    eps = torch.finfo(dtype).eps
+    valid = torch.isfinite(frob_sq) & (frob_sq > 16 * eps * a_sq * b_sq)
+    sym = (trace_mm / torch.where(valid, frob_sq, 1.0)).clamp(-1.0, 1.0)
+    sym = torch.where(valid, sym, float("nan"))
+    dirn = _directionality_batch(rows, cols, num_std, math.sqrt(eps))
+    return torch.stack([sym, torch.where(valid, dirn, float("nan"))])
+
+
+def factored_scores_tensor(
+    query: Tensor,
+    key: Tensor,
+    *,
+    per_head: bool = False,
+    num_std: float = 2.0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """:func:`factored_scores` without any device-to-host transfer, for the live probe.
+
+    Returns a float64 tensor ``(2, 1 + num_heads * per_head)`` on the factors' device: row 0
+    symmetry, row 1 directionality; column 0 the layer matrix, then one column per head.
+    Factors are always rescaled by their largest entry first (the scores are scale-invariant),
+    so no host-side range check is needed; the Cholesky route of large layers is not taken.
+    A caller moves many layers' results to the host in one transfer.
+    """
+    num_heads, num_kv, head_dim, d = _check_factors(query, key)
+    num_std = _check_num_std(num_std)
+    group = num_heads // num_kv
+    with torch.no_grad():
+        q = query.detach().to(dtype)
+        k = key.detach().to(dtype)
+        q_grouped = q.reshape(num_kv, group, head_dim, d).sum(1) if group > 1 else q
+        a = _scale(q_grouped.reshape(1, 1, num_kv * head_dim, d), (0, 1, 2, 3))
+        b = _scale(k.reshape(1, num_kv * head_dim, d), (0, 1, 2))
+        columns = [_scores_on_device(_products(a, b, allow_sync=False), num_std, dtype).reshape(2, 1)]
+        if per_head:
+            a = _scale(q.reshape(num_kv, group, head_dim, d), (-1, -2))
+            b = _scale(k, (-1, -2))
+            columns.append(_scores_on_device(_products(a, b, allow_sync=False), num_std, dtype).reshape(2, -1))
+        return torch.cat(columns, 1)

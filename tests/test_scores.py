@@ -428,3 +428,22 @@ def test_large_layer_path_matches_definitions(rank_deficient):
     got32 = factored_scores(torch.from_numpy(q).float(), torch.from_numpy(k).float())
     assert got32.symmetry == pytest.approx(ref_symmetry(m), abs=1e-5)
     assert got32.directionality == pytest.approx(ref_directionality(m), abs=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 8, 64), (4, 4, 16, 32), (6, 1, 4, 12)], ids=["gqa", "mha", "mqa"])
+def test_device_tensor_variant_matches_explicit_definitions(shape):
+    """factored_scores_tensor (used by the live probe) against explicit d x d matrices."""
+    from attn_probe.scores import factored_scores_tensor
+
+    H, Hk, dh, d = shape
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(H, dh, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(Hk, dh, d, generator=gen, dtype=torch.float64)
+    out = factored_scores_tensor(q, k, per_head=True, dtype=torch.float64)
+    heads = [q[h].T @ k[h // (H // Hk)] for h in range(H)]
+    mats = [sum(heads)] + heads
+    expected_sym = [symmetry_score(m) for m in mats]
+    expected_dir = [directionality_score(m) for m in mats]
+    assert out.shape == (2, 1 + H)
+    assert torch.allclose(out[0], torch.tensor(expected_sym, dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(out[1], torch.tensor(expected_dir, dtype=torch.float64), atol=1e-9)
