@@ -21,6 +21,7 @@ import torch
 
 from .extraction import AttentionLayer, UnsupportedModelError, find_attention
 from .scoring import Row, score_layer
+from .tags import layer_stats
 
 __all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights"]
 
@@ -247,19 +248,11 @@ def score_checkpoint(
     return rows
 
 
-def _quantiles(values: list[float]) -> tuple[float, float, float]:
-    finite = torch.tensor([v for v in values if v is not None and math.isfinite(v)], dtype=torch.float64)
-    if finite.numel() == 0:
-        return (math.nan, math.nan, math.nan)
-    q = torch.quantile(finite, torch.tensor([0.5, 0.25, 0.75], dtype=torch.float64))
-    return (float(q[0]), float(q[1]), float(q[2]))
-
-
 def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
     """Paper-style summary: per group, median and interquartile range across layers.
 
-    Uses the layer-level rows (``head is None``); quantiles interpolate linearly and skip
-    ``nan``. One dict per group (in order of appearance) with ``group``, ``layers`` and
+    Uses the layer-level rows (``head is None``) and :func:`attn_probe.tags.layer_stats`
+    (quantiles interpolate linearly and skip ``nan``). One dict per group (in order of appearance) with ``group``, ``layers`` and
     ``{score}_median``, ``{score}_q25``, ``{score}_q75`` for both scores.
     """
     by_group: dict[str, list[Row]] = {}
@@ -270,7 +263,7 @@ def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
     for group, items in by_group.items():
         entry: dict[str, Any] = {"group": group, "layers": len(items)}
         for score in ("symmetry", "directionality"):
-            med, q25, q75 = _quantiles([r[score] for r in items])
-            entry.update({f"{score}_median": med, f"{score}_q25": q25, f"{score}_q75": q75})
+            stats = layer_stats(r[score] for r in items)
+            entry.update({f"{score}_{stat}": value for stat, value in stats.items()})
         out.append(entry)
     return out

@@ -6,15 +6,23 @@
 
 ``metric`` is ``symmetry`` or ``directionality`` for W_qk; other weight pairs add metrics with
 a prefix (e.g. ``vo_symmetry``) without changing the grammar.
+
+The across-layer statistics are defined here too (:data:`STAT_QUANTILES`,
+:func:`layer_stats`), so that the probe, the checkpoint summary and the post-hoc readers
+compute the same numbers.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PREFIX = "attn_probe"
 STATS = ("median", "q25", "q75")
+#: quantile level of each across-layer statistic (linear interpolation, numpy's default)
+STAT_QUANTILES: dict[str, float] = {"median": 0.5, "q25": 0.25, "q75": 0.75}
 METRICS = ("symmetry", "directionality")
 
 _TAG = re.compile(
@@ -59,3 +67,23 @@ def parse_tag(tag: str) -> TagParts | None:
         head=int(head) if head is not None else None,
         stat=m.group("stat"),
     )
+
+
+def layer_stats(values: Iterable[float | None]) -> dict[str, float]:
+    """``{stat: value}`` for every stat of :data:`STATS` over the finite ``values``.
+
+    Quantiles interpolate linearly between order statistics; ``None``/NaN/inf values are
+    left out, and every stat is NaN when no value is finite.
+
+    Example:
+        >>> layer_stats([1.0, 4.0, float("nan"), 2.0, 3.0])
+        {'median': 2.5, 'q25': 1.75, 'q75': 3.25}
+    """
+    import numpy as np
+
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return dict.fromkeys(STATS, math.nan)
+    qs = np.quantile(arr, [STAT_QUANTILES[s] for s in STATS])
+    return {s: float(q) for s, q in zip(STATS, qs, strict=True)}

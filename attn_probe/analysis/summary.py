@@ -1,7 +1,8 @@
 """Across-layer statistics of a trajectory: median and interquartile range per step.
 
 The paper reports one score per layer (the layer-level matrix ``M = sum_h W_q^h W_k^h^T``),
-summarised by the median and the 25th/75th percentiles across layers. Quantiles use linear
+summarised by the median and the 25th/75th percentiles across layers, as defined once in
+:data:`attn_probe.tags.STAT_QUANTILES` / :func:`attn_probe.tags.layer_stats`: linear
 interpolation between order statistics (numpy's default); NaN layers are left out.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..tags import STAT_QUANTILES, STATS
 from .trajectory import TrajectoryError, _pandas, as_frame
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,15 +30,11 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
     layer_rows = df[df["head"].isna() & df["value"].notna()]
     keys = ["run", "group", "metric", "step"]
     if layer_rows.empty:
-        return pd.DataFrame(columns=[*keys, "median", "q25", "q75", "layers"])
+        return pd.DataFrame(columns=[*keys, *STATS, "layers"])
     g = layer_rows.groupby(keys, sort=True)["value"]
-    out = pd.DataFrame({
-        "median": g.median(),
-        "q25": g.quantile(0.25),
-        "q75": g.quantile(0.75),
-        "layers": g.size(),
-    }).reset_index()
-    return out
+    # vectorised form of tags.layer_stats (pandas' quantile interpolates linearly too)
+    columns = {stat: g.quantile(STAT_QUANTILES[stat]) for stat in STATS}
+    return pd.DataFrame({**columns, "layers": g.size()}).reset_index()
 
 
 def summarize(df_or_runs: Any) -> pd.DataFrame:
