@@ -42,7 +42,7 @@ from .schedules import Schedule, ScheduleLike, as_schedule
 from .scores import factored_scores_tensor
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.tensorboard import writer_log_dir
-from .tags import STATS
+from .tags import layer_stats
 
 __all__ = [
     "Probe",
@@ -411,15 +411,9 @@ class Probe:
         for r in records:
             if r.head is None:
                 by_key.setdefault((r.group, r.metric), []).append(r.value)
-        out: dict[tuple[str, str, str], float] = {}
-        for (group, metric), vals in by_key.items():
-            arr = np.asarray(vals, dtype=np.float64)
-            arr = arr[np.isfinite(arr)]
-            qs = np.quantile(arr, [0.5, 0.25, 0.75]) if arr.size else [math.nan] * 3
-            for stat, q in zip(("median", "q25", "q75"), qs, strict=True):
-                assert stat in STATS
-                out[(group, metric, stat)] = float(q)
-        return out
+        return {(group, metric, stat): value
+                for (group, metric), vals in by_key.items()
+                for stat, value in layer_stats(vals).items()}
 
     # -- public ------------------------------------------------------------------------------
 
