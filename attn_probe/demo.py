@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 import time
@@ -71,7 +70,7 @@ class DemoConfig:
     """Every knob of the demo. The defaults are the measured CPU configuration (see docs)."""
 
     size: str = "mini"
-    steps: int = 500
+    steps: int = 700
     batch_size: int = 16
     seq_len: int = 64
     lr: float = 1e-3
@@ -124,13 +123,19 @@ class ModelResult:
     rows: list[dict[str, Any]]
     seconds: float
 
+    def _stats(self, metric: str) -> dict[str, float]:
+        from .tags import layer_stats
+
+        return layer_stats(float(r[metric]) for r in self.rows if r["head"] is None)
+
     def median(self, metric: str) -> float:
-        values = sorted(float(r[metric]) for r in self.rows if r["head"] is None)
-        return _quantile(values, 0.5)
+        """Median across layers of the final layer-level score."""
+        return self._stats(metric)["median"]
 
     def quartiles(self, metric: str) -> tuple[float, float]:
-        values = sorted(float(r[metric]) for r in self.rows if r["head"] is None)
-        return _quantile(values, 0.25), _quantile(values, 0.75)
+        """``(q25, q75)`` across layers of the final layer-level score."""
+        stats = self._stats(metric)
+        return stats["q25"], stats["q75"]
 
 
 @dataclass
@@ -139,15 +144,6 @@ class DemoResult:
     models: dict[str, ModelResult]
     figure: Path | None
     config: DemoConfig
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default) of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    pos = q * (len(sorted_values) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 # --------------------------------------------------------------------------- text
