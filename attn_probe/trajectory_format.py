@@ -18,9 +18,11 @@ TRAJECTORY_FILENAME = "attn_probe.jsonl"
 FIELDS = ("step", "wall_time", "group", "layer", "head", "metric", "value")
 
 
-def encode_value(value: float) -> float | None:
+def encode_value(value: float | None) -> float | None:
+    """A value as written to JSON: ``null`` (``None``) for NaN, inf and ``None``."""
     return None if value is None or not math.isfinite(value) else float(value)
 
 
 def decode_value(value: Any) -> float:
+    """Inverse of :func:`encode_value`: ``null`` reads back as NaN."""
     return float("nan") if value is None else float(value)

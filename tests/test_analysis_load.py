@@ -294,3 +294,18 @@ def test_reads_what_the_live_probe_writes(tmp_path):
             ours = q[q["metric"] == metric].set_index("step")[stat]
             for step, v in logged.items():
                 assert ours[step] == pytest.approx(v, abs=1e-6), (stat, metric, step)
+
+
+def test_writer_and_reader_agree_on_what_an_event_file_is(tmp_path):
+    """The sink's resume check (has_event_files) and the reader's run discovery share one rule."""
+    from attn_probe.sinks.tensorboard import has_event_files
+
+    events = tmp_path / "events"
+    write_events(events, make_records([0], layers=1))
+    (tmp_path / "empty").mkdir()
+    nested = tmp_path / "nested"
+    write_events(nested / "sub", make_records([0], layers=1))
+    assert has_event_files(str(events)) and not has_event_files(str(tmp_path / "empty"))
+    assert not has_event_files(str(nested))  # only the directory itself counts
+    assert not has_event_files(str(tmp_path / "missing"))
+    assert {d.name for _, d in find_runs(tmp_path)} == {"events", "sub"}

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from attn_probe import score_model
 from attn_probe.cli import main
@@ -98,3 +99,21 @@ def test_subprocess_smoke(bert_dir, tmp_path):
     assert bad.returncode != 0
     assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
     assert "no such file or directory" in bad.stderr
+
+
+def test_json_writes_undefined_scores_as_null(tmp_path, capsys):
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=37, max_position_embeddings=32, vocab_size=64)
+    model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.query.weight.zero_()  # M = 0: both scores undefined
+    model.save_pretrained(tmp_path / "zero")
+    capsys.readouterr()  # drop what saving printed
+    assert main(["score", str(tmp_path / "zero"), "--json"]) == 0
+
+    def no_constants(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    rows = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+    assert (rows[0]["symmetry"], rows[0]["directionality"]) == (None, None)
+    assert isinstance(rows[1]["symmetry"], float) and rows[1]["layer"] == 1 and rows[1]["head"] is None

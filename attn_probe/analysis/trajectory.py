@@ -17,15 +17,15 @@ pandas (and pyarrow for Parquet) are optional: ``pip install attn-probe[pandas]`
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..sinks.tensorboard import has_event_files, is_event_file
 from ..tags import parse_tag
-from ..trajectory_format import TRAJECTORY_FILENAME, decode_value
+from ..trajectory_format import TRAJECTORY_FILENAME, decode_value, encode_value
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -87,12 +87,6 @@ def _pandas() -> Any:
 # --------------------------------------------------------------------------- discovery
 
 
-def _is_event_file(name: str) -> bool:
-    return "tfevents" in name
-
-
-def _has_events(path: Path) -> bool:
-    return any(_is_event_file(p.name) and p.is_file() for p in path.iterdir())
 
 
 def _run_dirs_below(root: Path) -> list[Path]:
@@ -110,7 +104,7 @@ def _run_dirs_below(root: Path) -> list[Path]:
         except OSError:
             return
         has_traj = (d / TRAJECTORY_FILENAME).is_file()
-        if has_traj or (not covered and any(_is_event_file(e.name) and e.is_file() for e in entries)):
+        if has_traj or (not covered and any(is_event_file(e.name) and e.is_file() for e in entries)):
             found.append(d)
         for e in entries:
             if e.is_dir() and not e.is_symlink():
@@ -164,7 +158,7 @@ def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
             raise FileNotFoundError(f"no such directory: {root}")
         single = root.is_file()
         if single:
-            if root.name == TRAJECTORY_FILENAME or _is_event_file(root.name):
+            if root.name == TRAJECTORY_FILENAME or is_event_file(root.name):
                 root = root.parent  # that run only, not the directories below it
             else:
                 raise TrajectoryError(
@@ -282,7 +276,7 @@ def _read_run(run_dir: Path) -> list[tuple]:
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
         rows = _read_trajectory_file(traj)
-        if rows or not _has_events(run_dir):
+        if rows or not has_event_files(str(run_dir)):
             return rows
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
@@ -356,7 +350,7 @@ def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
     tables, rest = [], []
     for item in items:
         p = Path(item)
-        is_table = (p.is_file() and p.name != TRAJECTORY_FILENAME and not _is_event_file(p.name)
+        is_table = (p.is_file() and p.name != TRAJECTORY_FILENAME and not is_event_file(p.name)
                     and p.suffix.lower() in suffixes)
         (tables if is_table else rest).append(p if is_table else item)
     return tables, rest
@@ -400,7 +394,7 @@ def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
             "layer": None if pd.isna(layer) else int(layer),
             "head": None if pd.isna(head) else int(head),
             "metric": metric,
-            "value": None if not math.isfinite(value) else float(value),
+            "value": encode_value(value),
         }
 
 
@@ -450,6 +444,6 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
         with open(p, encoding="utf-8") as fh:
             recs = [json.loads(line) for line in fh if line.strip()]
         df = pd.DataFrame.from_records(recs, columns=list(COLUMNS))
-        df["value"] = [float("nan") if v is None else v for v in df["value"]]
+        df["value"] = [decode_value(v) for v in df["value"]]
         df["head"] = df["head"].astype("object").where(df["head"].notna(), None)
     return normalize(df)

@@ -66,20 +66,19 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError, score_checkpoint, summarize_rows
     from ..cli import CommandError
+    from ..trajectory_format import encode_value
 
     try:
         rows = score_checkpoint(args.path, per_head=args.per_head, num_std=args.num_std)
     except CheckpointError as exc:
         raise CommandError(str(exc)) from None
     if args.json:
-        print(json.dumps([{k: _json_safe(v) for k, v in r.items()} for r in rows]))
+        # NaN as null, the trajectory file's rule
+        print(json.dumps([{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()}
+                          for r in rows], allow_nan=False))
         return 0
     print(format_table(rows))
     print()

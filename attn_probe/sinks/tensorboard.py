@@ -14,7 +14,6 @@ Never ``add_scalars`` (one run directory per key). Flushes at snapshot boundarie
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -24,8 +23,7 @@ from ..tags import PREFIX, STATS, scalar_tag
 from . import RunInfo, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
-           "writer_log_dir",
-           "CONFIG_TEXT_TAG"]
+           "is_event_file", "writer_log_dir", "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
 HEATMAP_PREFIX = f"{PREFIX}_heatmap"
@@ -74,13 +72,18 @@ def emit_session_start(writer: Any, step: int) -> bool:
     return True
 
 
+def is_event_file(name: str) -> bool:
+    """Whether a file name is a TensorBoard event file (TensorBoard's own rule: ``tfevents`` in it)."""
+    return "tfevents" in os.path.basename(name)
+
+
 def has_event_files(log_dir: str) -> bool:
-    """Whether ``log_dir`` already holds TensorBoard event files."""
-    return _has_event_files(log_dir)
-
-
-def _has_event_files(log_dir: str) -> bool:
-    return bool(glob.glob(os.path.join(glob.escape(log_dir), "events.out.tfevents.*")))
+    """Whether ``log_dir`` itself (not below it) already holds TensorBoard event files."""
+    try:
+        with os.scandir(log_dir) as entries:
+            return any(is_event_file(e.name) and e.is_file() for e in entries)
+    except OSError:
+        return False
 
 
 class TensorBoardSink:
@@ -110,7 +113,7 @@ class TensorBoardSink:
         if self._owned:
             from torch.utils.tensorboard import SummaryWriter
 
-            stale = self._purge_stale and run.resume_step and _has_event_files(self.log_dir)
+            stale = self._purge_stale and run.resume_step and has_event_files(self.log_dir)
             purge = run.resume_step if stale else None
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge,
                                          max_queue=self._max_queue, flush_secs=3600)
