@@ -149,13 +149,13 @@ class AttnProbeCallback(TrainerCallback):
         created before ours, so the marker must go into *its* file: placed in ours, it would
         also drop the Trainer's fresh losses. Returns whether the marker was written.
         """
-        from ..sinks.tensorboard import emit_session_start, has_event_files
+        from ..sinks.tensorboard import emit_session_start, has_event_files, writer_log_dir
 
         if not has_event_files(log_dir):
             return False
         for cb in _tensorboard_callbacks(handler):
             writer = getattr(cb, "tb_writer", None)
-            if writer is not None and os.path.realpath(str(getattr(writer, "log_dir", ""))) == os.path.realpath(log_dir):
+            if writer is not None and os.path.realpath(writer_log_dir(writer)) == os.path.realpath(log_dir):
                 return emit_session_start(writer, step)
         return False
 

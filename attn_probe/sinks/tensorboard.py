@@ -39,7 +39,7 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
     for group in groups:
         charts: dict[str, list[Any]] = {}
         for metric in metrics:
-            band = [scalar_tag(group, metric, stat=s) for s in ("median", "q25", "q75")]
+            band = [scalar_tag(group, metric, stat=s) for s in STATS]  # Margin: value, lower, upper
             charts[f"{metric}: median across layers (q25-q75)"] = ["Margin", band]
             per_layer = re.escape(f"{PREFIX}/{group}/{metric}/") + r"layer_\d+$"
             charts[f"{metric}: per layer"] = ["Multiline", [per_layer]]
