@@ -6,12 +6,20 @@ inside the functions that need them, so importing this package stays light.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["cli_errors"]
+__all__ = ["cli_errors", "add_runs_argument"]
+
+
+def add_runs_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``RUN_DIR...`` positional shared by ``export``, ``plot`` and ``summary``."""
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
+                             "or tables written by export")
 
 
 @contextmanager

@@ -9,9 +9,9 @@ FORMAT_CHOICES = ("csv", "parquet", "jsonl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
-                             "or tables written by export")
+    from ..analysis import add_runs_argument
+
+    add_runs_argument(parser)
     parser.add_argument("-o", "--output", required=True, metavar="FILE",
                         help="output file; the format follows its suffix (.csv, .parquet, .jsonl)")
     parser.add_argument("--format", choices=FORMAT_CHOICES, default=None,

@@ -7,9 +7,9 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
-                             "or tables written by export")
+    from ..analysis import add_runs_argument
+
+    add_runs_argument(parser)
     parser.add_argument("-o", "--output", required=True, metavar="FIG",
                         help="image file: .png, .pdf or .svg")
     parser.add_argument("--per-layer", action="store_true",

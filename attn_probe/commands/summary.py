@@ -6,9 +6,9 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
-                             "or tables written by export")
+    from ..analysis import add_runs_argument
+
+    add_runs_argument(parser)
     parser.add_argument("--format", choices=("text", "csv"), default="text",
                         help="plain-text table (default) or CSV on stdout")
     parser.add_argument("--digits", type=int, default=2, help="decimals in the text table (default 2)")
