@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from .extraction import AttentionLayer, UnsupportedModelError, find_attention
+from .extraction.base import ParamGetter
 from .scoring import Row, score_layer
 from .tags import layer_stats
 
-__all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights"]
+__all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights", "open_checkpoint"]
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -152,7 +153,11 @@ def _key_resolver(saved: set[str], prefix: str) -> Callable[[str], str]:
 # --------------------------------------------------------------------------- skeleton
 def _load_config(directory: Path) -> Any:
     if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory}: no config.json (is this a Hugging Face checkpoint directory?)")
+        subs = sorted(p.name for p in directory.iterdir() if p.is_dir() and (p / "config.json").is_file())
+        hint = f"; sub-directories with one: {', '.join(subs[:5])}" if subs else ""
+        raise CheckpointError(
+            f"{directory}: no config.json (is this a Hugging Face checkpoint directory?{hint})"
+        )
     from transformers import AutoConfig
 
     try:
@@ -193,6 +198,44 @@ def _progress(items: list[AttentionLayer], enabled: bool | None) -> Iterable[Att
 
 
 # --------------------------------------------------------------------------- API
+def open_checkpoint(
+    path: str | Path,
+    *,
+    groups: Iterable[str] | None = None,
+    layers: Iterable[int] | None = None,
+) -> tuple[list[AttentionLayer], Callable[[AttentionLayer], ParamGetter]]:
+    """The attention layers of a saved checkpoint directory, and a reader of one layer's tensors.
+
+    The model is built on the meta device only to find its layers; ``tensors_of(layer)``
+    reads exactly ``layer.param_names`` from the weight files and returns a getter for
+    :meth:`~attn_probe.extraction.AttentionLayer.factors` / ``qk_matrix``. Raises
+    :class:`CheckpointError` for unusable input.
+    """
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        raise CheckpointError(f"{directory}: no such file or directory")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory (pass the checkpoint directory)")
+    config = _load_config(directory)
+    weights = CheckpointWeights(directory)
+    skeleton = _build_skeleton(config)
+    try:
+        found = find_attention(skeleton, groups=groups, layers=layers)
+    except UnsupportedModelError as exc:
+        raise CheckpointError(
+            f"{directory}: no attention layer attn_probe can read in {type(skeleton).__name__}"
+        ) from exc
+    if not found:
+        raise CheckpointError(f"{directory}: no attention layer matches the requested groups/layers")
+    resolve = _key_resolver(weights.keys(), str(getattr(skeleton, "base_model_prefix", "") or ""))
+
+    def tensors_of(layer: AttentionLayer) -> ParamGetter:
+        tensors = {name: weights.get(resolve(name)) for name in layer.param_names}
+        return tensors.__getitem__
+
+    return found, tensors_of
+
+
 def score_checkpoint(
     path: str | Path,
     per_head: bool = False,
@@ -218,33 +261,17 @@ def score_checkpoint(
     num_std = float(num_std)
     if not math.isfinite(num_std):
         raise CheckpointError(f"num_std must be finite, got {num_std}")
-    directory = Path(path).expanduser()
-    if not directory.exists():
-        raise CheckpointError(f"{directory}: no such file or directory")
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory (pass the checkpoint directory)")
-    config = _load_config(directory)
-    weights = CheckpointWeights(directory)
-    skeleton = _build_skeleton(config)
-    try:
-        found = find_attention(skeleton, groups=groups, layers=layers)
-    except UnsupportedModelError as exc:
-        raise CheckpointError(
-            f"{directory}: no attention layer attn_probe can read in {type(skeleton).__name__}"
-        ) from exc
-    if not found:
-        raise CheckpointError(f"{directory}: no attention layer matches the requested groups/layers")
-    resolve = _key_resolver(weights.keys(), str(getattr(skeleton, "base_model_prefix", "") or ""))
+    found, tensors_of = open_checkpoint(path, groups=groups, layers=layers)
     rows: list[Row] = []
     with torch.no_grad():
         for layer in _progress(found, progress):
-            tensors = {name: weights.get(resolve(name)) for name in layer.param_names}
+            get = tensors_of(layer)
             try:
-                query, key = layer.factors(tensors.__getitem__)
+                query, key = layer.factors(get)
             except (ValueError, RuntimeError) as exc:
-                raise CheckpointError(f"{directory}: {layer.name}: {_one_line(exc)}") from None
+                raise CheckpointError(f"{Path(path).expanduser()}: {layer.name}: {_one_line(exc)}") from None
             rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype)
-            del tensors, query, key
+            del get, query, key
     return rows
 
 

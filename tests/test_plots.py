@@ -226,3 +226,33 @@ def test_heatmap_of_an_encoder_decoder_needs_a_group():
     np.testing.assert_allclose(np.asarray(im.get_array()), ref, rtol=1e-6, atol=1e-8)
     assert fig.axes[0].get_title().startswith("cross layer 1:")
     plt.close(fig)
+
+
+def test_heatmap_from_a_checkpoint_reads_only_that_layers_tensors(tmp_path):
+    """The other tensors sit in a shard that is unreadable: only layer 1's q/k may be read."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=20, max_position_embeddings=8)
+    model = transformers.BertModel(cfg)
+    path = tmp_path / "sharded"
+    model.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    wanted = {f"encoder.layer.1.attention.self.{p}.weight" for p in ("query", "key")}
+    save_file({k: state[k] for k in wanted}, str(path / "qk.safetensors"))
+    (path / "model.safetensors").unlink()
+    (path / "rest.safetensors").write_bytes(b"not a safetensors file")
+    weight_map = {k: "qk.safetensors" if k in wanted else "rest.safetensors" for k in state}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    fig = plot_heatmap(path, 1, clip_percentile=100)
+    attn = model.encoder.layer[1].attention.self
+    ref = attn.query.weight.detach().double().numpy().T @ attn.key.weight.detach().double().numpy()
+    (im,) = fig.axes[0].get_images()
+    np.testing.assert_allclose(np.asarray(im.get_array()), ref, rtol=1e-6, atol=1e-8)
+    plt.close(fig)
+    with pytest.raises(ValueError, match="rest.safetensors"):  # layer 0 lives in the broken shard
+        plot_heatmap(path, 0)

@@ -17,9 +17,10 @@ from .trajectory import TrajectoryError, as_frame, require
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
-    from torch import nn
 
-__all__ = ["plot_dynamics", "plot_heatmap", "load_checkpoint", "qk_for_layer"]
+    from ..extraction import AttentionLayer
+
+__all__ = ["plot_dynamics", "plot_heatmap", "qk_for_layer"]
 
 #: one colour per (run, group) in the dynamics figure
 _RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
@@ -193,45 +194,8 @@ def plot_dynamics(
 # --------------------------------------------------------------------------- heatmap
 
 
-def load_checkpoint(checkpoint: str | os.PathLike) -> nn.Module:
-    """A model from a local Hugging Face checkpoint directory (never downloads).
-
-    Uses the class named in ``config.architectures`` when transformers has it, else
-    ``AutoModel``. Raises ``FileNotFoundError`` or ``ValueError`` with a one-line reason.
-    """
-    path = Path(checkpoint)
-    if not path.exists():
-        raise FileNotFoundError(f"no such checkpoint directory: {path}")
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory; expected a Hugging Face checkpoint directory")
-    if not (path / "config.json").is_file():
-        subs = sorted(p.name for p in path.iterdir() if p.is_dir() and (p / "config.json").is_file())
-        hint = f" (sub-directories with one: {', '.join(subs[:5])})" if subs else ""
-        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory{hint}")
-    import transformers
-    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None or not hasattr(cls, "from_pretrained"):
-        cls = transformers.AutoModel
-    tlog = transformers.utils.logging
-    bar = tlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    try:
-        return cls.from_pretrained(str(path), local_files_only=True)
-    except OSError as exc:
-        raise ValueError(f"cannot load the checkpoint in {path}: {str(exc).splitlines()[0]}") from exc
-    finally:
-        if bar:
-            tlog.enable_progress_bar()
-
-
-def qk_for_layer(model: nn.Module, layer: int, group: str | None = None, head: int | None = None
-                 ) -> tuple[Any, str]:
-    """The explicit float64 ``W_qk`` of one layer (or head) and the group it belongs to."""
-    from ..extraction import find_attention
-
-    found = find_attention(model)
+def _pick_layer(found: list[AttentionLayer], layer: int, group: str | None, head: int | None) -> AttentionLayer:
+    """The one record of ``found`` at ``layer`` (in ``group``); ``ValueError`` naming what exists."""
     groups = list(dict.fromkeys(a.group for a in found))
     if group is not None and group not in groups:
         raise ValueError(f"no group {group!r} in this model; groups: {', '.join(groups)}")
@@ -246,7 +210,29 @@ def qk_for_layer(model: nn.Module, layer: int, group: str | None = None, head: i
     att = matches[0]
     if head is not None and not 0 <= head < att.num_heads:
         raise ValueError(f"head {head} out of range: layer {layer} has {att.num_heads} heads")
-    return att.qk_matrix(head=head), att.group
+    return att
+
+
+def qk_for_layer(model: Any, layer: int, group: str | None = None, head: int | None = None
+                 ) -> tuple[Any, str]:
+    """The explicit float64 ``W_qk`` of one layer (or head) and the group it belongs to.
+
+    ``model`` is an ``nn.Module`` or a local Hugging Face checkpoint directory; from a
+    directory only that layer's query/key tensors are read
+    (:func:`attn_probe.checkpoint.open_checkpoint`), never the whole model.
+    """
+    from torch import nn
+
+    if isinstance(model, nn.Module):
+        from ..extraction import find_attention
+
+        att = _pick_layer(find_attention(model), layer, group, head)
+        return att.qk_matrix(head=head), att.group
+    from ..checkpoint import open_checkpoint
+
+    found, tensors_of = open_checkpoint(model)
+    att = _pick_layer(found, layer, group, head)
+    return att.qk_matrix(tensors_of(att), head=head), att.group
 
 
 def plot_heatmap(
@@ -270,8 +256,6 @@ def plot_heatmap(
     the rest (``clip_percentile=100`` gives ``max |W_qk|``). The title gives the matrix's
     symmetry and directionality scores. Saved to ``path`` if given.
     """
-    from torch import nn
-
     from ..scores import directionality_score, symmetry_score
 
     _check_path(path)
@@ -279,8 +263,7 @@ def plot_heatmap(
         raise ValueError(f"clip_percentile must be in (0, 100], got {clip_percentile}")
     if vmax is not None and not vmax > 0:
         raise ValueError(f"vmax must be positive, got {vmax}")
-    model = checkpoint if isinstance(checkpoint, nn.Module) else load_checkpoint(checkpoint)
-    m, grp = qk_for_layer(model, layer, group, head)
+    m, grp = qk_for_layer(checkpoint, layer, group, head)
     sym = symmetry_score(m)
     dirn = directionality_score(m)
     plt = _pyplot()
