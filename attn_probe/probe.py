@@ -345,10 +345,13 @@ class Probe:
 
     def _measure(self, step: int) -> Snapshot | None:
         """Walk all layers (every rank); score and assemble on the main process."""
-        want_images = self.is_main_process and self._images_due(step)
         scored: list[tuple[AttentionLayer, list[Tensor]]] = []
         images: dict[tuple[str, int], np.ndarray] = {}
         error: BaseException | None = None
+        try:  # a user schedule must not make the main process skip the collective walk below
+            want_images = self.is_main_process and self._images_due(step)
+        except Exception as exc:  # noqa: BLE001 - re-raised after the walk
+            want_images, error = False, exc
         for layer, query, key in iter_layer_factors(self.model, self.layers):
             if not self.is_main_process or error is not None:
                 continue  # keep exhausting the iterator: other ranks wait in its collectives

@@ -277,3 +277,11 @@ def test_gather_bytes_counts_query_and_key_weights() -> None:
         for a in layers
     )
     assert gather_bytes(layers, element_size=2) == 2 * expected
+
+
+def test_probe_walks_the_gathers_even_when_its_image_schedule_raises(tmp_path: Path) -> None:
+    """A schedule error on rank 0 only must not leave the other rank alone in a collective."""
+    launch("probe_worker.py", [str(tmp_path)], 2, timeout=120)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"first": True, "second_layers": [0, 1], "second_images": 2, "failures": 1,
+                      "warned": True}
