@@ -1,6 +1,7 @@
 """AttnProbeCallback in a real transformers Trainer: directory rule, steps, values, layout."""
 
 import copy
+import functools
 import glob
 import json
 import math
@@ -9,28 +10,12 @@ import os
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
+from trainer_fixtures import RandomTokens, make_args, tiny_bert
+from transformers import Trainer, TrainerCallback
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
 from attn_probe.tags import scalar_tag
-
-VOCAB, SEQ = 50, 12
-
-
-def tiny_bert(seed=0, layers=2):
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
-                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=SEQ))
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
 
 
 class KeepWeights(TrainerCallback):
@@ -46,12 +31,7 @@ class KeepWeights(TrainerCallback):
         self.states[state.global_step] = copy.deepcopy(model.state_dict())
 
 
-def make_args(out, steps, **kw):
-    base = dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-3,
-                report_to=["tensorboard"], logging_steps=2, save_strategy="no", use_cpu=True,
-                disable_tqdm=True, seed=0)
-    base.update(kw)
-    return TrainingArguments(**base)
+make_args = functools.partial(make_args, report_to=["tensorboard"])  # the Trainer reports here
 
 
 def reference(model, state_dict):

@@ -8,34 +8,11 @@ import warnings
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
+from trainer_fixtures import SEQ, VOCAB, RandomTokens, make_args, tiny_bert
+from transformers import Trainer
 
 import attn_probe
 from attn_probe.probe import LogDirError, Probe, QKPair
-
-VOCAB, SEQ = 50, 12
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=SEQ))
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
-def make_args(out, steps, **kw):
-    base = dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-3,
-                report_to="none", logging_steps=2, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
-    base.update(kw)
-    return TrainingArguments(**base)
 
 
 def jsonl(log_dir):
