@@ -144,6 +144,7 @@ class DemoResult:
     models: dict[str, ModelResult]
     figure: Path | None
     config: DemoConfig
+    figure_error: str | None = None
 
 
 # --------------------------------------------------------------------------- text
@@ -468,18 +469,25 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResu
             f"  {kind}: {r.seconds:.0f} s, final loss {r.final_loss:.3f}, "
             f"median symmetry {r.median('symmetry'):+.3f}, directionality {r.median('directionality'):+.3f}"
         )
-    figure = None
+    log("")
+    log(comparison_table(results))
+    figure, figure_error = None, None
     if cfg.figure:
         import attn_probe
 
-        figure = root / "dynamics.png"
+        path = root / "dynamics.png"
         runs = {kind: str(r.run_dir) for kind, r in results.items()}
-        attn_probe.plot_dynamics(runs, path=str(figure))
-        log(f"figure: {figure}")
-    log("")
-    log(comparison_table(results))
-    log(f"\ntensorboard --logdir {root}")
-    return DemoResult(root, results, figure, cfg)
+        try:  # the trained runs are on disk already: a plotting problem must not lose them
+            attn_probe.plot_dynamics(runs, path=str(path))
+            figure = path
+            log(f"\nfigure: {figure}")
+        except Exception as exc:  # noqa: BLE001
+            figure_error = f"{type(exc).__name__}: {exc}"
+            log(
+                f"\ncould not draw the figure ({figure_error}); draw it later with: attn-probe plot {root} -o {root / 'dynamics.png'}"
+            )
+    log(f"tensorboard --logdir {root}")
+    return DemoResult(root, results, figure, cfg, figure_error)
 
 
 def config_from_args(args: Any) -> DemoConfig:

@@ -185,3 +185,19 @@ def test_same_initial_attention_weights_for_both_models():
     for le, ld in zip(enc.bert.encoder.layer, dec.bert.encoder.layer, strict=True):
         assert torch.equal(le.attention.self.query.weight, ld.attention.self.query.weight)
         assert torch.equal(le.attention.self.key.weight, ld.attention.self.key.weight)
+
+
+def test_figure_failure_keeps_the_table_and_exits_1(tmp_path, capsys, monkeypatch):
+    import attn_probe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(attn_probe, "plot_dynamics", broken, raising=False)
+    rc = main(
+        ["demo", *TINY, "--steps", "1", "--models", "encoder", "--out-dir", str(tmp_path), "--name", "f"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "symmetry median" in out and "could not draw the figure (RuntimeError: no display)" in out
+    assert (tmp_path / "f" / "encoder" / "attn_probe.jsonl").is_file()

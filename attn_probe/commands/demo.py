@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
-        run_demo(cfg)
+        result = run_demo(cfg)
     except DemoError as exc:
         raise CommandError(str(exc)) from exc
-    return 0
+    return 1 if result.figure_error else 0
