@@ -73,7 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start every attention head with W_k = W_q (attn_probe.symmetric_init_)",
     )
-    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    model.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)"
+    )
 
     out = parser.add_argument_group("output")
     out.add_argument(
