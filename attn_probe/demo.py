@@ -253,6 +253,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Any:
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    # The trainer's id order is not deterministic across runs (ties); the vocabulary set is.
+    # Renumber it (special tokens first, then sorted) so that runs are exactly reproducible.
+    learned = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *learned])}
+    tok.model = models.WordPiece(vocab=vocab, unk_token="[UNK]")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="[PAD]",
