@@ -145,6 +145,12 @@ def main() -> None:
             }
         )
     )
+    # an orderly teardown: exiting with a live gloo group can abort in its thread destructors
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
