@@ -31,10 +31,11 @@ from attn_probe.extraction import AttentionLayer
 from attn_probe.scoring import score_layer
 
 
-def bert():
-    from transformers import BertConfig, BertModel
+def bert_config():
+    """The tiny BERT shared by the distributed workers (no dropout: ranks stay comparable)."""
+    from transformers import BertConfig
 
-    cfg = BertConfig(
+    return BertConfig(
         vocab_size=64,
         hidden_size=32,
         num_hidden_layers=2,
@@ -44,8 +45,13 @@ def bert():
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
+
+
+def bert():
+    from transformers import BertModel
+
     torch.manual_seed(0)
-    return BertModel(cfg, add_pooling_layer=False)
+    return BertModel(bert_config(), add_pooling_layer=False)
 
 
 def llama():

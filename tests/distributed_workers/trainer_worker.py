@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
 
 import attn_probe.distributed as distributed
 import attn_probe.probe as probe_module
@@ -24,18 +24,10 @@ from attn_probe import AttnProbeCallback
 
 
 def bert() -> BertForMaskedLM:
-    cfg = BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    from shard_worker import bert_config  # the workers' directory is on sys.path
+
     torch.manual_seed(0)
-    return BertForMaskedLM(cfg)
+    return BertForMaskedLM(bert_config())
 
 
 class Data(torch.utils.data.Dataset):
