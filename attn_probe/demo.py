@@ -44,6 +44,8 @@ __all__ = [
     "make_blocks",
     "prepare_data",
     "build_model",
+    "unigram_log_frequencies",
+    "init_output_bias_to_unigram_",
     "make_collator",
     "train_model",
     "run_demo",
@@ -88,6 +90,7 @@ class DemoConfig:
     max_chars: int | None = None
     models: Sequence[str] = MODEL_KINDS
     symmetric_init: bool = False
+    unigram_bias: bool = True
     figure: bool = True
     progress: bool = True
     threads: int | None = None
@@ -338,6 +341,32 @@ def build_model(
     return model
 
 
+def unigram_log_frequencies(blocks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Add-one smoothed log unigram frequencies of the token ids in ``blocks``, centred.
+
+    ``b_v = log((c_v + 1) / (N + V)) - mean_u log((c_u + 1) / (N + V))`` with ``c_v`` the count of
+    token ``v``, ``N`` the number of tokens and ``V = vocab_size``; a float32 vector of length ``V``.
+    """
+    counts = torch.bincount(blocks.reshape(-1), minlength=vocab_size)[:vocab_size].double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return (logp - logp.mean()).float()
+
+
+def init_output_bias_to_unigram_(model: Any, blocks: torch.Tensor) -> Any:
+    """Start a BERT LM head at the unigram distribution: output bias := :func:`unigram_log_frequencies`.
+
+    With a zero bias, a freshly initialised model spends its first steps learning token frequencies,
+    and a post-LayerNorm BERT does that fastest by making every position's hidden state the same
+    (rank collapse). On a CPU budget at a high learning rate it can stay there: every row of V is
+    equal, so W_q and W_k get no gradient and their scores freeze. Starting the bias at the unigram
+    distribution removes that phase for both models alike; the attention weights are untouched.
+    """
+    bias = model.cls.predictions.bias
+    with torch.no_grad():
+        bias.copy_(unigram_log_frequencies(blocks, bias.numel()).to(bias.device, bias.dtype))
+    return model
+
+
 def make_collator(kind: str, tokenizer: Any) -> Any:
     """MLM collator (15% masking) for the encoder; plain next-token collator for the decoder."""
     from transformers import DataCollatorForLanguageModeling
@@ -386,6 +415,8 @@ def train_model(
     model = build_model(
         kind, cfg.size, len(tokenizer), cfg.seq_len, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed
     )
+    if cfg.unigram_bias:
+        init_output_bias_to_unigram_(model, blocks)
     if cfg.symmetric_init:
         attn_probe.symmetric_init_(model)
     if model_hook is not None:
@@ -461,6 +492,7 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResu
         f"attn-probe demo: {cfg.size} BERT ({layers} layers, d={hidden}, {heads} heads), "
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}"
         + (", symmetric init" if cfg.symmetric_init else "")
+        + ("" if cfg.unigram_bias else ", zero output bias")
     )
     tokenizer, blocks = prepare_data(cfg)
     log(f"corpus: {blocks.numel():,} tokens in {blocks.shape[0]:,} blocks; vocabulary {len(tokenizer):,}")

@@ -35,6 +35,10 @@ for kind in ("encoder", "decoder"):
     #    encoder = BertForMaskedLM (bidirectional), decoder = BertLMHeadModel(is_decoder=True) (causal).
     model = demo.build_model(kind, cfg.size, len(tokenizer), cfg.seq_len,
                              pad_token_id=tokenizer.pad_token_id, seed=cfg.seed)
+    # Start the LM head's output bias at the corpus's log unigram frequencies (both models alike), so
+    # that neither spends its first steps collapsing every position onto one hidden state to learn
+    # token frequencies -- at a CPU-sized budget that collapse can freeze W_q and W_k for good.
+    demo.init_output_bias_to_unigram_(model, blocks)
     # attn_probe.symmetric_init_(model)   # try it: start every head with W_k = W_q
 
     run_dir = f"{cfg.out_dir}/{cfg.name}/{kind}"

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,3 +202,51 @@ def test_figure_failure_keeps_the_table_and_exits_1(tmp_path, capsys, monkeypatc
     assert rc == 1
     assert "symmetry median" in out and "could not draw the figure (RuntimeError: no display)" in out
     assert (tmp_path / "f" / "encoder" / "attn_probe.jsonl").is_file()
+
+
+def _expected_unigram_bias(blocks: torch.Tensor, vocab: int) -> np.ndarray:
+    counts = np.bincount(blocks.numpy().ravel(), minlength=vocab)[:vocab].astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return logp - logp.mean()
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_unigram_bias_enters_the_logits_as_log_frequencies(small_data, kind):
+    tok, blocks = small_data
+    vocab = len(tok)
+    model = demo.build_model(kind, "tiny", vocab, 16, pad_token_id=tok.pad_token_id).eval()
+    x = blocks[:3]
+    with torch.no_grad():
+        before = model(input_ids=x).logits
+        demo.init_output_bias_to_unigram_(model, blocks)
+        after = model(input_ids=x).logits
+    shift = (after - before).double().numpy()
+    np.testing.assert_allclose(shift, np.broadcast_to(_expected_unigram_bias(blocks, vocab), shift.shape), atol=1e-5)
+
+
+def test_unigram_bias_starts_the_decoder_near_the_unigram_entropy(small_data):
+    tok, blocks = small_data
+    vocab = len(tok)
+    counts = np.bincount(blocks.numpy().ravel(), minlength=vocab).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    unigram_entropy = float(-(p * np.log(p)).sum())
+    model = demo.build_model("decoder", "tiny", vocab, 16, pad_token_id=tok.pad_token_id).eval()
+    x = blocks[:64]
+    with torch.no_grad():
+        zero_bias_loss = float(model(input_ids=x, labels=x).loss)
+        demo.init_output_bias_to_unigram_(model, blocks)
+        unigram_loss = float(model(input_ids=x, labels=x).loss)
+    assert zero_bias_loss == pytest.approx(np.log(vocab), abs=0.2)
+    assert abs(unigram_loss - unigram_entropy) < 0.3 < zero_bias_loss - unigram_loss
+
+
+@pytest.mark.parametrize("unigram_bias", [True, False])
+def test_train_model_applies_the_unigram_bias_unless_disabled(small_data, tmp_path, unigram_bias):
+    tok, blocks = small_data
+    cfg = demo.DemoConfig(size="tiny", steps=1, batch_size=2, seq_len=16, progress=False,
+                          unigram_bias=unigram_bias)
+    seen = {}
+    demo.train_model("encoder", tok, blocks, cfg, tmp_path, probe=False,
+                     model_hook=lambda m: seen.setdefault("bias", m.cls.predictions.bias.detach().clone()))
+    expected = _expected_unigram_bias(blocks, len(tok)) if unigram_bias else np.zeros(len(tok))
+    np.testing.assert_allclose(seen["bias"].double().numpy(), expected, atol=1e-5)

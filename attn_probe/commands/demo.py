@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start every attention head with W_k = W_q (attn_probe.symmetric_init_)",
     )
     model.add_argument(
+        "--no-unigram-bias",
+        dest="unigram_bias",
+        action="store_false",
+        help="start the LM head's output bias at zero instead of the corpus's log unigram frequencies",
+    )
+    model.add_argument(
         "--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)"
     )
 
