@@ -1,12 +1,17 @@
-"""The emergent-dynamics demo: train one BERT architecture as an encoder and as a decoder.
+"""The emergent-dynamics demo: train one BERT-style architecture as an encoder and as a decoder.
 
 Both models share everything (architecture, tokenizer, data blocks and their order, optimiser,
-schedule, seed) except the objective:
+schedule, seed, initial weights) except the objective:
 
-* **encoder** -- :class:`~transformers.BertForMaskedLM`, bidirectional attention, masked-language
-  modelling (15% of tokens, ``DataCollatorForLanguageModeling(mlm=True)``);
-* **decoder** -- :class:`~transformers.BertLMHeadModel` with ``is_decoder=True``: causal mask and a
-  next-token loss on every position (``DataCollatorForLanguageModeling(mlm=False)``).
+* **encoder** -- masked-language modelling with bidirectional attention (15% of tokens,
+  ``DataCollatorForLanguageModeling(mlm=True)``);
+* **decoder** -- the same network with ``is_decoder=True``: causal mask and a next-token loss on
+  every position (``DataCollatorForLanguageModeling(mlm=False)``).
+
+The architecture is BERT (``--arch bert``: ``BertForMaskedLM`` / ``BertLMHeadModel``, the
+paper's classes) or, by default, the same network with pre-LayerNorm sub-layers (``--arch
+bert-preln``: ``RobertaPreLayerNormForMaskedLM`` / ``RobertaPreLayerNormForCausalLM``), which
+gets off the loss plateau within a CPU budget where the post-LN BERT encoder does not.
 
 Each run is watched by the one-line :class:`attn_probe.AttnProbeCallback`, which writes TensorBoard
 events and the ``attn_probe.jsonl`` trajectory into ``<out>/<name>/{encoder,decoder}/``; the
@@ -34,6 +39,7 @@ import torch
 __all__ = [
     "SIZES",
     "MODEL_KINDS",
+    "ARCHITECTURES",
     "DemoConfig",
     "DemoError",
     "ModelResult",
@@ -60,6 +66,14 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "base": (12, 768, 12, 3072),
 }
 MODEL_KINDS = ("encoder", "decoder")
+#: architecture -> (config class, masked-LM class, causal-LM class) in ``transformers``.
+#: ``bert`` is the paper's (post-LayerNorm); ``bert-preln`` puts the LayerNorm before each
+#: sub-layer, and is the default because it leaves the loss plateau within a CPU budget
+#: (docs/reproducing-the-paper.md has the measurements).
+ARCHITECTURES: dict[str, tuple[str, str, str]] = {
+    "bert-preln": ("RobertaPreLayerNormConfig", "RobertaPreLayerNormForMaskedLM", "RobertaPreLayerNormForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM", "BertLMHeadModel"),
+}
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
@@ -72,11 +86,12 @@ class DemoConfig:
     """Every knob of the demo. The defaults are the measured CPU configuration (see docs)."""
 
     size: str = "mini"
+    arch: str = "bert-preln"
     steps: int = 700
     batch_size: int = 16
     seq_len: int = 64
-    lr: float = 1e-3
-    warmup: int = 30
+    lr: float = 5e-4
+    warmup: int = 50
     weight_decay: float = 0.01
     vocab_size: int = 4096
     seed: int = 0
@@ -97,6 +112,8 @@ class DemoConfig:
     extra_callbacks: Sequence[Any] = field(default_factory=tuple, repr=False)
 
     def validate(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise DemoError(f"unknown architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
         if self.size not in SIZES:
             raise DemoError(f"unknown size {self.size!r}; choose one of {', '.join(SIZES)}")
         for name in ("steps", "batch_size", "seq_len", "every", "vocab_size"):
@@ -315,30 +332,45 @@ def prepare_data(cfg: DemoConfig) -> tuple[Any, torch.Tensor]:
 
 # --------------------------------------------------------------------------- models
 def build_model(
-    kind: str, size: str, vocab_size: int, seq_len: int, *, pad_token_id: int = 0, seed: int = 0
+    kind: str,
+    size: str,
+    vocab_size: int,
+    seq_len: int,
+    *,
+    pad_token_id: int = 0,
+    seed: int = 0,
+    arch: str = "bert-preln",
 ) -> Any:
-    """A freshly initialised BERT of ``size`` as ``encoder`` (masked LM) or ``decoder`` (causal LM).
+    """A freshly initialised BERT-style model of ``size``: ``encoder`` (masked LM) or ``decoder`` (causal LM).
 
+    ``arch`` (see :data:`ARCHITECTURES`): ``"bert"`` is the paper's post-LayerNorm BERT
+    (``BertForMaskedLM`` / ``BertLMHeadModel(is_decoder=True)``); ``"bert-preln"`` is the same
+    architecture with the LayerNorm before each sub-layer (transformers' RoBERTa-PreLayerNorm:
+    ``RobertaPreLayerNormForMaskedLM`` / ``RobertaPreLayerNormForCausalLM(is_decoder=True)``).
     Both kinds are built with the same seed, so they start from the same attention weights.
     """
-    from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
+    import transformers
 
     if kind not in MODEL_KINDS:
         raise DemoError(f"unknown model kind {kind!r}")
+    if arch not in ARCHITECTURES:
+        raise DemoError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    config_name, encoder_name, decoder_name = ARCHITECTURES[arch]
     layers, hidden, heads, ffn = SIZES[size]
-    config = BertConfig(
+    # RoBERTa numbers positions from pad_token_id + 1, so it needs that many extra rows
+    extra_positions = pad_token_id + 1 if arch == "bert-preln" else 0
+    config = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=ffn,
-        max_position_embeddings=max(seq_len, 8),
+        max_position_embeddings=max(seq_len, 8) + extra_positions,
         pad_token_id=pad_token_id,
         is_decoder=kind == "decoder",
     )
     torch.manual_seed(seed)
-    model = BertLMHeadModel(config) if kind == "decoder" else BertForMaskedLM(config)
-    return model
+    return getattr(transformers, decoder_name if kind == "decoder" else encoder_name)(config)
 
 
 def unigram_log_frequencies(blocks: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -361,7 +393,7 @@ def init_output_bias_to_unigram_(model: Any, blocks: torch.Tensor) -> Any:
     equal, so W_q and W_k get no gradient and their scores freeze. Starting the bias at the unigram
     distribution removes that phase for both models alike; the attention weights are untouched.
     """
-    bias = model.cls.predictions.bias
+    bias = model.get_output_embeddings().bias  # tied to the head's own bias in BERT and RoBERTa
     with torch.no_grad():
         bias.copy_(unigram_log_frequencies(blocks, bias.numel()).to(bias.device, bias.dtype))
     return model
@@ -413,7 +445,13 @@ def train_model(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(
-        kind, cfg.size, len(tokenizer), cfg.seq_len, pad_token_id=tokenizer.pad_token_id, seed=cfg.seed
+        kind,
+        cfg.size,
+        len(tokenizer),
+        cfg.seq_len,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=cfg.seed,
+        arch=cfg.arch,
     )
     if cfg.unigram_bias:
         init_output_bias_to_unigram_(model, blocks)
@@ -489,7 +527,7 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResu
     root = Path(cfg.out_dir) / cfg.name
     layers, hidden, heads, _ = SIZES[cfg.size]
     log(
-        f"attn-probe demo: {cfg.size} BERT ({layers} layers, d={hidden}, {heads} heads), "
+        f"attn-probe demo: {cfg.size} {cfg.arch} ({layers} layers, d={hidden}, {heads} heads), "
         f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len} tokens, lr {cfg.lr:g}"
         + (", symmetric init" if cfg.symmetric_init else "")
         + ("" if cfg.unigram_bias else ", zero output bias")

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     d = demo.DemoConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default=d.size, choices=list(demo.SIZES))
+    p.add_argument("--arch", default=d.arch, choices=list(demo.ARCHITECTURES))
+    p.add_argument("--no-unigram-bias", dest="unigram_bias", action="store_false")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = demo.DemoConfig(
         size=args.size,
+        arch=args.arch,
+        unigram_bias=args.unigram_bias,
         steps=args.steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,

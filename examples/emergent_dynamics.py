@@ -31,10 +31,11 @@ tokenizer, blocks = demo.prepare_data(cfg)
 
 run_dirs = {}
 for kind in ("encoder", "decoder"):
-    # 2. The same BERT, built from a config with the same seed:
-    #    encoder = BertForMaskedLM (bidirectional), decoder = BertLMHeadModel(is_decoder=True) (causal).
+    # 2. The same BERT-style network, built from a config with the same seed: by default with
+    #    pre-LayerNorm sub-layers (RobertaPreLayerNormForMaskedLM / ...ForCausalLM(is_decoder=True));
+    #    cfg.arch = "bert" gives the paper's BertForMaskedLM / BertLMHeadModel(is_decoder=True).
     model = demo.build_model(kind, cfg.size, len(tokenizer), cfg.seq_len,
-                             pad_token_id=tokenizer.pad_token_id, seed=cfg.seed)
+                             pad_token_id=tokenizer.pad_token_id, seed=cfg.seed, arch=cfg.arch)
     # Start the LM head's output bias at the corpus's log unigram frequencies (both models alike), so
     # that neither spends its first steps collapsing every position onto one hidden state to learn
     # token frequencies -- at a CPU-sized budget that collapse can freeze W_q and W_k for good.
@@ -44,7 +45,7 @@ for kind in ("encoder", "decoder"):
     run_dir = f"{cfg.out_dir}/{cfg.name}/{kind}"
     args = TrainingArguments(
         output_dir=f"{run_dir}/trainer", max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
-        learning_rate=cfg.lr, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay,
+        learning_rate=cfg.lr, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, data_seed=cfg.seed,
         logging_steps=10, save_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=TINY,
     )
     trainer = Trainer(

@@ -46,8 +46,9 @@ def small_data():
     return tok, demo.make_blocks(texts, tok, 16)
 
 
-def test_demo_cli_writes_events_trajectory_figure_and_table(tmp_path, capsys):
-    rc = main(["demo", *TINY, "--out-dir", str(tmp_path), "--name", "t"])
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_demo_cli_writes_events_trajectory_figure_and_table(tmp_path, capsys, arch):
+    rc = main(["demo", *TINY, "--arch", arch, "--out-dir", str(tmp_path), "--name", "t"])
     assert rc == 0
     out = capsys.readouterr().out
     root = tmp_path / "t"
@@ -146,24 +147,26 @@ def test_blocks_are_the_token_stream(small_data):
     assert flat == stream[: len(flat)] and len(stream) - len(flat) < 16
 
 
-def test_decoder_is_causal_and_encoder_is_bidirectional():
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_decoder_is_causal_and_encoder_is_bidirectional(arch):
     """Changing a later token must not change earlier logits of the decoder, but does for the encoder."""
     ids = torch.randint(5, 200, (1, 12))
     later = ids.clone()
     later[0, 8:] = torch.randint(5, 200, (4,))
     for kind, causal in (("decoder", True), ("encoder", False)):
-        model = demo.build_model(kind, "tiny", 200, 16).eval()
+        model = demo.build_model(kind, "tiny", 200, 16, arch=arch).eval()
         with torch.no_grad():
             a, b = model(input_ids=ids).logits, model(input_ids=later).logits
         assert torch.allclose(a[0, :8], b[0, :8], atol=1e-5) is causal, kind
 
 
-def test_decoder_objective_is_next_token_loss_on_every_position(small_data):
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_decoder_objective_is_next_token_loss_on_every_position(small_data, arch):
     tok, blocks = small_data
     batch = demo.make_collator("decoder", tok)([{"input_ids": b} for b in blocks[:4]])
     assert torch.equal(batch["input_ids"], blocks[:4])  # no corruption of the inputs
     assert torch.equal(batch["labels"], blocks[:4])  # every position is a target
-    model = demo.build_model("decoder", "tiny", len(tok), 16, pad_token_id=tok.pad_token_id)
+    model = demo.build_model("decoder", "tiny", len(tok), 16, pad_token_id=tok.pad_token_id, arch=arch)
     out = model(input_ids=batch["input_ids"], labels=batch["labels"])
     logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
     manual = torch.nn.functional.cross_entropy(logits, batch["input_ids"][:, 1:].reshape(-1))
@@ -180,12 +183,29 @@ def test_encoder_objective_masks_about_15_percent(small_data):
     assert (batch["input_ids"][targets] == tok.mask_token_id).float().mean().item() > 0.6
 
 
-def test_same_initial_attention_weights_for_both_models():
-    enc = demo.build_model("encoder", "tiny", 200, 16, seed=3)
-    dec = demo.build_model("decoder", "tiny", 200, 16, seed=3)
-    for le, ld in zip(enc.bert.encoder.layer, dec.bert.encoder.layer, strict=True):
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_same_initial_attention_weights_for_both_models(arch):
+    enc = demo.build_model("encoder", "tiny", 200, 16, seed=3, arch=arch)
+    dec = demo.build_model("decoder", "tiny", 200, 16, seed=3, arch=arch)
+    layers = list(zip(enc.base_model.encoder.layer, dec.base_model.encoder.layer, strict=True))
+    assert len(layers) == demo.SIZES["tiny"][0]
+    for le, ld in layers:
         assert torch.equal(le.attention.self.query.weight, ld.attention.self.query.weight)
         assert torch.equal(le.attention.self.key.weight, ld.attention.self.key.weight)
+
+
+@pytest.mark.parametrize(("arch", "post_ln"), [("bert", True), ("bert-preln", False)])
+def test_layer_norm_placement(arch, post_ln):
+    """Post-LN layers end in a LayerNorm (each position's output has mean 0 and variance 1 at init,
+    where the LayerNorm is the identity affine map); pre-LN layers end in the raw residual sum."""
+    model = demo.build_model("encoder", "tiny", 200, 16, arch=arch).eval()
+    with torch.no_grad():
+        hidden = model.base_model(input_ids=torch.randint(5, 200, (2, 12)), output_hidden_states=True).hidden_states
+    for h in hidden[1:-1]:  # layer outputs (pre-LN models apply a final LayerNorm after the last)
+        normalised = torch.allclose(h.mean(-1), torch.zeros(()), atol=1e-4) and torch.allclose(
+            h.var(-1, unbiased=False), torch.ones(()), atol=1e-2
+        )
+        assert normalised is post_ln
 
 
 def test_figure_failure_keeps_the_table_and_exits_1(tmp_path, capsys, monkeypatch):
@@ -210,11 +230,12 @@ def _expected_unigram_bias(blocks: torch.Tensor, vocab: int) -> np.ndarray:
     return logp - logp.mean()
 
 
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
-def test_unigram_bias_enters_the_logits_as_log_frequencies(small_data, kind):
+def test_unigram_bias_enters_the_logits_as_log_frequencies(small_data, kind, arch):
     tok, blocks = small_data
     vocab = len(tok)
-    model = demo.build_model(kind, "tiny", vocab, 16, pad_token_id=tok.pad_token_id).eval()
+    model = demo.build_model(kind, "tiny", vocab, 16, pad_token_id=tok.pad_token_id, arch=arch).eval()
     x = blocks[:3]
     with torch.no_grad():
         before = model(input_ids=x).logits
@@ -247,6 +268,6 @@ def test_train_model_applies_the_unigram_bias_unless_disabled(small_data, tmp_pa
                           unigram_bias=unigram_bias)
     seen = {}
     demo.train_model("encoder", tok, blocks, cfg, tmp_path, probe=False,
-                     model_hook=lambda m: seen.setdefault("bias", m.cls.predictions.bias.detach().clone()))
+                     model_hook=lambda m: seen.setdefault("bias", m.get_output_embeddings().bias.detach().clone()))
     expected = _expected_unigram_bias(blocks, len(tok)) if unigram_bias else np.zeros(len(tok))
     np.testing.assert_allclose(seen["bias"].double().numpy(), expected, atol=1e-5)

@@ -147,6 +147,10 @@ CASES = [
     Case("bert", "BertConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
     Case("roberta", "RobertaConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
     Case("xlm-roberta", "XLMRobertaConfig", BERTLIKE, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
+    Case(
+        "roberta-prelayernorm", "RobertaPreLayerNormConfig", BERTLIKE, 4, 4, 8, SELF2,
+        sep("query|q_proj", "key|k_proj", 8),
+    ),
     Case("electra", "ElectraConfig", {**BERTLIKE, "embedding_size": 16}, 4, 4, 8, SELF2, sep("query|q_proj", "key|k_proj", 8)),
     Case(
         "distilbert", "DistilBertConfig", dict(vocab_size=V, dim=32, n_layers=2, n_heads=4, hidden_dim=37),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..demo import SIZES, DemoConfig
+from ..demo import ARCHITECTURES, SIZES, DemoConfig
 
 _D = DemoConfig()
 
@@ -36,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(SIZES),
         default=_D.size,
         help=f"layers x d/heads: {sizes} (default: %(default)s)",
+    )
+    model.add_argument(
+        "--arch",
+        choices=list(ARCHITECTURES),
+        default=_D.arch,
+        help="bert-preln: LayerNorm before each sub-layer (RoBERTa-PreLayerNorm classes; leaves the "
+        "loss plateau within a CPU budget); bert: the paper's post-LN BertForMaskedLM/BertLMHeadModel "
+        "(default: %(default)s)",
     )
     model.add_argument(
         "--steps", type=int, default=_D.steps, help="optimiser steps per model (default: %(default)s)"
