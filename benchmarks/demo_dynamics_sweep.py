@@ -1,4 +1,4 @@
-"""Diagnose one demo configuration: does the model learn to use attention, and what does W_qk do?
+r"""Diagnose one demo configuration: does the model learn to use attention, and what does W_qk do?
 
 A plain PyTorch loop over the demo's own pieces (``prepare_data``, ``build_model``,
 ``make_collator``, ``init_output_bias_to_unigram_``) with the Trainer's optimiser settings (AdamW,
@@ -17,9 +17,10 @@ no decay on biases and LayerNorm, linear warm-up and decay, gradient clipping at
 
 Used to choose the demo defaults (docs/reproducing-the-paper.md):
 
-    python benchmarks/demo_dynamics_sweep.py --kind encoder                       # demo defaults
-    python benchmarks/demo_dynamics_sweep.py --kind decoder --no-unigram-bias     # the collapse
-    python benchmarks/demo_dynamics_sweep.py --kind encoder --hidden 128 --ffn 512 --steps 6000 --every 250
+    python benchmarks/demo_dynamics_sweep.py --kind encoder --seed 1                  # demo defaults
+    python benchmarks/demo_dynamics_sweep.py --kind decoder --arch bert --lr 1e-3 --warmup 30 --no-unigram-bias
+    python benchmarks/demo_dynamics_sweep.py --arch bert --lr 1e-3 --warmup 100 --steps 6000 --every 250 \
+        --hidden 128 --ffn 512                                   # post-LN, 4 x 128, 6000 steps
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", choices=demo.MODEL_KINDS, default="encoder")
     p.add_argument("--size", choices=list(demo.SIZES), default=d.size)
+    p.add_argument("--arch", choices=list(demo.ARCHITECTURES), default=d.arch)
     p.add_argument("--layers", type=int, help="override the size's layer count")
     p.add_argument("--hidden", type=int, help="override the size's hidden width")
     p.add_argument("--heads", type=int, help="override the size's head count")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     model = demo.build_model(
-        a.kind, size, len(tokenizer), a.seq_len, pad_token_id=tokenizer.pad_token_id, seed=a.seed
+        a.kind, size, len(tokenizer), a.seq_len, pad_token_id=tokenizer.pad_token_id, seed=a.seed, arch=a.arch
     )
     if a.dropout is not None:
         for m in model.modules():
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return 0
 
 
