@@ -88,8 +88,8 @@ class DemoConfig:
     size: str = "mini"
     arch: str = "bert-preln"
     steps: int = 700
-    batch_size: int = 16
-    seq_len: int = 64
+    batch_size: int = 8
+    seq_len: int = 128
     lr: float = 5e-4
     warmup: int = 50
     weight_decay: float = 0.01
