@@ -385,7 +385,7 @@ def unigram_log_frequencies(blocks: torch.Tensor, vocab_size: int) -> torch.Tens
 
 
 def init_output_bias_to_unigram_(model: Any, blocks: torch.Tensor) -> Any:
-    """Start a BERT LM head at the unigram distribution: output bias := :func:`unigram_log_frequencies`.
+    """Start an LM head at the unigram distribution: output bias := :func:`unigram_log_frequencies`.
 
     With a zero bias, a freshly initialised model spends its first steps learning token frequencies,
     and a post-LayerNorm BERT does that fastest by making every position's hidden state the same
@@ -393,7 +393,10 @@ def init_output_bias_to_unigram_(model: Any, blocks: torch.Tensor) -> Any:
     equal, so W_q and W_k get no gradient and their scores freeze. Starting the bias at the unigram
     distribution removes that phase for both models alike; the attention weights are untouched.
     """
-    bias = model.get_output_embeddings().bias  # tied to the head's own bias in BERT and RoBERTa
+    head = model.get_output_embeddings()  # its bias is tied to the head's own in BERT and RoBERTa
+    bias = getattr(head, "bias", None)
+    if bias is None:
+        raise DemoError(f"{type(model).__name__} has no output-layer bias to initialise")
     with torch.no_grad():
         bias.copy_(unigram_log_frequencies(blocks, bias.numel()).to(bias.device, bias.dtype))
     return model

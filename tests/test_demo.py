@@ -271,3 +271,12 @@ def test_train_model_applies_the_unigram_bias_unless_disabled(small_data, tmp_pa
                      model_hook=lambda m: seen.setdefault("bias", m.get_output_embeddings().bias.detach().clone()))
     expected = _expected_unigram_bias(blocks, len(tok)) if unigram_bias else np.zeros(len(tok))
     np.testing.assert_allclose(seen["bias"].double().numpy(), expected, atol=1e-5)
+
+
+def test_unigram_bias_needs_an_output_bias(small_data):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, blocks = small_data
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=16, n_layer=1, n_head=2))  # lm_head has no bias
+    with pytest.raises(demo.DemoError, match="no output-layer bias"):
+        demo.init_output_bias_to_unigram_(model, blocks)
