@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,13 +66,29 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
     "base": (12, 768, 12, 3072),
 }
 MODEL_KINDS = ("encoder", "decoder")
-#: architecture -> (config class, masked-LM class, causal-LM class) in ``transformers``.
+
+
+class Architecture(NamedTuple):
+    """Class names in ``transformers`` for one demo architecture."""
+
+    config: str
+    masked_lm: str
+    causal_lm: str
+    #: RoBERTa-style position ids start at ``pad_token_id + 1``: that many extra position rows.
+    positions_after_pad: bool = False
+
+
 #: ``bert`` is the paper's (post-LayerNorm); ``bert-preln`` puts the LayerNorm before each
 #: sub-layer, and is the default because it leaves the loss plateau within a CPU budget
 #: (docs/reproducing-the-paper.md has the measurements).
-ARCHITECTURES: dict[str, tuple[str, str, str]] = {
-    "bert-preln": ("RobertaPreLayerNormConfig", "RobertaPreLayerNormForMaskedLM", "RobertaPreLayerNormForCausalLM"),
-    "bert": ("BertConfig", "BertForMaskedLM", "BertLMHeadModel"),
+ARCHITECTURES: dict[str, Architecture] = {
+    "bert-preln": Architecture(
+        "RobertaPreLayerNormConfig",
+        "RobertaPreLayerNormForMaskedLM",
+        "RobertaPreLayerNormForCausalLM",
+        positions_after_pad=True,
+    ),
+    "bert": Architecture("BertConfig", "BertForMaskedLM", "BertLMHeadModel"),
 }
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -355,11 +371,10 @@ def build_model(
         raise DemoError(f"unknown model kind {kind!r}")
     if arch not in ARCHITECTURES:
         raise DemoError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-    config_name, encoder_name, decoder_name = ARCHITECTURES[arch]
+    classes = ARCHITECTURES[arch]
     layers, hidden, heads, ffn = SIZES[size]
-    # RoBERTa numbers positions from pad_token_id + 1, so it needs that many extra rows
-    extra_positions = pad_token_id + 1 if arch == "bert-preln" else 0
-    config = getattr(transformers, config_name)(
+    extra_positions = pad_token_id + 1 if classes.positions_after_pad else 0
+    config = getattr(transformers, classes.config)(
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -370,7 +385,7 @@ def build_model(
         is_decoder=kind == "decoder",
     )
     torch.manual_seed(seed)
-    return getattr(transformers, decoder_name if kind == "decoder" else encoder_name)(config)
+    return getattr(transformers, classes.causal_lm if kind == "decoder" else classes.masked_lm)(config)
 
 
 def unigram_log_frequencies(blocks: torch.Tensor, vocab_size: int) -> torch.Tensor:
