@@ -37,7 +37,9 @@ __all__ = [
 # Names served lazily so that `import attn_probe` stays light.
 _LAZY = {
     "AttnProbeCallback": ("attn_probe.integrations.transformers", "AttnProbeCallback"),
-    "watch": ("attn_probe.probe", "watch"),
+    "watch": ("attn_probe.watching", "watch"),
+    "ProbeConfig": ("attn_probe.config", "ProbeConfig"),
+    "score_factors": ("attn_probe.metrics", "score_factors"),
     "Probe": ("attn_probe.probe", "Probe"),
     "every": ("attn_probe.schedules", "every"),
     "log_spaced": ("attn_probe.schedules", "log_spaced"),

@@ -21,7 +21,8 @@ import torch
 
 from .extraction import AttentionLayer, UnsupportedModelError, find_attention
 from .extraction.base import ParamGetter
-from .scoring import Row, score_layer
+from .metrics import check_metrics
+from .scoring import Row, row_metrics, score_layer
 from .tags import layer_stats
 
 __all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights", "open_checkpoint"]
@@ -245,8 +246,9 @@ def score_checkpoint(
     groups: Iterable[str] | None = None,
     layers: Iterable[int] | None = None,
     progress: bool | None = None,
+    metrics: Iterable[str] | None = None,
 ) -> list[Row]:
-    """Symmetry and directionality of every attention layer of a saved checkpoint directory.
+    """The metrics of every attention layer of a saved checkpoint directory (default: symmetry, directionality).
 
     ``path`` holds ``config.json`` and ``model.safetensors`` (or shards listed in
     ``model.safetensors.index.json``, or ``pytorch_model.bin``). Rows are those of
@@ -261,6 +263,10 @@ def score_checkpoint(
     num_std = float(num_std)
     if not math.isfinite(num_std):
         raise CheckpointError(f"num_std must be finite, got {num_std}")
+    try:
+        names = check_metrics(tuple(metrics) if metrics is not None else None)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     found, tensors_of = open_checkpoint(path, groups=groups, layers=layers)
     rows: list[Row] = []
     with torch.no_grad():
@@ -270,7 +276,8 @@ def score_checkpoint(
                 query, key = layer.factors(get)
             except (ValueError, RuntimeError) as exc:
                 raise CheckpointError(f"{Path(path).expanduser()}: {layer.name}: {_one_line(exc)}") from None
-            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype)
+            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype,
+                                metrics=names)
             del get, query, key
     return rows
 
@@ -279,8 +286,9 @@ def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
     """Paper-style summary: per group, median and interquartile range across layers.
 
     Uses the layer-level rows (``head is None``) and :func:`attn_probe.tags.layer_stats`
-    (quantiles interpolate linearly and skip ``nan``). One dict per group (in order of appearance) with ``group``, ``layers`` and
-    ``{score}_median``, ``{score}_q25``, ``{score}_q75`` for both scores.
+    (quantiles interpolate linearly and skip ``nan``). One dict per group (in order of
+    appearance) with ``group``, ``layers`` and ``{metric}_median``, ``{metric}_q25``,
+    ``{metric}_q75`` for every metric in the rows.
     """
     by_group: dict[str, list[Row]] = {}
     for row in rows:
@@ -289,7 +297,7 @@ def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
     out = []
     for group, items in by_group.items():
         entry: dict[str, Any] = {"group": group, "layers": len(items)}
-        for score in ("symmetry", "directionality"):
+        for score in row_metrics(items):
             stats = layer_stats(r[score] for r in items)
             entry.update({f"{score}_{stat}": value for stat, value in stats.items()})
         out.append(entry)

@@ -172,11 +172,12 @@ def _fsdp_owners(model: nn.Module) -> dict[int, nn.Module]:
     return owners
 
 
-def _plan(layer: AttentionLayer, model: nn.Module, owners: dict[int, nn.Module]) -> _Plan:
+def _plan(layer: AttentionLayer, model: nn.Module, owners: dict[int, nn.Module],
+          names: tuple[str, ...] | None = None) -> _Plan:
     refs: dict[str, tuple[nn.Module, str]] = {}
     units: list[nn.Module] = []
     prefix = f"{layer.name}." if layer.name else ""
-    for name in layer.param_names:
+    for name in names if names is not None else layer.param_names:
         if layer.module is not None and name.startswith(prefix):
             base, rel = layer.module, name[len(prefix) :]
         else:
@@ -191,7 +192,7 @@ def _plan(layer: AttentionLayer, model: nn.Module, owners: dict[int, nn.Module])
 
 
 def _signature(plans: list[_Plan]) -> int:
-    text = "|".join(f"{canonical_name(p.layer.name)}:{','.join(p.layer.param_names)}" for p in plans)
+    text = "|".join(f"{canonical_name(p.layer.name)}:{','.join(p.refs)}" for p in plans)
     return zlib.crc32(text.encode()) & 0x3FFFFFFF
 
 
@@ -257,17 +258,23 @@ def _zero3_params(values: Iterable[Tensor]) -> list[Tensor]:
     return [v for v in values if hasattr(v, "ds_id")]
 
 
-def iter_layer_factors(
+ParamGetter = Callable[[str], Tensor]
+
+
+def iter_layer_params(
     model: nn.Module,
     layers: Iterable[AttentionLayer],
     *,
+    param_names: Callable[[AttentionLayer], tuple[str, ...]] | None = None,
     rank0_only: bool = True,
-) -> Iterator[tuple[AttentionLayer, Tensor, Tensor]]:
-    """Yield ``(layer, W_q, W_k)`` one layer at a time, full tensors, under ``no_grad``.
+) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
+    """Yield ``(layer, get)`` one layer at a time: ``get(name)`` is the full parameter tensor.
 
-    ``W_q``: ``(num_heads, head_dim, d)``, ``W_k``: ``(num_kv_heads, head_dim, d)``, valid
-    until the next iteration (the gathered memory is freed then). ``layer.name`` has wrapper
-    segments such as ``_fsdp_wrapped_module.`` removed (:func:`canonical_name`).
+    ``param_names(layer)`` says which parameters to gather (default ``layer.param_names``,
+    the query/key weights; a score pair declares its own, :mod:`attn_probe.pairs`). The
+    tensors are valid until the next iteration (the gathered memory is freed then).
+    ``layer.name`` has wrapper segments such as ``_fsdp_wrapped_module.`` removed
+    (:func:`canonical_name`).
 
     Collective contract: on a sharded model (:func:`sharding_kind` not ``"local"``) every
     rank must call this with the same layers and **exhaust the iterator** (do not ``break``;
@@ -275,7 +282,6 @@ def iter_layer_factors(
     rank 0 receives layers, the other ranks take part in the gathers and yield nothing;
     with ``rank0_only=False`` every rank receives them. ``model`` is what was wrapped (the
     FSDP root, the DDP module, the model whose parameters carry DeepSpeed ``ds_*``).
-    A layer whose non-collective part fails on one rank is skipped there with a warning.
     """
     layers = list(layers)
     info = world_info()
@@ -285,10 +291,10 @@ def iter_layer_factors(
     ok = True
     try:
         owners = _fsdp_owners(model) if kind == "fsdp1" else {}
-        plans = [_plan(layer, model, owners) for layer in layers]
+        plans = [_plan(layer, model, owners, param_names(layer) if param_names else None) for layer in layers]
     except Exception as exc:
         ok = False
-        logger.warning("attn_probe: could not locate q/k parameters (%s: %s)", type(exc).__name__, exc)
+        logger.warning("attn_probe: could not locate the layers' parameters (%s: %s)", type(exc).__name__, exc)
     if kind != "local":
         if not _agree(ok, _signature(plans) if ok else 0, len(plans) if ok else -1):
             logger.warning(
@@ -323,27 +329,36 @@ def iter_layer_factors(
                     continue
                 if not receive:
                     continue
-                item = _factors(plan, gathered.__getitem__)
-                if item is not None:
-                    yield item
+                yield _canonical_layer(plan.layer), gathered.__getitem__
                 del gathered
 
 
-def _factors(plan: _Plan, get: Callable[[str], Tensor]) -> tuple[AttentionLayer, Tensor, Tensor] | None:
-    """Non-collective part: split the gathered tensors into per-head factors; never raises."""
-    try:
-        query, key = plan.layer.factors(get)
-        return _canonical_layer(plan.layer), query.detach(), key.detach()
-    except Exception as exc:
-        logger.warning(
-            "attn_probe: reading %s failed (%s: %s); layer skipped", plan.layer.name, type(exc).__name__, exc
-        )
-        return None
+def iter_layer_factors(
+    model: nn.Module,
+    layers: Iterable[AttentionLayer],
+    *,
+    rank0_only: bool = True,
+) -> Iterator[tuple[AttentionLayer, Tensor, Tensor]]:
+    """Yield ``(layer, W_q, W_k)`` one layer at a time, full tensors, under ``no_grad``.
+
+    ``W_q``: ``(num_heads, head_dim, d)``, ``W_k``: ``(num_kv_heads, head_dim, d)``; the
+    collective contract of :func:`iter_layer_params` applies (exhaust the iterator on every
+    rank). A layer whose split into heads fails is skipped with a warning.
+    """
+    for layer, get in iter_layer_params(model, layers, rank0_only=rank0_only):
+        try:
+            query, key = layer.factors(get)
+        except Exception as exc:
+            logger.warning(
+                "attn_probe: reading %s failed (%s: %s); layer skipped", layer.name, type(exc).__name__, exc
+            )
+            continue
+        yield layer, query.detach(), key.detach()
 
 
 def _iter_fsdp1(
     plans: list[_Plan], receive: bool, rank0_only: bool
-) -> Iterator[tuple[AttentionLayer, Tensor, Tensor]]:
+) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
     """FSDP1: one summon per run of consecutive layers that share their owning units."""
     runs: list[list[_Plan]] = []
     for plan in plans:
@@ -363,9 +378,7 @@ def _iter_fsdp1(
                 if not (receive and holds):
                     continue
                 for plan in run:
-                    item = _factors(plan, lambda n, plan=plan: getattr(*plan.refs[n]).detach())
-                    if item is not None:
-                        yield item
+                    yield _canonical_layer(plan.layer), (lambda n, plan=plan: getattr(*plan.refs[n]).detach())
 
 
 def gather_scores(
@@ -375,6 +388,7 @@ def gather_scores(
     per_head: bool = False,
     num_std: float = 2.0,
     dtype: torch.dtype = torch.float32,
+    metrics: Iterable[str] | None = None,
 ) -> list[Row] | None:
     """Score every layer of a (possibly sharded) model; rows on rank 0, ``None`` elsewhere.
 
@@ -388,7 +402,8 @@ def gather_scores(
     rows: list[Row] = []
     for layer, query, key in iter_layer_factors(model, layers):
         try:
-            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype)
+            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype,
+                                metrics=metrics)
         except Exception as exc:
             logger.warning(
                 "attn_probe: scoring %s failed (%s: %s); layer skipped", layer.name, type(exc).__name__, exc
@@ -416,6 +431,7 @@ __all__ = [
     "gather_scores",
     "is_main_process",
     "iter_layer_factors",
+    "iter_layer_params",
     "sharding_kind",
     "world_info",
 ]

@@ -1,21 +1,16 @@
 """The live probe: schedule -> snapshot -> sinks, isolated so that it never stops training.
 
-A :class:`Probe` holds the attention layers found at attach time, a step counter, a schedule
-and its sinks. At a snapshot it reads every layer's factors through
-:func:`attn_probe.distributed.iter_layer_factors` (on every rank, same order, exhausted),
-computes the scores on the weights' own device under ``no_grad``
-(:func:`attn_probe.scores.factored_scores_tensor`: no ``d x d`` product for thin factors, the
-results stay on the device) and moves every layer's scores to the host in one transfer per
-snapshot; the sinks get plain numbers, on the main process only.
+A :class:`Probe` holds a validated :class:`~attn_probe.config.ProbeConfig`, the attention
+layers found at attach time, a step counter and its sinks. At a snapshot it walks every
+layer through :func:`attn_probe.distributed.iter_layer_params` (on every rank, same order,
+exhausted), gathering the parameters its score pairs and scheduled quantities declare; each
+pair scores the layer through the one core (:func:`attn_probe.metrics.score_factors`, on the
+weights' own device, no host sync); every layer's table moves to the host in one transfer
+per snapshot, and the sinks get plain numbers, on the main process only.
 
-Counting (:func:`watch`):
-
-* ``optimizer=``: a step post-hook counts optimizer updates;
-* ``accelerator=``: real updates only (see :mod:`attn_probe.integrations.accelerate`);
-* neither: a forward pre-hook on the root module counts *training-mode forward passes*
-  (micro-batches under gradient accumulation).
-
-This module imports neither transformers nor accelerate.
+What counts steps lives in :mod:`attn_probe.counting`; :func:`attn_probe.watch` (in
+:mod:`attn_probe.watching`) attaches a probe to a loop. This module imports neither
+transformers nor accelerate.
 """
 
 from __future__ import annotations
@@ -27,26 +22,28 @@ import socket
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch import nn
 
-from .distributed import is_main_process, iter_layer_factors
+from .config import ProbeConfig, config_from_options
+from .counting import ForwardPasses, OptimizerUpdates
+from .distributed import is_main_process, iter_layer_params
 from .extraction import AttentionLayer, find_attention, unwrap
-from .schedules import Schedule, ScheduleLike, as_schedule
-from .scores import factored_scores_tensor
+from .images import HeatmapImages, render_heatmap
+from .metrics import table_entries
+from .pairs import QKPair, ScorePair, pair_metric_names
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.tensorboard import writer_log_dir
 from .tags import layer_stats
 
 __all__ = [
     "Probe",
-    "watch",
+    "ProbeConfig",
     "LogDirError",
     "ScorePair",
     "QKPair",
@@ -59,6 +56,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: trajectory files written by open probes of this process (two probes must not share one)
 _OPEN_PATHS: set[str] = set()
+
+#: keyword arguments of :class:`Probe` that wire it up rather than configure the measurement
+WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale")
 
 
 class LogDirError(OSError):
@@ -75,65 +75,13 @@ def default_is_main_process() -> bool:
     return is_main_process()
 
 
-# --------------------------------------------------------------------------------------------
-# Scored weight pairs
-# --------------------------------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    # ``from attn_probe.probe import watch`` keeps working; watch lives above the probe
+    if name == "watch":
+        from .watching import watch
 
-
-class ScorePair(Protocol):
-    """A scored weight pair: the extension point for e.g. ``W_v W_o`` next to ``W_qk``.
-
-    ``metrics`` are the metric names it writes (``tags.scalar_tag`` metric field; prefix new
-    pairs, e.g. ``vo_symmetry``); ``score`` returns a ``(len(metrics), 1 + H*per_head)``
-    tensor for one layer, column 0 the layer-level value. It may stay on the weights'
-    device: the probe moves all pairs' and layers' results to the host together, one
-    transfer per device and snapshot.
-    """
-
-    metrics: tuple[str, ...]
-
-    def score(self, layer: AttentionLayer, query: Tensor, key: Tensor, *,
-              per_head: bool, num_std: float) -> Tensor: ...
-
-
-class QKPair:
-    """Symmetry and directionality of ``W_qk = W_q W_k^T``."""
-
-    metrics: tuple[str, ...] = ("symmetry", "directionality")
-
-    def score(self, layer: AttentionLayer, query: Tensor, key: Tensor, *,
-              per_head: bool, num_std: float) -> Tensor:
-        # stays on the weights' device: the probe moves every layer's values in one transfer
-        return factored_scores_tensor(query, key, per_head=per_head, num_std=num_std)
-
-
-# --------------------------------------------------------------------------------------------
-# Heatmaps (numpy only)
-# --------------------------------------------------------------------------------------------
-
-
-def render_heatmap(matrix: np.ndarray) -> np.ndarray:
-    """``HxWx3`` uint8 image of a matrix with a symmetric colour scale: blue < 0 < red, white at 0."""
-    m = np.asarray(matrix, dtype=np.float64)
-    m = np.where(np.isfinite(m), m, 0.0)
-    vmax = float(np.abs(m).max()) if m.size else 0.0
-    x = m / vmax if vmax > 0 else np.zeros_like(m)
-    pos, neg = np.clip(x, 0, 1), np.clip(-x, 0, 1)
-    rgb = np.stack([1 - neg, 1 - pos - neg, 1 - pos], axis=-1)
-    return np.round(rgb * 255).astype(np.uint8)
-
-
-def _qk_image(query: Tensor, key: Tensor, size: int, mode: str) -> np.ndarray:
-    num_heads, head_dim, d = query.shape
-    num_kv = key.shape[0]
-    q = query.detach().float().reshape(num_kv, num_heads // num_kv, head_dim, d).sum(1)
-    if mode == "block":
-        m = q.reshape(-1, d)[:, :size].T @ key.detach().float().reshape(-1, d)[:, :size]
-    else:
-        m = q.reshape(-1, d).T @ key.detach().float().reshape(-1, d)
-        if d > size:
-            m = torch.nn.functional.adaptive_avg_pool2d(m[None, None], size)[0, 0]
-    return render_heatmap(m.cpu().numpy())
+        return watch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,15 +128,6 @@ def never_raise(method: F) -> F:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Options:
-    per_head: bool
-    num_std: float
-    images_every: Schedule | None
-    image_size: int
-    image_mode: str
-
-
 def _check_log_dir(log_dir: str) -> None:
     try:
         os.makedirs(log_dir, exist_ok=True)
@@ -217,12 +156,17 @@ def _describe_model(model: nn.Module, layers: Sequence[AttentionLayer]) -> dict[
 
 
 class Probe:
-    """Snapshots of the attention scores of one model, written to sinks on the main process.
+    """Snapshots of the attention metrics of one model, written to sinks on the main process.
 
     Build it with :func:`watch` (or the Trainer callback). ``snapshot(step)`` takes one by
     hand; ``close()`` (or leaving the ``with`` block) takes a final snapshot when the counter
     moved past the last one and closes the sinks. Collective-safe: call ``snapshot`` and
     ``close`` on every rank.
+
+    ``config`` (a :class:`~attn_probe.config.ProbeConfig`) and/or its fields as keyword
+    options say what is measured and when; ``log_dir``, ``writer``, ``sinks``,
+    ``is_main_process``, ``extra_config`` and ``purge_stale`` say where it goes. An unknown
+    option raises ``TypeError`` naming the valid ones.
 
     Attach-time problems raise (:class:`~attn_probe.UnsupportedModelError`,
     :class:`LogDirError`); after that, every failure is caught, warned about once, and the
@@ -232,76 +176,63 @@ class Probe:
     def __init__(
         self,
         model: nn.Module,
+        config: ProbeConfig | None = None,
         *,
         log_dir: str | None = None,
         writer: Any = None,
         sinks: Sequence[Sink] | None = None,
-        every: ScheduleLike | None = 100,
-        per_head: bool = False,
-        groups: Iterable[str] | None = None,
-        layers: Iterable[int] | None = None,
-        num_std: float = 2.0,
-        images_every: ScheduleLike | None = None,
-        image_size: int = 128,
-        image_mode: str = "downsample",
-        pairs: Sequence[ScorePair] | None = None,
         is_main_process: bool | None = None,
-        start_step: int = 0,
-        find_kwargs: dict[str, Any] | None = None,
         extra_config: dict[str, Any] | None = None,
         purge_stale: bool = True,
+        **options: Any,
     ) -> None:
-        if image_mode not in ("downsample", "block"):
-            raise ValueError(f"image_mode must be 'downsample' or 'block', got {image_mode!r}")
-        if not (isinstance(num_std, (int, float)) and math.isfinite(num_std)):
-            raise ValueError(f"num_std must be a finite number, got {num_std!r}")
+        self.config = cfg = config_from_options(config, allowed_extra=WIRING, **options)
         self.model = model
-        self.schedule: Schedule | None = as_schedule(every)
-        self.options = _Options(bool(per_head), float(num_std), as_schedule(images_every),
-                                int(image_size), image_mode)
-        self.pairs: list[ScorePair] = list(pairs) if pairs is not None else [QKPair()]
+        self.pairs: list[ScorePair] = cfg.score_pairs()
+        self.metrics = pair_metric_names(self.pairs)
+        self.images = (HeatmapImages(cfg.image_schedule, cfg.image_size, cfg.image_mode)
+                       if cfg.image_schedule is not None else None)
         self.layers: list[AttentionLayer] = find_attention(
-            model, groups=groups, layers=layers, **(find_kwargs or {})
+            model, groups=cfg.groups, layers=cfg.layers, **cfg.find_kwargs
         )
         if not self.layers:
             from .extraction import UnsupportedModelError
 
             raise UnsupportedModelError(
-                f"attn_probe: no attention layer matches groups={groups!r}, layers={layers!r}"
+                f"attn_probe: no attention layer matches groups={cfg.groups!r}, layers={cfg.layers!r}"
             )
         self.is_main_process = default_is_main_process() if is_main_process is None else bool(is_main_process)
-        self.step = int(start_step)
+        self.step = cfg.start_step
         self.last_snapshot_step: int | None = None
         self.failures = 0
         self._warned_nonfinite = False
         self._handles: list[Any] = []
-        self._final_step: int | None = None  # forward counting: steps seen after the last forward
+        self._forward_counter: ForwardPasses | None = None
         self._closed = False
         self._sinks: list[Sink] = []
         self._paths: list[str] = []
         self.log_dir: str | None = None
-        config = {
-            "every": getattr(self.schedule, "__qualname__", repr(self.schedule)),
-            "per_head": self.options.per_head,
-            "groups": sorted({a.group for a in self.layers}),
+        groups = sorted({a.group for a in self.layers}, key=[a.group for a in self.layers].index)
+        record = {
+            **cfg.record(),
+            "groups": sorted(groups),
             "layers": sorted({a.layer for a in self.layers}),
-            "num_std": self.options.num_std,
-            "images_every": getattr(self.options.images_every, "__qualname__", None),
-            "image_size": self.options.image_size,
-            "image_mode": self.options.image_mode,
-            "start_step": self.step,
             **(extra_config or {}),
         }
         self._run = RunInfo(
-            config=config,
+            config=record,
             model=_describe_model(model, self.layers),
-            groups=sorted({a.group for a in self.layers}, key=[a.group for a in self.layers].index),
-            metrics=[m for p in self.pairs for m in p.metrics],
-            per_head=self.options.per_head,
+            groups=groups,
+            metrics=list(self.metrics),
+            per_head=cfg.per_head,
             resume_step=self.step if self.step > 0 else None,
         )
         if self.is_main_process:
             self._open_sinks(log_dir, writer, sinks, purge_stale)
+
+    @property
+    def schedule(self) -> Callable[[int], bool] | None:
+        return self.config.schedule
 
     # -- sinks -------------------------------------------------------------------------------
 
@@ -337,11 +268,17 @@ class Probe:
         for sink in self._sinks:
             sink.log(snapshot)
 
-    # -- scoring -----------------------------------------------------------------------------
+    # -- measuring ---------------------------------------------------------------------------
+
+    def _param_names(self, layer: AttentionLayer) -> tuple[str, ...]:
+        names: dict[str, None] = {}
+        for pair in self.pairs:
+            wanted = pair.param_names(layer) if hasattr(pair, "param_names") else layer.param_names
+            names.update(dict.fromkeys(wanted))
+        return tuple(names)
 
     def _images_due(self, step: int) -> bool:
-        sched = self.options.images_every
-        return sched is not None and bool(sched(step))
+        return self.images is not None and self.images.due(step)
 
     def _measure(self, step: int) -> Snapshot | None:
         """Walk all layers (every rank); score and assemble on the main process."""
@@ -352,16 +289,19 @@ class Probe:
             want_images = self.is_main_process and self._images_due(step)
         except Exception as exc:  # noqa: BLE001 - re-raised after the walk
             want_images, error = False, exc
-        for layer, query, key in iter_layer_factors(self.model, self.layers):
+        for layer, get in iter_layer_params(self.model, self.layers, param_names=self._param_names):
             if not self.is_main_process or error is not None:
                 continue  # keep exhausting the iterator: other ranks wait in its collectives
             try:
-                values = [p.score(layer, query, key, per_head=self.options.per_head,
-                                  num_std=self.options.num_std) for p in self.pairs]
+                values = []
+                for pair in self.pairs:
+                    a, b = pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
+                    values.append(pair.score(layer, a.detach(), b.detach(), per_head=self.config.per_head,
+                                             num_std=self.config.num_std))
                 scored.append((layer, values))
                 if want_images:
-                    images[(layer.group, layer.layer)] = _qk_image(
-                        query, key, self.options.image_size, self.options.image_mode)
+                    assert self.images is not None
+                    images[(layer.group, layer.layer)] = self.images.measure(layer, get)
             except Exception as exc:  # noqa: BLE001 - re-raised after the walk
                 error = exc
         if error is not None:
@@ -388,14 +328,10 @@ class Probe:
                 n = v.numel()
                 flat = host[v.device][offsets[v.device]: offsets[v.device] + n]
                 offsets[v.device] += n
-                table = flat.reshape(v.shape)
-                for i, metric in enumerate(pair.metrics):
-                    for col in range(table.shape[1]):
-                        head = None if col == 0 else col - 1
-                        value = float(table[i, col])
-                        records.append(Record(layer.group, layer.layer, head, metric, value))
-                        if head is None and not math.isfinite(value):
-                            nonfinite.append(f"{layer.name} {metric}")
+                for head, metric, value in table_entries(pair.metrics, flat.reshape(v.shape)):
+                    records.append(Record(layer.group, layer.layer, head, metric, value))
+                    if head is None and not math.isfinite(value):
+                        nonfinite.append(f"{layer.name} {metric}")
         if nonfinite and not self._warned_nonfinite:
             self._warned_nonfinite = True
             warnings.warn(
@@ -439,8 +375,9 @@ class Probe:
         return snap
 
     def due(self, step: int) -> bool:
-        """Whether the schedule fires at ``step`` (identical on every rank)."""
-        return self.schedule is not None and bool(self.schedule(step)) or self._images_due(step)
+        """Whether the schedule (or the image schedule) fires at ``step``."""
+        schedule = self.config.schedule
+        return schedule is not None and bool(schedule(step)) or self._images_due(step)
 
     @never_raise
     def on_update(self, step: int | None = None) -> None:
@@ -450,25 +387,13 @@ class Probe:
             self.snapshot(self.step)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer.step()`` calls with a step post-hook."""
-        if not hasattr(optimizer, "register_step_post_hook"):
-            raise TypeError(f"{type(optimizer).__name__} has no register_step_post_hook; pass a torch optimizer")
-        self._handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self.on_update()))
+        """Count ``optimizer.step()`` calls (:class:`attn_probe.counting.OptimizerUpdates`)."""
+        self.add_hook_handle(OptimizerUpdates(optimizer, self))
 
     def attach_forward_counter(self, module: nn.Module) -> None:
-        """Count training-mode forward passes of ``module`` (micro-batches under accumulation)."""
-
-        base = self.step
-        count = [0]
-
-        def pre_hook(mod: nn.Module, args: Any) -> None:
-            if mod.training:
-                # step = forwards before this one: the weights this forward sees
-                self.on_update(base + count[0])
-                count[0] += 1
-                self._final_step = base + count[0]
-
-        self._handles.append(module.register_forward_pre_hook(pre_hook))
+        """Count training-mode forward passes of ``module`` (:class:`attn_probe.counting.ForwardPasses`)."""
+        self._forward_counter = ForwardPasses(module, self)
+        self.add_hook_handle(self._forward_counter)
 
     def add_hook_handle(self, handle: Any) -> None:
         """Keep a removable handle (``.remove()``) to drop at :meth:`close`."""
@@ -481,8 +406,9 @@ class Probe:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._final_step is not None:
-            self.step = max(self.step, self._final_step)
+        counter = self._forward_counter
+        if counter is not None and counter.final_step is not None:
+            self.step = max(self.step, counter.final_step)
         if final_snapshot and (self.last_snapshot_step is None or self.step > self.last_snapshot_step):
             self.snapshot(self.step)
         self._closed = True
@@ -506,38 +432,3 @@ class Probe:
     def __repr__(self) -> str:
         return (f"Probe({len(self.layers)} layers, step={self.step}, "
                 f"last_snapshot={self.last_snapshot_step}, log_dir={self.log_dir!r})")
-
-
-def watch(
-    model: nn.Module,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    accelerator: Any = None,
-    log_dir: str | None = None,
-    every: ScheduleLike = 100,
-    **options: Any,
-) -> Probe:
-    """Attach a probe to a training loop and take the step-0 snapshot now.
-
-    * ``watch(model, optimizer=opt, log_dir="runs/x", every=100)``: counts ``opt.step()``;
-    * ``watch(model, accelerator=accelerator, every=100)``: counts real optimizer updates of
-      the prepared optimizers and writes into the accelerator's TensorBoard run if any;
-    * ``watch(model, every=100)``: counts training-mode forward passes of ``model``.
-
-    ``every`` is an int or a callable ``step -> bool`` (:mod:`attn_probe.schedules`).
-    Other options go to :class:`Probe` (``per_head``, ``groups``, ``layers``, ``num_std``,
-    ``images_every``, ``image_size``, ``image_mode``, ``pairs``, ``start_step``, ``sinks``).
-    """
-    if optimizer is not None and accelerator is not None:
-        raise ValueError("give optimizer= or accelerator=, not both (the accelerator knows its optimizers)")
-    if accelerator is not None:
-        from .integrations.accelerate import watch_accelerated
-
-        return watch_accelerated(model, accelerator, log_dir=log_dir, every=every, **options)
-    probe = Probe(model, log_dir=log_dir, every=every, **options)
-    if optimizer is not None:
-        probe.attach_optimizer(optimizer)
-    else:
-        probe.attach_forward_counter(model)
-    probe.snapshot(probe.step)
-    return probe

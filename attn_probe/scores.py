@@ -33,9 +33,8 @@ Degenerate input (see ``docs/scores.md``):
   the norms' dtype), e.g. an orthogonal ``M`` whose norms are all equal: directionality ``0``;
 * a ``1 x 1`` non-zero matrix: symmetry ``1``, directionality ``0``.
 
-Explicit matrices are divided by their largest absolute entry before squaring, and factors
-whose values would over- or underflow are rescaled likewise, so both scores are
-scale-invariant even for entries near the floating-point range limits.
+Explicit matrices, and factors, are divided by their largest absolute entry before squaring,
+so both scores are scale-invariant even for entries near the floating-point range limits.
 
 The factored functions never form ``d x d`` products when the factors are thin:
 with factors ``A, B`` of shape ``(r, d)`` and ``M = A^T B``,
@@ -45,9 +44,9 @@ with factors ``A, B`` of shape ``(r, d)`` and ``M = A^T B``,
 * row norms ``r_i^2 = diag(A^T (B B^T) A)``, column norms ``c_j^2 = diag(B^T (A A^T) B)``
 
 which costs at most ``5 r^2 d`` multiply-adds instead of ``r d^2`` plus a few passes over
-the ``d x d`` matrix (:func:`gram_is_cheaper` picks the cheaper one). For one large layer
-matrix the symmetric Gram matrices are computed block-wise and the row/column norms come from
-Cholesky factors, ``r_i^2 = ||L_B^T a_i||^2`` with ``B B^T = L_B L_B^T`` (about ``3.7 r^2 d``).
+the ``d x d`` matrix (:func:`gram_is_cheaper` picks the cheaper one); large symmetric Gram
+matrices are computed block-wise. The factored computation itself lives in the scoring core,
+:mod:`attn_probe.metrics`; this module keeps the definitions and their explicit-matrix forms.
 """
 
 from __future__ import annotations
@@ -289,130 +288,6 @@ def _gram(x: Tensor, block: int = 256) -> Tensor:
     return g
 
 
-def _triu_colsq(u: Tensor, x: Tensor, block: int = 256) -> Tensor:
-    """Column sums of squares of ``u @ x`` for upper-triangular ``u (r, r)``, one block row at a time.
-
-    Skips the zero blocks below the diagonal: ``(k + 1) / 2k`` of the full product for
-    ``k = r / block`` block rows, and never assembles ``u @ x``.
-    """
-    r = u.shape[-1]
-    out = x.new_zeros(x.shape[-1])
-    for s in range(0, r, block):
-        e = min(s + block, r)
-        out += (u[s:e, s:] @ x[s:]).square().sum(-2)
-    return out
-
-
-def _quadratic_diag(gram: Tensor, x: Tensor, allow_sync: bool = True) -> Tensor:
-    """``diag(x^T G x)`` for a Gram matrix ``G (r, r)`` and ``x (r, d)``: squared norms of rows of ``x^T B``.
-
-    For large ``r`` this is ``||L^T x_j||^2`` with the Cholesky factor ``G = L L^T``
-    (backward stable; the triangular product costs ~0.6x a full one); a numerically singular
-    ``G`` falls back to ``(G x) * x``. The Cholesky check is one host sync.
-    """
-    if allow_sync and gram.shape[-1] >= 512:
-        chol, info = torch.linalg.cholesky_ex(gram)
-        if int(info) == 0:
-            return _triu_colsq(chol.mT, x)
-    return ((gram @ x) * x).sum(-2)
-
-
-def _products(a: Tensor, b: Tensor, allow_sync: bool = True) -> tuple[Tensor, ...]:
-    """For ``M_{g,j} = A_{g,j}^T B_g`` with ``a (n, G, r, d)``, ``b (n, r, d)``: every head at once.
-
-    Returns ``<M, M^T>``, ``||M||^2``, ``||A||^2`` (each ``(n, G)``), ``||B||^2`` (``(n, 1)``)
-    and row / column norms ``(n, G, d)``. ``B``-side quantities are shared by the ``G`` heads
-    of a group. Non-finite input propagates to ``||M||^2`` (IEEE arithmetic).
-    """
-    n, G, r, d = a.shape
-    if gram_is_cheaper(r, d) and n == G == 1:
-        # one matrix (the layer): blocked Gram matrices and the Cholesky route; A and B go
-        # through identical code, so A = B gives exactly equal row and column norms
-        a2, b2 = a[0, 0], b[0]
-        gram_a, gram_b = _gram(a2), _gram(b2)
-        cross = b2 @ a2.T
-        out = [
-            (cross * cross.T).sum(),
-            (gram_a * gram_b).sum(),
-            gram_a.diagonal().sum(),
-            gram_b.diagonal().sum(),
-            _quadratic_diag(gram_b, a2, allow_sync).clamp_min(0).sqrt(),
-            _quadratic_diag(gram_a, b2, allow_sync).clamp_min(0).sqrt(),
-        ]
-        return tuple(t.reshape(1, 1) if t.ndim == 0 else t.reshape(1, 1, d) for t in out)
-    if gram_is_cheaper(r, d):
-        gram_a = _gram(a)  # (n, G, r, r)
-        gram_b = _gram(b)  # (n, r, r)
-        cross = (b @ a.reshape(n, G * r, d).mT).reshape(n, r, G, r).transpose(1, 2)  # B A_j^T
-        trace_mm = (cross * cross.mT).sum((-1, -2))  # tr(C C)
-        frob_sq = (gram_a * gram_b[:, None]).sum((-1, -2))  # tr(GA GB), both symmetric
-        a_sq = gram_a.diagonal(0, -1, -2).sum(-1)
-        b_sq = gram_b.diagonal(0, -1, -2).sum(-1)[:, None]
-        # heads of a group share B: one batched product per side
-        row_sq = ((gram_b[:, None] @ a) * a).sum(-2)
-        col_sq = ((gram_a.reshape(n, G * r, r) @ b).reshape(n, G, r, d) * b[:, None]).sum(-2)
-        return trace_mm, frob_sq, a_sq, b_sq, row_sq.clamp_min(0).sqrt(), col_sq.clamp_min(0).sqrt()
-    a_sq = torch.linalg.vector_norm(a, dim=(-1, -2)).square()
-    b_sq = torch.linalg.vector_norm(b, dim=(-1, -2)).square()[:, None]
-    m = a.mT @ b[:, None]  # (n, G, d, d)
-    rows = torch.linalg.vector_norm(m, dim=-1)
-    cols = torch.linalg.vector_norm(m, dim=-2)
-    return (m * m.mT).sum((-1, -2)), rows.square().sum(-1), a_sq, b_sq, rows, cols
-
-
-def _scale(t: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """``t / max|t|`` over ``dims``: scores are scale-invariant, and this avoids over/underflow.
-
-    A non-finite entry makes the whole slice non-finite, so it is reported as ``nan``.
-    """
-    amax = t.abs().amax(dims, keepdim=True)  # (vector_norm with ord=inf is much slower on CPU)
-    return t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
-
-
-def _finish(
-    products: tuple[Tensor, ...], sizes: tuple[int, int], num_std: float, dtype: torch.dtype
-) -> tuple[list[float], list[float], bool]:
-    """Scores of every matrix in ``products`` with a single device-to-host transfer.
-
-    The flag says whether every factor's mean square lies where squares and Gram products
-    cannot over- or underflow in ``dtype`` (``finfo.tiny**0.25 .. finfo.max**0.25``); when it
-    does not (or anything is non-finite) the caller recomputes from rescaled factors.
-    """
-    trace_mm, frob_sq, a_sq, b_sq, rows, cols = products
-    shape = trace_mm.shape
-    small = torch.stack([trace_mm, frob_sq, a_sq, b_sq.expand(shape)], -1)
-    n, count = rows.shape[-1], trace_mm.numel()
-    host = torch.cat([small.reshape(-1), rows.reshape(-1), cols.reshape(-1)]).to("cpu", torch.float64)
-    trace_mm, frob_sq, a_sq, b_sq = host[: 4 * count].reshape(-1, 4).unbind(-1)
-    host_rows = host[4 * count : (4 + n) * count].reshape(-1, n)
-    host_cols = host[(4 + n) * count :].reshape(-1, n)
-    info = torch.finfo(dtype)
-    lo, hi = info.tiny**0.25, info.max**0.25
-    mean_sq = torch.cat([a_sq / sizes[0], b_sq / sizes[1]])
-    # (a zero mean square may be underflow: zero factors take the rescaled path too)
-    in_range = bool(torch.isfinite(host).all() and ((mean_sq > lo) & (mean_sq < hi)).all())
-    # zero (also up to rounding, relative to the factors) or non-finite M: undefined
-    valid = torch.isfinite(frob_sq) & (frob_sq > 16 * info.eps * a_sq * b_sq)
-    sym = (trace_mm / torch.where(valid, frob_sq, 1.0)).clamp(-1.0, 1.0)
-    sym = torch.where(valid, sym, float("nan"))
-    dirn = _directionality_batch(host_rows, host_cols, num_std, math.sqrt(info.eps))
-    dirn = torch.where(valid, dirn, float("nan"))
-    return sym.tolist(), dirn.tolist(), in_range
-
-
-def _score_batch(
-    a: Tensor, b: Tensor, num_std: float, dtype: torch.dtype, per_matrix: bool
-) -> tuple[list[float], list[float]]:
-    """Scores of ``A_{g,j}^T B_g``; recomputed from rescaled factors only if the values need it."""
-    sizes = (a.shape[-1] * a.shape[-2], b.shape[-1] * b.shape[-2])
-    sym, dirn, in_range = _finish(_products(a, b), sizes, num_std, dtype)
-    if not in_range:
-        # per matrix: a diverged (non-finite) head does not spoil the others
-        dims_a, dims_b = ((-1, -2), (-1, -2)) if per_matrix else ((0, 1, 2, 3), (0, 1, 2))
-        sym, dirn, _ = _finish(_products(_scale(a, dims_a), _scale(b, dims_b)), sizes, num_std, dtype)
-    return sym, dirn
-
-
 def factored_scores(
     query: Tensor,
     key: Tensor,
@@ -426,12 +301,9 @@ def factored_scores(
 
     ``query`` is ``(num_heads, head_dim, d)`` and ``key`` is ``(num_kv_heads, head_dim, d)``
     (``nn.Linear`` weight rows split per head); query head ``h`` pairs with key head
-    ``g(h) = h // (num_heads / num_kv_heads)``. Grouped heads are summed before the product,
-    ``M = sum_g (sum_{h in g} Q_h)^T K_g``, so a grouped-query layer costs ``num_kv_heads``
-    heads rather than ``num_heads``; per-head scores share each key head's Gram matrix
-    within its group. Computation happens on the factors' device in ``dtype``, with one
-    device-to-host transfer per
-    matrix batch (two if the weights are so large or small that they must be rescaled first). ``layer=False`` leaves the layer scores ``nan``.
+    ``g(h) = h // (num_heads / num_kv_heads)``. A host-side view of the scoring core
+    :func:`attn_probe.metrics.score_factors` (one device-to-host transfer).
+    ``layer=False`` leaves the layer scores ``nan``.
 
     Example:
         >>> import torch
@@ -440,36 +312,15 @@ def factored_scores(
         >>> round(s.symmetry, 4), [round(x, 4) for x in s.head_symmetry]
         (1.0, [1.0, 1.0, 1.0, 1.0])
     """
-    num_heads, num_kv, head_dim, d = _check_factors(query, key)
-    num_std = _check_num_std(num_std)
-    group = num_heads // num_kv
+    from .metrics import score_factors
+
+    table = score_factors(query, key, ("symmetry", "directionality"), per_head=per_head,
+                          num_std=num_std, dtype=dtype).cpu().tolist()
     nan = float("nan")
-    out = FactoredScores(nan, nan)
-    with torch.no_grad():
-        q = query.detach().to(dtype)
-        k = key.detach().to(dtype)
-        if layer:
-            q_grouped = q.reshape(num_kv, group, head_dim, d).sum(1) if group > 1 else q
-            (out.symmetry,), (out.directionality,) = _score_batch(
-                q_grouped.reshape(1, 1, num_kv * head_dim, d), k.reshape(1, num_kv * head_dim, d),
-                num_std, dtype, per_matrix=False,
-            )
-        if per_head:
-            out.head_symmetry, out.head_directionality = _score_batch(
-                q.reshape(num_kv, group, head_dim, d), k, num_std, dtype, per_matrix=True
-            )
+    out = FactoredScores(table[0][0] if layer else nan, table[1][0] if layer else nan)
+    if per_head:
+        out.head_symmetry, out.head_directionality = table[0][1:], table[1][1:]
     return out
-
-
-def _scores_on_device(products: tuple[Tensor, ...], num_std: float, dtype: torch.dtype) -> Tensor:
-    """``(2, ...)`` float64 tensor of (symmetry, directionality), computed where ``products`` live."""
-    trace_mm, frob_sq, a_sq, b_sq, rows, cols = (t.to(torch.float64) for t in products)
-    eps = torch.finfo(dtype).eps
-    valid = torch.isfinite(frob_sq) & (frob_sq > 16 * eps * a_sq * b_sq)
-    sym = (trace_mm / torch.where(valid, frob_sq, 1.0)).clamp(-1.0, 1.0)
-    sym = torch.where(valid, sym, float("nan"))
-    dirn = _directionality_batch(rows, cols, num_std, math.sqrt(eps))
-    return torch.stack([sym, torch.where(valid, dirn, float("nan"))])
 
 
 def factored_scores_tensor(
@@ -480,26 +331,12 @@ def factored_scores_tensor(
     num_std: float = 2.0,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """:func:`factored_scores` without any device-to-host transfer, for the live probe.
+    """:func:`factored_scores` as a float64 device tensor ``(2, 1 + num_heads * per_head)``.
 
-    Returns a float64 tensor ``(2, 1 + num_heads * per_head)`` on the factors' device: row 0
-    symmetry, row 1 directionality; column 0 the layer matrix, then one column per head.
-    Factors are always rescaled by their largest entry first (the scores are scale-invariant),
-    so no host-side range check is needed; the Cholesky route of large layers is not taken.
-    A caller moves many layers' results to the host in one transfer.
+    Row 0 symmetry, row 1 directionality; column 0 the layer matrix, then one column per
+    head. Kept for existing callers: :func:`attn_probe.metrics.score_factors` is the core.
     """
-    num_heads, num_kv, head_dim, d = _check_factors(query, key)
-    num_std = _check_num_std(num_std)
-    group = num_heads // num_kv
-    with torch.no_grad():
-        q = query.detach().to(dtype)
-        k = key.detach().to(dtype)
-        q_grouped = q.reshape(num_kv, group, head_dim, d).sum(1) if group > 1 else q
-        a = _scale(q_grouped.reshape(1, 1, num_kv * head_dim, d), (0, 1, 2, 3))
-        b = _scale(k.reshape(1, num_kv * head_dim, d), (0, 1, 2))
-        columns = [_scores_on_device(_products(a, b, allow_sync=False), num_std, dtype).reshape(2, 1)]
-        if per_head:
-            a = _scale(q.reshape(num_kv, group, head_dim, d), (-1, -2))
-            b = _scale(k, (-1, -2))
-            columns.append(_scores_on_device(_products(a, b, allow_sync=False), num_std, dtype).reshape(2, -1))
-        return torch.cat(columns, 1)
+    from .metrics import score_factors
+
+    return score_factors(query, key, ("symmetry", "directionality"), per_head=per_head,
+                         num_std=num_std, dtype=dtype)

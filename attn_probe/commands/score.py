@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-head", action="store_true", help="also score every head's W_q^h W_k^hT")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON array")
     parser.add_argument(
+        "--metric", action="append", dest="metrics", metavar="NAME",
+        help="metric to compute; repeatable; default symmetry and directionality "
+             "(see docs/scores.md for the list)",
+    )
+    parser.add_argument(
         "--num-std", type=_finite_float, default=2.0, metavar="X",
         help="directionality threshold: mean + X * std of the row/column norms (default 2)",
     )
@@ -38,19 +43,22 @@ def _fmt(value: Any, width: int) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """One line per layer (and head): group, layer, head, symmetry, directionality, module name."""
-    lines = [f"{'group':<8} {'layer':>5} {'head':>4} {'symmetry':>9} {'direction.':>10}  name"]
+    """One line per layer (and head): group, layer, head, one column per metric, module name."""
+    from ..scoring import row_metrics
+
+    metrics = row_metrics(rows)
+    widths = [max(9, len(m)) for m in metrics]
+    header = " ".join(f"{m:>{w}}" for m, w in zip(metrics, widths, strict=True))
+    lines = [f"{'group':<8} {'layer':>5} {'head':>4} {header}  name"]
     for r in rows:
         head = "-" if r["head"] is None else str(r["head"])
-        lines.append(
-            f"{r['group']:<8} {r['layer']:>5} {head:>4} {_fmt(r['symmetry'], 9)} "
-            f"{_fmt(r['directionality'], 10)}  {r['name']}"
-        )
+        cells = " ".join(_fmt(r.get(m), w) for m, w in zip(metrics, widths, strict=True))
+        lines.append(f"{r['group']:<8} {r['layer']:>5} {head:>4} {cells}  {r['name']}")
     return "\n".join(lines)
 
 
 def format_summary(summary: list[dict[str, Any]]) -> str:
-    """``group (n layers): symmetry med [q25, q75]  directionality med [q25, q75]`` per group."""
+    """``group (n layers): metric med [q25, q75]  ...`` per group, for every metric."""
 
     def cell(entry: dict[str, Any], score: str) -> str:
         return (f"{entry[f'{score}_median']:.2f} "
@@ -59,10 +67,9 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
     lines = ["median [q25, q75] across layers:"]
     for e in summary:
         n = e["layers"]
-        lines.append(
-            f"  {e['group']:<8} ({n} layer{'s' if n != 1 else ''}): symmetry {cell(e, 'symmetry')}"
-            f"  directionality {cell(e, 'directionality')}"
-        )
+        metrics = [k[: -len("_median")] for k in e if k.endswith("_median")]
+        cells = "  ".join(f"{m} {cell(e, m)}" for m in metrics)
+        lines.append(f"  {e['group']:<8} ({n} layer{'s' if n != 1 else ''}): {cells}")
     return "\n".join(lines)
 
 
@@ -72,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from ..trajectory_format import encode_value
 
     try:
-        rows = score_checkpoint(args.path, per_head=args.per_head, num_std=args.num_std)
+        rows = score_checkpoint(args.path, per_head=args.per_head, num_std=args.num_std,
+                                metrics=args.metrics)
     except CheckpointError as exc:
         raise CommandError(str(exc)) from None
     if args.json:

@@ -16,14 +16,14 @@ Writes go through the accelerator's TensorBoard tracker's writer when one is ini
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..config import ProbeConfig
+from ..counting import EngineSteps
 from ..probe import Probe
-from ..schedules import ScheduleLike
 
 __all__ = ["watch_accelerated", "tensorboard_tracker_writer"]
 
@@ -38,38 +38,19 @@ def tensorboard_tracker_writer(accelerator: Any) -> Any:
     return None
 
 
-class _EngineStepCounter:
-    """Wrap a DeepSpeed engine's ``step`` (instance attribute) to count applied updates."""
-
-    def __init__(self, engine: Any, probe: Probe) -> None:
-        self.engine = engine
-        self.original = engine.step
-
-        @functools.wraps(self.original)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            before = getattr(engine, "global_steps", None)
-            out = self.original(*args, **kwargs)
-            after = getattr(engine, "global_steps", None)
-            applied = engine.was_step_applied() if hasattr(engine, "was_step_applied") else True
-            if after != before and applied:
-                probe.on_update()
-            return out
-
-        engine.step = step
-
-    def remove(self) -> None:
-        self.engine.step = self.original
-
-
 def watch_accelerated(
     model: nn.Module,
     accelerator: Any,
+    config: ProbeConfig | None = None,
     *,
     log_dir: str | None = None,
-    every: ScheduleLike = 100,
     **options: Any,
 ) -> Probe:
-    """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0."""
+    """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0.
+
+    ``options`` are :class:`~attn_probe.config.ProbeConfig` fields and the probe's wiring
+    arguments (``sinks``, ``is_main_process``...).
+    """
     writer = tensorboard_tracker_writer(accelerator) if log_dir is None else None
     options.setdefault("is_main_process", bool(accelerator.is_main_process))
     engine_wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
@@ -79,10 +60,10 @@ def watch_accelerated(
             "attn_probe.watch(accelerator=...) found no prepared optimizer: call it after "
             "accelerator.prepare(model, optimizer, ...)"
         )
-    probe = Probe(model, log_dir=log_dir, writer=writer, every=every, **options)
+    probe = Probe(model, config, log_dir=log_dir, writer=writer, **options)
     try:
         if engine_wrapper is not None:
-            probe.add_hook_handle(_EngineStepCounter(engine_wrapper.engine, probe))
+            probe.add_hook_handle(EngineSteps(engine_wrapper.engine, probe))
         else:
             for acc_opt in optimizers:
                 inner = getattr(acc_opt, "optimizer", acc_opt)

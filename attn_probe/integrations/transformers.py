@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
+from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
 from ..probe import Probe, default_log_dir
-from ..schedules import ScheduleLike, as_schedule
+from ..schedules import ScheduleLike
 
 __all__ = ["AttnProbeCallback", "trainer_log_dir"]
 
@@ -73,9 +74,11 @@ def trainer_log_dir(args: Any, handler: Any = None) -> str:
 class AttnProbeCallback(TrainerCallback):
     """Log W_qk symmetry/directionality into the Trainer's TensorBoard run and ``attn_probe.jsonl``.
 
-    Args mirror :func:`attn_probe.watch`: ``every`` (int or callable ``step -> bool``),
-    ``log_dir`` (overrides the Trainer's TensorBoard directory), ``per_head``, ``groups``,
-    ``layers``, ``num_std``, ``images_every`` and further :class:`~attn_probe.Probe` options.
+    ``every`` is an int or a callable ``step -> bool``; ``log_dir`` overrides the Trainer's
+    TensorBoard directory; ``sinks`` adds sinks; every other option is a field of
+    :class:`~attn_probe.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
+    ``layers``, ``num_std``, ``images_every``, ...), validated here: a misspelled or invalid
+    option raises ``TypeError``/``ValueError`` when the callback is built.
 
     An unsupported model raises :class:`~attn_probe.UnsupportedModelError` when the Trainer
     is built; an unwritable log directory raises :class:`~attn_probe.probe.LogDirError` at
@@ -84,33 +87,19 @@ class AttnProbeCallback(TrainerCallback):
 
     def __init__(
         self,
-        every: ScheduleLike = 100,
+        every: ScheduleLike | None = 100,
         *,
         log_dir: str | None = None,
-        per_head: bool = False,
-        groups: Iterable[str] | None = None,
-        layers: Iterable[int] | None = None,
-        num_std: float = 2.0,
-        images_every: ScheduleLike | None = None,
+        sinks: Sequence[Any] | None = None,
         **options: Any,
     ) -> None:
-        as_schedule(every)  # validate now
-        as_schedule(images_every)
-        self.every = every
+        self.config: ProbeConfig = config_from_options(every=every, allowed_extra=("log_dir", "sinks"), **options)
         self.log_dir = log_dir
-        self.options: dict[str, Any] = dict(
-            per_head=per_head,
-            groups=list(groups) if groups is not None else None,
-            layers=list(layers) if layers is not None else None,
-            num_std=num_std,
-            images_every=images_every,
-            **options,
-        )
+        self.sinks = list(sinks) if sinks is not None else None
         self.probe: Probe | None = None
 
     def _check_model(self, model: Any) -> None:
-        find_attention(model, groups=self.options["groups"], layers=self.options["layers"],
-                       **self.options.get("find_kwargs", None) or {})
+        find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is not None:
@@ -130,13 +119,12 @@ class AttnProbeCallback(TrainerCallback):
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
         self.probe = Probe(
             model,
+            self.config.replace(start_step=step),
             log_dir=log_dir,
-            every=self.every,
+            sinks=self.sinks,
             is_main_process=main,
-            start_step=step,
             purge_stale=purge_stale,
             extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
-            **self.options,
         )
         self.probe.snapshot(step)
 

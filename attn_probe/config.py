@@ -1,0 +1,164 @@
+"""The probe's options, validated once: :class:`ProbeConfig`.
+
+Every entry point (:func:`attn_probe.watch`, :class:`attn_probe.AttnProbeCallback`,
+:class:`attn_probe.Probe`) builds one ``ProbeConfig`` from its keyword arguments when it is
+called, so a misspelled or invalid option raises ``TypeError``/``ValueError`` there, not
+when training starts. The config is frozen, passed whole, and recorded in the run's header
+(:meth:`ProbeConfig.record`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metrics import DEFAULT_METRICS, check_metrics
+from .schedules import Schedule, ScheduleLike, as_schedule
+
+__all__ = ["ProbeConfig", "config_from_options"]
+
+IMAGE_MODES = ("downsample", "block")
+
+
+def _int_tuple(name: str, value: Iterable[int] | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of ints, got {type(value).__name__}")
+    out = tuple(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise TypeError(f"{name} must contain ints, got {list(out)!r}")
+    return out
+
+
+def _str_tuple(name: str, value: Iterable[str] | str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    out = tuple(value)
+    if not all(isinstance(v, str) for v in out):
+        raise TypeError(f"{name} must contain strings, got {list(out)!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What the probe measures and when. All fields are keyword options of ``watch`` and the callback.
+
+    * ``every``: snapshot schedule: an int ``n`` (every ``n`` updates), a callable
+      ``step -> bool`` (:mod:`attn_probe.schedules`), or ``None`` (only by hand);
+    * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.metrics.METRICS`);
+    * ``per_head``: also log every head's ``M_h``;
+    * ``groups`` / ``layers``: restrict to these attention groups / layer indices;
+    * ``num_std``: directionality threshold, ``mean + num_std * std``;
+    * ``images_every``, ``image_size``, ``image_mode``: W_qk heatmap images in TensorBoard;
+    * ``pairs``: score pairs (:mod:`attn_probe.pairs`); default the W_qk pair with ``metrics``;
+    * ``start_step``: the counter's first value (resume);
+    * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...).
+    """
+
+    every: ScheduleLike | None = 100
+    metrics: tuple[str, ...] = DEFAULT_METRICS
+    per_head: bool = False
+    groups: tuple[str, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    num_std: float = 2.0
+    images_every: ScheduleLike | None = None
+    image_size: int = 128
+    image_mode: str = "downsample"
+    pairs: tuple[Any, ...] | None = None
+    start_step: int = 0
+    find_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        as_schedule(self.every)  # raises TypeError/ValueError for a bad schedule
+        as_schedule(self.images_every)
+        set_(self, "metrics", check_metrics(self.metrics))
+        if not isinstance(self.per_head, bool):
+            raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
+        set_(self, "groups", _str_tuple("groups", self.groups))
+        set_(self, "layers", _int_tuple("layers", self.layers))
+        if isinstance(self.num_std, bool) or not isinstance(self.num_std, (int, float)) \
+                or not math.isfinite(self.num_std):
+            raise ValueError(f"num_std must be a finite number, got {self.num_std!r}")
+        set_(self, "num_std", float(self.num_std))
+        if isinstance(self.image_size, bool) or not isinstance(self.image_size, int) or self.image_size < 1:
+            raise ValueError(f"image_size must be a positive int, got {self.image_size!r}")
+        if self.image_mode not in IMAGE_MODES:
+            raise ValueError(f"image_mode must be 'downsample' or 'block', got {self.image_mode!r}")
+        if self.pairs is not None:
+            pairs = tuple(self.pairs)
+            for p in pairs:
+                if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
+                    raise TypeError(f"pairs must hold score pairs (attn_probe.pairs.ScorePair), got {p!r}")
+            set_(self, "pairs", pairs)
+        if isinstance(self.start_step, bool) or not isinstance(self.start_step, int) or self.start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {self.start_step!r}")
+        if not isinstance(self.find_kwargs, Mapping):
+            raise TypeError(f"find_kwargs must be a dict, got {type(self.find_kwargs).__name__}")
+        set_(self, "find_kwargs", dict(self.find_kwargs))
+
+    @property
+    def schedule(self) -> Schedule | None:
+        return as_schedule(self.every)
+
+    @property
+    def image_schedule(self) -> Schedule | None:
+        return as_schedule(self.images_every)
+
+    def score_pairs(self) -> list[Any]:
+        """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``."""
+        if self.pairs is not None:
+            return list(self.pairs)
+        from .pairs import QKPair
+
+        return [QKPair(self.metrics)]
+
+    def replace(self, **changes: Any) -> ProbeConfig:
+        """A copy with ``changes`` (validated like the constructor's options)."""
+        return config_from_options(self, **changes)
+
+    def record(self) -> dict[str, Any]:
+        """JSON-able form for the run header (callables by their qualified name)."""
+
+        def name(value: Any) -> Any:
+            return getattr(value, "__qualname__", repr(value)) if callable(value) else value
+
+        return {
+            "every": name(self.every),
+            "metrics": list(self.metrics),
+            "per_head": self.per_head,
+            "num_std": self.num_std,
+            "images_every": name(self.images_every),
+            "image_size": self.image_size,
+            "image_mode": self.image_mode,
+            "start_step": self.start_step,
+        }
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ProbeConfig))
+
+
+def config_from_options(base: ProbeConfig | None = None, /, *, allowed_extra: Sequence[str] = (),
+                        **options: Any) -> ProbeConfig:
+    """``ProbeConfig`` from keyword options (over ``base``); ``TypeError`` naming the valid options."""
+    unknown = [k for k in options if k not in OPTION_NAMES]
+    if unknown:
+        valid = sorted(set(OPTION_NAMES) | set(allowed_extra))
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, valid, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(
+            f"attn_probe: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+            f"valid options: {', '.join(valid)}"
+        )
+    if base is None:
+        return ProbeConfig(**options)
+    return dataclasses.replace(base, **options)
