@@ -64,9 +64,11 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
             "layers": int(last["layers"]),
         })
     out = pd.DataFrame(rows)
-    # runs in the order given, the paper's two scores first
-    order = {"symmetry": 0, "directionality": 1}
-    out["_m"] = [order.get(m, 2) for m in out["metric"]]
+    # runs in the order given, metrics in the registry's order (the paper's two first), unknown last
+    from ..metrics import METRICS
+
+    order = {m: i for i, m in enumerate(METRICS)}
+    out["_m"] = [order.get(m, len(order)) for m in out["metric"]]
     run_order = {r: i for i, r in enumerate(dict.fromkeys(q["run"]))}
     out["_r"] = [run_order[r] for r in out["run"]]
     out = out.sort_values(["_r", "group", "_m", "metric"], kind="stable").drop(columns=["_m", "_r"])
