@@ -37,6 +37,7 @@ __all__ = [
 # Names served lazily so that `import attn_probe` stays light.
 _LAZY = {
     "AttnProbeCallback": ("attn_probe.integrations.transformers", "AttnProbeCallback"),
+    "attach": ("attn_probe.integrations.transformers", "attach"),
     "watch": ("attn_probe.watching", "watch"),
     "ProbeConfig": ("attn_probe.config", "ProbeConfig"),
     "score_factors": ("attn_probe.metrics", "score_factors"),

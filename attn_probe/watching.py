@@ -11,7 +11,39 @@ from .config import config_from_options
 from .probe import WIRING, Probe
 from .schedules import ScheduleLike
 
-__all__ = ["watch"]
+__all__ = ["watch", "announce"]
+
+
+def _describe_schedule(every: Any, unit: str) -> str:
+    if every is None:
+        return "on demand"
+    if isinstance(every, int):
+        return f"every {every} {unit}" if every != 1 else f"every {unit[:-1] if unit.endswith('s') else unit}"
+    return f"on the schedule {getattr(every, '__qualname__', repr(every))} ({unit})"
+
+
+def announce(probe: Probe, *, every: Any, unit: str) -> None:
+    """One line on stderr, main process only: what is watched, how often, where it goes.
+
+    Printed rather than logged so that it shows with default logging settings; it names the
+    ``tensorboard`` command with ``--samples_per_plugin scalars=0`` (TensorBoard's server keeps
+    only 1,000 points per scalar tag otherwise).
+    """
+    import sys
+
+    if not probe.is_main_process:
+        return
+    try:
+        root = type(getattr(probe.model, "module", probe.model)).__name__
+        n = len(probe.layers)
+        where = probe.log_dir if probe.log_dir is not None else "the given sinks"
+        line = (f"attn_probe: watching {n} attention layer{'s' if n != 1 else ''} of {root} "
+                f"{_describe_schedule(every, unit)} -> {where}")
+        if probe.log_dir is not None:
+            line += f"  (live view: tensorboard --logdir {probe.log_dir} --samples_per_plugin scalars=0)"
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a status line must never stop training
+        pass
 
 
 def watch(
@@ -49,5 +81,7 @@ def watch(
         probe.attach_optimizer(optimizer)
     else:
         probe.attach_forward_counter(model)
+    announce(probe, every=config.every,
+             unit="optimizer steps" if optimizer is not None else "training forward passes")
     probe.snapshot(probe.step)
     return probe

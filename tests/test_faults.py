@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import time
 import warnings
 
 import pytest
@@ -88,6 +89,9 @@ def test_resume_from_checkpoint_continues_without_duplicates(tmp_path, monkeypat
                     callbacks=[attn_probe.AttnProbeCallback(every=3)])
     first.train()  # snapshots 0, 3, 6, 8; "crash" after step 8, resume from step 4
     assert sorted({r["step"] for r in jsonl(log_dir)}) == [0, 3, 6, 8]
+    # a real resume starts in a later second: event files are named by start time (1 s
+    # resolution), then by a per-process counter that sorts as text ("10" < "9")
+    time.sleep(1.1)
     second = Trainer(model=tiny_bert(), args=make_args(tmp_path / "out", 8, **kw), train_dataset=RandomTokens(),
                      callbacks=[attn_probe.AttnProbeCallback(every=3)])
     second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-4"))

@@ -1,8 +1,16 @@
-"""Trainer integration: ``Trainer(..., callbacks=[attn_probe.AttnProbeCallback(every=100)])``.
+"""Trainer integration: ``attn_probe.attach(trainer, every=100)`` or ``callbacks=[AttnProbeCallback(every=100)]``.
 
 Snapshots at ``on_train_begin`` (step 0, or the resume step), at ``on_step_end`` when the
-schedule fires (``state.global_step`` counts optimizer updates), and at ``on_train_end``
-unless that step was already taken.
+schedule fires (``state.global_step`` counts optimizer updates) and at the last step
+(``global_step >= max_steps`` or ``control.should_training_stop``, before the tracker
+callbacks close their runs in ``on_train_end``), and at ``on_train_end`` unless that step was
+already taken.
+
+:func:`attach` puts the callback first in the Trainer's callback list, so that its
+``on_train_begin`` can tell the Trainer's ``TensorBoardCallback`` which directory to use on a
+resumed run before that callback opens its writer. With ``callbacks=[...]`` the callback
+runs after the integrations and finds the Trainer's ``CallbackHandler`` on the call stack
+(a fallback that warns when it finds nothing).
 
 Log directory, unless ``log_dir=`` is given: the Trainer's own TensorBoard run, so that loss
 and scores sit in one run. transformers 5's ``TensorBoardCallback`` uses the
@@ -20,13 +28,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
 from ..probe import Probe, default_log_dir
 from ..schedules import ScheduleLike
 
-__all__ = ["AttnProbeCallback", "trainer_log_dir"]
+__all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
+
+#: options of the callback itself (wiring), beside the ProbeConfig fields
+CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head")
 
 
 def _find_callback_handler() -> Any:
@@ -71,11 +83,14 @@ def trainer_log_dir(args: Any, handler: Any = None) -> str:
     return log_dir
 
 
-class AttnProbeCallback(TrainerCallback):
+class AttnProbeCallback(TrainerCallback, ExportableState):
     """Log W_qk symmetry/directionality into the Trainer's TensorBoard run and ``attn_probe.jsonl``.
 
     ``every`` is an int or a callable ``step -> bool``; ``log_dir`` overrides the Trainer's
-    TensorBoard directory; ``sinks`` adds sinks; every other option is a field of
+    TensorBoard directory; ``sinks`` adds sinks; ``trackers`` (default ``True``) also sends
+    the values to the Trainer's other reporting integrations (W&B, MLflow, trackio, ...; a
+    list of integration names narrows them, ``False`` turns it off) and ``trackers_per_head``
+    adds per-head values there; every other option is a field of
     :class:`~attn_probe.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
     ``layers``, ``num_std``, ``images_every``, ...), validated here: a misspelled or invalid
     option raises ``TypeError``/``ValueError`` when the callback is built.
@@ -91,12 +106,29 @@ class AttnProbeCallback(TrainerCallback):
         *,
         log_dir: str | None = None,
         sinks: Sequence[Any] | None = None,
+        trackers: bool | Sequence[str] = True,
+        trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
-        self.config: ProbeConfig = config_from_options(every=every, allowed_extra=("log_dir", "sinks"), **options)
+        self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
+        if not isinstance(trackers, bool):
+            trackers = tuple(trackers)
+            if not all(isinstance(t, str) for t in trackers):
+                raise TypeError(f"trackers must be True, False or integration names, got {trackers!r}")
         self.log_dir = log_dir
         self.sinks = list(sinks) if sinks is not None else None
+        self.trackers = trackers
+        self.trackers_per_head = bool(trackers_per_head)
         self.probe: Probe | None = None
+        self.handler: Any = None  # the Trainer's CallbackHandler, set by attach()
+        self.run_log_dir: str | None = None  # where this run's probe writes (saved with checkpoints)
+        self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
+                                             trackers_per_head=trackers_per_head, **options)
+
+    # -- checkpoints (transformers' ExportableState) ------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Saved in ``trainer_state.json``: the run directory, so that a resumed run continues it."""
+        return {"args": self._json_args or {}, "attributes": {"run_log_dir": self.run_log_dir}}
 
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
@@ -105,27 +137,74 @@ class AttnProbeCallback(TrainerCallback):
         if model is not None:
             self._check_model(model)  # UnsupportedModelError before any training
 
+    def _handler(self) -> Any:
+        if self.handler is not None:
+            return self.handler
+        handler = _find_callback_handler()
+        if handler is None:
+            _warn("attn_probe: could not find the Trainer's callback handler on the call stack; the "
+                  "probe writes to its own directory and does not send values to the Trainer's trackers. "
+                  "Use attn_probe.attach(trainer, ...) instead of callbacks=[...] to avoid this.")
+        return handler
+
+    def _choose_log_dir(self, args: Any, state: Any, handler: Any) -> str:
+        """The run directory: ``log_dir=``, else the saved one on resume, else the Trainer's TensorBoard run."""
+        if self.log_dir is not None:
+            return os.path.expanduser(self.log_dir)
+        saved = _saved_run_dir(state) if state.global_step > 0 else None
+        if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
+            # continue the run of the checkpoint: the trajectory stays one run; tell a
+            # TensorBoardCallback that has not opened its writer yet to write there too
+            followers = [cb for cb in _tensorboard_callbacks(handler) if getattr(cb, "tb_writer", None) is None]
+            for cb in followers:
+                cb.logging_dir = saved  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
+            trainer_dirs = {str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
+                            if getattr(cb, "tb_writer", None) is not None}
+            if trainer_dirs - {saved}:
+                _warn(f"attn_probe: resuming the probe's run in {saved} (saved with the checkpoint); the "
+                      f"Trainer's TensorBoard logs of this session go to {', '.join(sorted(trainer_dirs))}. "
+                      "Use attn_probe.attach(trainer, ...) (or set TENSORBOARD_LOGGING_DIR) to keep both in one run.")
+            return saved
+        log_dir = trainer_log_dir(args, handler)
+        if state.global_step > 0 and saved is None:
+            previous = _previous_runs(args.output_dir, log_dir)
+            if previous:
+                _warn(f"attn_probe: resuming at step {state.global_step} in a new run directory {log_dir}; "
+                      f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
+                      "Give log_dir= to continue a run.")
+        return log_dir
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.probe is not None:  # a second train() call on the same callback
             self.probe.close(final_snapshot=False)
             self.probe = None
         main = bool(state.is_world_process_zero)
         step = int(state.global_step)
+        self._max_steps = int(getattr(state, "max_steps", 0) or 0)
         log_dir, purge_stale = None, True
+        sinks = list(self.sinks or [])
         if main:
-            handler = _find_callback_handler()
-            log_dir = self.log_dir if self.log_dir is not None else trainer_log_dir(args, handler)
+            handler = self._handler()
+            log_dir = self._choose_log_dir(args, state, handler)
             if step > 0:
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
+            trackers = _reporting_callbacks(handler, self.trackers)
+            if trackers:
+                sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head))
+        self.run_log_dir = log_dir
         self.probe = Probe(
             model,
             self.config.replace(start_step=step),
             log_dir=log_dir,
-            sinks=self.sinks,
+            sinks=sinks or None,
             is_main_process=main,
             purge_stale=purge_stale,
             extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
         )
+        if main:
+            from ..watching import announce
+
+            announce(self.probe, every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)
 
     @staticmethod
@@ -148,8 +227,17 @@ class AttnProbeCallback(TrainerCallback):
         return False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.probe is not None:
-            self.probe.on_update(int(state.global_step))
+        probe = self.probe
+        if probe is None:
+            return
+        step = int(state.global_step)
+        probe.on_update(step)
+        last = bool(getattr(control, "should_training_stop", False)) or (self._max_steps > 0 and step >= self._max_steps)
+        if last:
+            # the final snapshot now: the tracker callbacks end their runs in on_train_end,
+            # which they receive before this callback does
+            probe.snapshot(step)
+            _flush(probe)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         probe = self.probe
@@ -158,3 +246,151 @@ class AttnProbeCallback(TrainerCallback):
         probe.step = max(probe.step, int(state.global_step))
         probe.close()  # final snapshot unless already taken
         self.probe = None
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _warn(message: str) -> None:
+    """A RuntimeWarning that cannot raise (``python -W error`` turns warnings into exceptions)."""
+    import warnings
+
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:  # noqa: BLE001 - the probe must not stop training over a warning
+        print(message, file=sys.stderr)
+
+
+def _flush(probe: Probe) -> None:
+    flush = getattr(probe, "flush", None)
+    if callable(flush):
+        try:
+            flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _json_safe_options(**options: Any) -> dict[str, Any] | None:
+    """The constructor's options if they survive JSON (checkpoint state), else ``None``."""
+    import json
+
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError):
+        return None
+    return options
+
+
+def _saved_run_dir(state: Any) -> str | None:
+    """The probe's run directory recorded in the checkpoint's ``trainer_state.json``, if any."""
+    saved = (getattr(state, "stateful_callbacks", None) or {}).get("AttnProbeCallback")
+    if isinstance(saved, list):
+        saved = saved[-1] if saved else None
+    if not isinstance(saved, dict):
+        return None
+    value = (saved.get("attributes") or {}).get("run_log_dir")
+    return str(value) if isinstance(value, str) and value else None
+
+
+def _previous_runs(output_dir: str, current: str) -> list[str]:
+    """Earlier probe runs under ``output_dir/runs`` (those holding a trajectory), oldest first."""
+    from ..trajectory_format import TRAJECTORY_FILENAME
+
+    root = os.path.join(str(output_dir), "runs")
+    try:
+        entries = [os.path.join(root, e) for e in os.listdir(root)]
+    except OSError:
+        return []
+    runs = [e for e in entries if os.path.isfile(os.path.join(e, TRAJECTORY_FILENAME))
+            and os.path.realpath(e) != os.path.realpath(current)]
+    return sorted(runs, key=os.path.getmtime)
+
+
+def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]:
+    """The Trainer's reporting integration callbacks other than TensorBoard (the probe writes that)."""
+    if handler is None or which is False:
+        return []
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback
+
+    wanted = [cls for name, cls in INTEGRATION_TO_CALLBACK.items()
+              if cls is not TensorBoardCallback and (which is True or name in which)]
+    return [cb for cb in handler.callbacks if isinstance(cb, tuple(wanted))]
+
+
+def snapshot_values(snapshot: Any, *, per_head: bool = False) -> dict[str, float]:
+    """``{tag: value}`` of a snapshot for trackers: per-layer values and across-layer stats.
+
+    Keys are TensorBoard's tags (:func:`attn_probe.tags.scalar_tag`: letters, digits, ``_``
+    and ``/``, valid for W&B, MLflow and trackio); a metric's median key ends in
+    ``{metric}/median``. Per-head values only with ``per_head`` (trackers have per-step budgets).
+    """
+    from ..tags import scalar_tag
+
+    values: dict[str, float] = {}
+    for r in snapshot.records:
+        if r.head is None or per_head:
+            values[scalar_tag(r.group, r.metric, layer=r.layer, head=r.head)] = float(r.value)
+    for (group, metric, stat), value in snapshot.stats.items():
+        values[scalar_tag(group, metric, stat=stat)] = float(value)
+    return values
+
+
+class TrainerTrackersSink:
+    """Send each snapshot to the Trainer's tracker callbacks through their own ``on_log``.
+
+    Each tracker applies its own conventions (W&B's ``train/`` prefix and its
+    ``train/global_step`` axis, MLflow's step, ...) in the Trainer's own run. Nothing goes
+    through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
+    TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
+    """
+
+    def __init__(self, callbacks: Sequence[Any], args: Any, state: Any, *, per_head: bool = False) -> None:
+        self.callbacks = list(callbacks)
+        self.args = args
+        self.state = state
+        self.per_head = per_head
+
+    def start(self, run: Any) -> None:
+        pass
+
+    def log(self, snapshot: Any) -> None:
+        import copy
+
+        from transformers import TrainerControl
+
+        values = snapshot_values(snapshot, per_head=self.per_head)
+        state = copy.copy(self.state)
+        state.global_step = snapshot.step
+        errors = []
+        for cb in self.callbacks:
+            try:
+                cb.on_log(self.args, state, TrainerControl(), logs=dict(values))
+            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
+                errors.append(f"{type(cb).__name__}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("tracker callback failed: " + "; ".join(errors))
+
+    def finish(self) -> None:
+        pass
+
+
+def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> AttnProbeCallback:
+    """Attach a probe to ``trainer``: ``attn_probe.attach(trainer, every=100)``; returns the callback.
+
+    The explicit alternative to ``callbacks=[AttnProbeCallback(...)]``: no stack inspection,
+    and the callback is put first in the Trainer's callback list, so that a resumed run's
+    directory is chosen before the Trainer's TensorBoard writer opens and the final snapshot
+    reaches the trackers before they end their runs. Options as :class:`AttnProbeCallback`.
+    """
+    callback = AttnProbeCallback(every, **options)
+    handler = trainer.callback_handler
+    if any(isinstance(cb, AttnProbeCallback) for cb in handler.callbacks):
+        raise ValueError("this Trainer already has an AttnProbeCallback")
+    if getattr(trainer, "model", None) is not None:
+        callback._check_model(trainer.model)
+    callback.handler = handler
+    handler.callbacks.insert(0, callback)
+    if hasattr(trainer, "state") and getattr(trainer.state, "stateful_callbacks", None) is not None:
+        # checkpoints save ExportableState callbacks listed in the state
+        stateful = trainer.state.stateful_callbacks
+        if isinstance(stateful, dict):
+            stateful.setdefault("AttnProbeCallback", callback.state())
+    return callback
