@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,7 +26,15 @@ from .metrics import check_metrics
 from .scoring import Row, row_metrics, score_layer
 from .tags import layer_stats
 
-__all__ = ["CheckpointError", "score_checkpoint", "summarize_rows", "CheckpointWeights", "open_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "score_checkpoint",
+    "summarize_rows",
+    "CheckpointWeights",
+    "open_checkpoint",
+    "find_checkpoints",
+    "write_checkpoint_trajectory",
+]
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -37,8 +46,12 @@ class CheckpointError(ValueError):
     """The checkpoint cannot be scored (bad path, unreadable config or weights, no attention)."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    """``Type: first line`` of an exception, without ANSI escape codes (torch's unpickling errors)."""
+    text = _ANSI.sub("", str(exc)).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
@@ -63,7 +76,8 @@ class CheckpointWeights:
             self.kind, self._map = "bin", {k: BIN_SINGLE for k in self._open(BIN_SINGLE)}
         else:
             raise CheckpointError(
-                f"{directory}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
+                f"{directory}: no weights found (expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or "
+                f"{BIN_INDEX}){_way_forward(directory)}"
             )
 
     def _read_index(self, path: Path) -> dict[str, str]:
@@ -122,6 +136,24 @@ class CheckpointWeights:
             return handle.get_tensor(key) if self.kind == "safetensors" else handle[key]
         except Exception as exc:
             raise CheckpointError(f"{self.directory}: cannot read tensor {key!r} ({_one_line(exc)})") from None
+
+
+def _way_forward(directory: Path) -> str:
+    """What to do with a folder that holds weights attn_probe cannot read directly (or ``""``)."""
+    try:
+        names = {p.name for p in directory.iterdir()}
+    except OSError:
+        return ""
+    if {"adapter_model.safetensors", "adapter_model.bin"} & names:
+        return ("; it holds only a PEFT adapter: merge it into its base model "
+                "(PeftModel.from_pretrained(base, path).merge_and_unload().save_pretrained(out)) and score that")
+    if any(n.startswith("pytorch_model_fsdp") for n in names):
+        return ("; it holds FSDP sharded state: save a full state dict (FSDP state_dict_type FULL_STATE_DICT, "
+                "or `accelerate merge-weights` on the folder) and score that")
+    if any(n.startswith("global_step") for n in names):
+        return ("; it holds DeepSpeed ZeRO state: run the zero_to_fp32.py script saved in the folder to write "
+                "full weights, save them with save_pretrained, and score that")
+    return ""
 
 
 def _key_resolver(saved: set[str], prefix: str) -> Callable[[str], str]:
@@ -280,6 +312,110 @@ def score_checkpoint(
                                 metrics=names)
             del get, query, key
     return rows
+
+
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+def find_checkpoints(paths: Iterable[str | Path], step: int | None = None) -> list[tuple[int | None, Path]]:
+    """``(step, folder)`` for every checkpoint named by ``paths``, by step.
+
+    A path that is a Trainer output directory (holding ``checkpoint-N`` folders and no
+    ``config.json``) stands for all its checkpoints; a folder named ``checkpoint-N`` has step
+    ``N``; any other folder takes ``step`` (only for a single path) or ``None``.
+    """
+    found: list[tuple[int | None, Path]] = []
+    paths = [Path(p).expanduser() for p in paths]
+    if not paths:
+        raise CheckpointError("no checkpoint given")
+    for path in paths:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such file or directory" if not path.exists() else
+                                  f"{path}: not a directory (pass the checkpoint directory)")
+        subdirs = sorted((int(m.group(1)), d) for d in path.iterdir()
+                         if d.is_dir() and (m := _CHECKPOINT_DIR.match(d.name)))
+        if subdirs and not (path / "config.json").is_file():
+            found.extend(subdirs)
+            continue
+        m = _CHECKPOINT_DIR.match(path.name)
+        found.append((int(m.group(1)) if m else None, path))
+    if step is not None:
+        if len(found) != 1:
+            raise CheckpointError("--step applies to a single checkpoint folder")
+        found = [(int(step), found[0][1])]
+    steps = [s for s, _ in found]
+    if len(found) > 1:
+        if None in steps:
+            unnamed = next(p for s, p in found if s is None)
+            raise CheckpointError(f"{unnamed}: cannot tell its step (not named checkpoint-N); "
+                                  "score it alone with --step N")
+        dupes = sorted({s for s in steps if steps.count(s) > 1})
+        if dupes:
+            raise CheckpointError(f"two checkpoints have step {dupes[0]}")
+    return sorted(found, key=lambda item: (item[0] is None, item[0] or 0))
+
+
+def write_checkpoint_trajectory(
+    checkpoints: list[tuple[int | None, Path]],
+    run_dir: str | Path,
+    *,
+    per_head: bool = False,
+    num_std: float = 2.0,
+    metrics: Iterable[str] | None = None,
+    progress: bool | None = None,
+) -> list[Row]:
+    """Score each checkpoint and write a run (``attn_probe.jsonl`` + TensorBoard events) at its step.
+
+    The run reads back like a live one (:func:`attn_probe.load_trajectory`, ``attn-probe
+    plot|summary``). One layer of one checkpoint is in memory at a time. Returns every row,
+    each with its ``step``.
+    """
+    import time
+
+    from .probe import Probe
+    from .sinks import Record, RunInfo, Snapshot
+    from .sinks.tensorboard import TensorBoardSink
+    from .sinks.trajectory import TrajectorySink
+
+    if any(step is None for step, _ in checkpoints):
+        raise CheckpointError("every checkpoint needs a step to write a trajectory (name it checkpoint-N or "
+                              "pass --step N)")
+    run_dir = Path(run_dir).expanduser()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"{run_dir}: cannot create the run directory ({_one_line(exc)})") from None
+    if (run_dir / "attn_probe.jsonl").exists():
+        raise CheckpointError(f"{run_dir}: already holds a trajectory; give a new directory")
+    names = check_metrics(tuple(metrics) if metrics is not None else None)
+    all_rows: list[Row] = []
+    sinks: list[Any] = []
+    try:
+        for i, (step, path) in enumerate(checkpoints):
+            rows = score_checkpoint(path, per_head=per_head, num_std=num_std, metrics=names, progress=progress)
+            if not sinks:
+                groups = list(dict.fromkeys(r["group"] for r in rows))
+                run = RunInfo(
+                    config={"integration": "attn-probe score --trajectory", "metrics": list(names),
+                            "per_head": per_head, "num_std": num_std,
+                            "checkpoints": [str(p) for _, p in checkpoints]},
+                    model={"checkpoint": str(path)}, groups=groups, metrics=list(names), per_head=per_head,
+                )
+                sinks = [TensorBoardSink(str(run_dir)), TrajectorySink(str(run_dir))]
+                for sink in sinks:
+                    sink.start(run)
+            records = [Record(r["group"], r["layer"], r["head"], m, float(r[m])) for r in rows for m in names]
+            snapshot = Snapshot(step=int(step), wall_time=time.time(), records=records,
+                                stats=Probe._stats(records))
+            for sink in sinks:
+                sink.log(snapshot)
+            all_rows += [{**r, "step": int(step)} for r in rows]
+            if progress:
+                print(f"scored {path} (step {step}, {i + 1}/{len(checkpoints)})", file=sys.stderr)
+    finally:
+        for sink in sinks:
+            sink.finish()
+    return all_rows
 
 
 def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:

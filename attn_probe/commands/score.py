@@ -1,4 +1,9 @@
-"""``attn-probe score PATH [--per-head] [--json] [--num-std X]``: score a saved checkpoint."""
+"""``attn-probe score PATH... [--per-head] [--json] [--metric NAME] [--trajectory RUN_DIR] [--step N]``.
+
+Scores saved checkpoints: one folder, several, or a Trainer output directory (every
+``checkpoint-N`` in it). With ``--trajectory`` the scores are written as a run, at each
+checkpoint's step, that ``attn-probe plot|summary|export`` read like a live run.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +25,16 @@ def _finite_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "path", metavar="PATH",
-        help="checkpoint directory: config.json + model.safetensors (or sharded, or pytorch_model.bin)",
+        "paths", metavar="PATH", nargs="+",
+        help="checkpoint directory (config.json + model.safetensors, sharded, or pytorch_model.bin), "
+             "several, or a Trainer output dir (all its checkpoint-N folders)",
     )
+    parser.add_argument(
+        "--trajectory", metavar="RUN_DIR",
+        help="write the scores as a run (attn_probe.jsonl + TensorBoard events) at each checkpoint's step",
+    )
+    parser.add_argument("--step", type=int, metavar="N",
+                        help="the step of a single checkpoint folder not named checkpoint-N")
     parser.add_argument("--per-head", action="store_true", help="also score every head's W_q^h W_k^hT")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON array")
     parser.add_argument(
@@ -74,19 +86,46 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import CheckpointError, score_checkpoint, summarize_rows
+    import sys
+
+    from ..checkpoint import (
+        CheckpointError,
+        find_checkpoints,
+        score_checkpoint,
+        summarize_rows,
+        write_checkpoint_trajectory,
+    )
     from ..cli import CommandError
     from ..trajectory_format import encode_value
 
     try:
-        rows = score_checkpoint(args.path, per_head=args.per_head, num_std=args.num_std,
-                                metrics=args.metrics)
+        checkpoints = find_checkpoints(args.paths, step=args.step)
+        many = len(checkpoints) > 1 or args.trajectory is not None
+        if args.trajectory is not None:
+            rows = write_checkpoint_trajectory(checkpoints, args.trajectory, per_head=args.per_head,
+                                               num_std=args.num_std, metrics=args.metrics,
+                                               progress=sys.stderr.isatty())
+            print(f"wrote {len(checkpoints)} step(s) to {args.trajectory}", file=sys.stderr)
+        elif many:
+            rows = []
+            for step, path in checkpoints:
+                rows += [{**r, "step": step} for r in score_checkpoint(
+                    path, per_head=args.per_head, num_std=args.num_std, metrics=args.metrics)]
+        else:
+            rows = score_checkpoint(checkpoints[0][1], per_head=args.per_head, num_std=args.num_std,
+                                    metrics=args.metrics)
     except CheckpointError as exc:
         raise CommandError(str(exc)) from None
     if args.json:
         # NaN as null, the trajectory file's rule
         print(json.dumps([{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()}
                           for r in rows], allow_nan=False))
+        return 0
+    if many:
+        for step, _path in checkpoints:
+            part = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] == step]
+            print(f"step {step}:")
+            print(format_summary(summarize_rows(part)))
         return 0
     print(format_table(rows))
     print()
