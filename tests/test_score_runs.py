@@ -88,3 +88,13 @@ def test_unreadable_checkpoint_kinds_name_the_way_forward(tmp_path, capsys, file
 def test_error_lines_lose_ansi_escape_codes():
     exc = RuntimeError("\x1b[1mWeights only load failed.\x1b[0m In PyTorch 2.6 ...\nmore")
     assert _one_line(exc) == "RuntimeError: Weights only load failed. In PyTorch 2.6 ..."
+
+
+def test_export_suffix_error_names_the_command_line_option(trained, tmp_path, capsys):
+    run = tmp_path / "scored"
+    assert main(["score", str(trained / "checkpoint-2"), "--trajectory", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(run), "-o", str(tmp_path / "out.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "--format" in err and "format=" not in err.replace("--format", "")
+    assert main(["export", str(run), "-o", str(tmp_path / "out.txt"), "--format", "csv"]) == 0

@@ -21,9 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
     from ..analysis.trajectory import export_trajectory, load_trajectory, resolve_format
+    from ..cli import CommandError
 
-    with cli_errors("export"):
+    try:
         fmt = resolve_format(args.output, args.format)  # fail before reading anything
+    except ValueError:
+        raise CommandError(
+            f"cannot tell the format of {args.output!r} from its suffix; name the file .csv, .parquet "
+            f"or .jsonl, or pass --format {{{','.join(FORMAT_CHOICES)}}}"
+        ) from None
+    with cli_errors("export"):
         df = load_trajectory(args.runs)
         path = export_trajectory(df, args.output, format=fmt)
     runs = df["run"].nunique()
