@@ -1,0 +1,210 @@
+"""What a snapshot costs against reading the weights once (issue: "snapshot at memory speed").
+
+For each shape it builds the model from a config on the meta device, materialises it with
+``to_empty`` and fills every parameter with ``normal_(0, 0.02)`` (uninitialised memory can hold
+denormals and NaNs that skew timings), then times, median of ``--repeats``:
+
+* ``snapshot``: ``probe.snapshot()`` of a probe made by ``attn_probe.watch(model, log_dir=tmp)``
+  with the default metrics and sinks (what a training step pays when a snapshot is due);
+* ``read_once``: ``torch._foreach_norm`` over every W_q/W_k tensor (reading them once);
+* their ratio;
+
+and, for the Trainer shape, the wall-time ratio of ``Trainer.train()`` with the probe at
+``--every`` against without (the BERT-mini shape of ``bench_overhead.py`` on CPU; the
+Llama-3.2-1B shape in bf16 on CUDA).
+
+    python benchmarks/bench_snapshot.py                    # CPU: 32 layers d=256, 1 thread
+    python benchmarks/bench_snapshot.py --shapes llama-1b llama-70b-attn --json out.json   # on a GPU
+
+Not a test: record the output with the command and the hardware in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+
+def llama_config(layers: int, d: int, heads: int, kv_heads: int, inter: int, vocab: int = 256) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, intermediate_size=inter, max_position_embeddings=2048)
+
+
+#: name -> (config builder, attention-only?) ; attention-only keeps the MLPs tiny (a q/k benchmark)
+SHAPES: dict[str, Any] = {
+    "cpu-32x256": lambda: llama_config(32, 256, 4, 4, 512),
+    "llama-1b": lambda: llama_config(16, 2048, 32, 8, 8192, vocab=128256),
+    "llama-70b-attn": lambda: llama_config(80, 8192, 64, 8, 16),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    cfg = SHAPES[name]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def median_time(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def qk_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    import attn_probe
+
+    out = []
+    for layer in attn_probe.find_attention(model):
+        out += [layer.params[n] for n in layer.param_names]
+    return out
+
+
+def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int, per_head: bool) -> dict[str, Any]:
+    import attn_probe
+
+    model = build(name, device, dtype)
+    tensors = qk_tensors(model)
+    read_once = median_time(lambda: torch._foreach_norm(tensors), device, repeats)
+    with tempfile.TemporaryDirectory() as d:
+        probe = attn_probe.watch(model, log_dir=d, every=None, per_head=per_head)
+        step = [1]
+
+        def snap() -> None:
+            probe.snapshot(step[0])
+            step[0] += 1
+
+        snapshot = median_time(snap, device, repeats)
+        probe.close(final_snapshot=False)
+    qk_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    del model
+    return {"shape": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "per_head": per_head, "snapshot_ms": snapshot * 1e3, "read_once_ms": read_once * 1e3,
+            "ratio": snapshot / read_once, "qk_mb": qk_bytes / 2**20}
+
+
+def trainer_ratio(device: torch.device, every: int, steps: int, repeats: int) -> dict[str, Any]:
+    """Median ``Trainer.train()`` wall time with the probe at ``every`` over without."""
+    from transformers import Trainer, TrainingArguments
+
+    import attn_probe
+
+    cuda = device.type == "cuda"
+    if cuda:
+        name, batch, seq = "llama-1b", 8, 1024
+    else:
+        name, batch, seq = "bert-mini", 8, 32
+
+    def model_factory() -> torch.nn.Module:
+        if cuda:
+            return build(name, device, torch.float32)
+        from transformers import BertConfig, BertForMaskedLM
+
+        torch.manual_seed(0)
+        return BertForMaskedLM(BertConfig(vocab_size=2000, hidden_size=256, num_hidden_layers=4,
+                                          num_attention_heads=4, intermediate_size=1024,
+                                          max_position_embeddings=seq))
+
+    vocab = 2000 if not cuda else 128256
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return steps * batch
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(5, vocab, (seq,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    def run(with_probe: bool, workdir: str) -> float:
+        args = TrainingArguments(output_dir=workdir, max_steps=steps, per_device_train_batch_size=batch,
+                                 learning_rate=5e-5, report_to="none", save_strategy="no", logging_steps=10**6,
+                                 use_cpu=not cuda, bf16=cuda, disable_tqdm=True, seed=0)
+        trainer = Trainer(model=model_factory(), args=args, train_dataset=Tokens())
+        if with_probe:
+            attn_probe.attach(trainer, every=every, log_dir=os.path.join(workdir, "tb"))
+        start = time.perf_counter()
+        trainer.train()
+        sync(device)
+        return time.perf_counter() - start
+
+    base, probed = [], []
+    with tempfile.TemporaryDirectory() as root:
+        run(False, os.path.join(root, "warm"))
+        for rep in range(repeats):  # alternate so that drifting load hits both
+            base.append(run(False, os.path.join(root, f"b{rep}")))
+            probed.append(run(True, os.path.join(root, f"p{rep}")))
+    return {"trainer_shape": name, "every": every, "steps": steps, "base_s": statistics.median(base),
+            "probed_s": statistics.median(probed),
+            "wall_ratio": statistics.median(probed) / statistics.median(base)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                   help="default: cpu-32x256 on CPU; llama-1b and llama-70b-attn on CUDA")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--per-head", action="store_true", help="also time per-head snapshots")
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch default)")
+    p.add_argument("--trainer-steps", type=int, default=200, help="0 skips the Trainer ratio")
+    p.add_argument("--trainer-repeats", type=int, default=3)
+    p.add_argument("--every", type=int, default=None, help="Trainer snapshot interval (default 20 CPU, 10 GPU)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    shapes = args.shapes or (["llama-1b", "llama-70b-attn"] if device.type == "cuda" else ["cpu-32x256"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    print(f"{hardware}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    results: dict[str, Any] = {"hardware": hardware, "torch": torch.__version__, "shapes": []}
+    print("| shape | device | dtype | per head | snapshot ms | read-once ms | ratio | W_q+W_k MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in shapes:
+        for per_head in ([False, True] if args.per_head else [False]):
+            r = time_shape(name, device, dtype, args.repeats, per_head)
+            results["shapes"].append(r)
+            print(f"| {r['shape']} | {r['device']} | {r['dtype']} | {per_head} | {r['snapshot_ms']:.2f} | "
+                  f"{r['read_once_ms']:.3f} | {r['ratio']:.1f}x | {r['qk_mb']:.1f} |", flush=True)
+    if args.trainer_steps > 0:
+        every = args.every or (10 if device.type == "cuda" else 20)
+        t = trainer_ratio(device, every, args.trainer_steps, args.trainer_repeats)
+        results["trainer"] = t
+        print(f"\nTrainer ({t['trainer_shape']}, {t['steps']} steps, every={every}): "
+              f"{t['base_s']:.2f} s without, {t['probed_s']:.2f} s with the probe: wall ratio {t['wall_ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
