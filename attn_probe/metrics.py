@@ -9,13 +9,17 @@ For factors ``A_h, B_g`` (per-head ``(head_dim, d)`` slices; query head ``h`` re
 matrix ``M = sum_h M_h``. Column 0 of the result is ``M``, column ``1 + h`` is ``M_h``.
 
 **Adding a metric** touches this module only: write a function ``(products) -> (n, G)``
-tensor and add it to :data:`METRICS`. It can use the shared quantities of :class:`Products`
+tensor and add it to :data:`METRICS` (and to :data:`MAGNITUDES` if it is an unbounded
+magnitude rather than a score in ``[-1, 1]``: TensorBoard then also gets its across-layer
+``max`` and plots draw it on a log axis). It can use the shared quantities of :class:`Products`
 (computed lazily, once per batch, from the factors without forming ``d x d`` when they are
 thin) or add a new cached property there. The metric name is the JSONL ``metric`` field,
 the TensorBoard tag segment and the row key, unchanged everywhere.
 
-No host synchronisation happens here: results stay on the factors' device until a caller
-moves many layers' tables to the host in one transfer.
+No host transfer happens here: results stay on the factors' device until a caller moves
+many layers' tables to the host in one transfer. The norm metrics call
+``torch.linalg.eigvalsh``, which on CUDA waits for cuSOLVER's error flag (one implicit sync
+per call); the scores make none.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from .scores import _check_factors, _check_num_std, _directionality_batch, _gram
 __all__ = [
     "METRICS",
     "DEFAULT_METRICS",
+    "MAGNITUDES",
+    "is_magnitude",
     "Products",
     "check_metrics",
     "score_factors",
@@ -47,25 +53,43 @@ class Products:
     """Shared quantities of a batch of matrices ``M_{n,j} = A_{n,j}^T B_n``, computed on demand.
 
     ``a``: ``(n, G, r, d)``, ``b``: ``(n, r, d)`` (the ``G`` query-side factors of a group
-    share one key-side factor). Both are rescaled by their largest entry first: every metric
-    here is scale-invariant, and this keeps squares and Gram products inside the dtype's range.
-    With ``r`` small against ``d`` (:func:`attn_probe.scores.gram_is_cheaper`) everything
-    comes from the ``r x r`` Gram matrices ``G_A = A A^T``, ``G_B = B B^T``:
+    share one key-side factor). Both are rescaled by their largest entry first, which keeps
+    squares and Gram products inside the dtype's range; the scores are scale-invariant, and
+    the norms multiply the scale back in float64 (:attr:`scale`). With ``r`` small against
+    ``d`` (:func:`attn_probe.scores.gram_is_cheaper`) everything comes from the ``r x r``
+    Gram matrices ``G_A = A A^T``, ``G_B = B B^T``:
 
     * ``||M||_F^2 = tr(G_A G_B)``, ``<M, M^T>_F = tr((B A^T)^2)``;
     * row norms ``r_i^2 = diag(A^T G_B A)``, column norms ``c_j^2 = diag(B^T G_A B)``;
+    * ``sigma_max(M)^2 = lambda_max(F^T G_B F)`` with ``G_A = F F^T`` (``r x r``);
 
-    otherwise ``M`` is formed explicitly.
+    otherwise ``M`` is formed explicitly. ``parts`` (a callable) gives the products of the
+    unsummed heads whose sum this layer matrix is, for metrics defined per head (``qk_bound``).
     """
 
-    def __init__(self, a: Tensor, b: Tensor, num_std: float, dtype: torch.dtype) -> None:
-        self.a = _rescaled(a)
-        self.b = _rescaled(b)
+    def __init__(self, a: Tensor, b: Tensor, num_std: float, dtype: torch.dtype,
+                 parts: Callable[[], Products] | None = None) -> None:
+        self.a, scale_a = _rescaled(a)
+        self.b, scale_b = _rescaled(b)
+        #: the largest entry of each factor, float64: ``M = scale_a * scale_b * (a^T b)``
+        self.scale_a = scale_a  # (n, G)
+        self.scale_b = scale_b[:, None]  # (n, 1)
         self.num_std = num_std
         self.eps = torch.finfo(dtype).eps
         n, G, r, d = a.shape
         self.shape = (n, G)
         self.explicit = not gram_is_cheaper(r, d)
+        self._parts = parts
+
+    @property
+    def scale(self) -> Tensor:
+        """Factor that turns a norm of the rescaled ``M`` into one of the true ``M``, float64 ``(n, G)``."""
+        return self.scale_a * self.scale_b
+
+    @cached_property
+    def parts(self) -> Products | None:
+        """Products of the per-head matrices summed into this one (``None`` for heads)."""
+        return self._parts() if self._parts is not None else None
 
     # -- building blocks ---------------------------------------------------------------------
     @cached_property
@@ -127,14 +151,66 @@ class Products:
         frob = self.frob_sq
         return torch.isfinite(frob) & (frob > 16 * self.eps * a_sq * b_sq)
 
+    @cached_property
+    def sigma_max_sq(self) -> Tensor:
+        """``sigma_max(M)^2`` of the rescaled ``M``, ``(n, G)`` in the compute dtype; NaN if not finite.
 
-def _rescaled(t: Tensor) -> Tensor:
-    """Each matrix ``t[..., :, :]`` divided by its largest entry (all metrics are scale-invariant).
+        The largest eigenvalue of a symmetric matrix with the same non-zero spectrum as
+        ``M M^T``: ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``) when
+        ``r < d``, else ``M^T M`` (``d x d``, ``M`` explicit). Exact (LAPACK/cuSOLVER), no
+        iteration, nothing carried between calls.
+        """
+        r, d = self.a.shape[-2:]
+        if r < d:
+            s, u = _eigh(self.gram_a)
+            f = u * s.clamp_min(0).sqrt()[..., None, :]  # G_A = F F^T
+            c = f.mT @ self.gram_b[:, None] @ f
+        else:
+            m = self.matrix
+            c = m.mT @ m
+        return _lambda_max(c)
 
-    A non-finite entry makes its whole matrix non-finite, so it is reported as undefined.
+    @cached_property
+    def factor_sigma_max(self) -> tuple[Tensor, Tensor]:
+        """``sigma_max(A)`` ``(n, G)`` and ``sigma_max(B)`` ``(n, 1)``, true scale, float64."""
+        return (_lambda_max(_small_gram(self.a, self.gram_a)).double().sqrt() * self.scale_a,
+                _lambda_max(_small_gram(self.b, self.gram_b)).double().sqrt()[:, None] * self.scale_b)
+
+
+def _rescaled(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Each matrix ``t[..., :, :]`` divided by its largest entry, and that entry (float64).
+
+    A non-finite entry makes its whole matrix non-finite (and its scale inf or NaN), so it
+    is reported as undefined; a zero matrix keeps scale 0.
     """
     amax = t.abs().amax((-1, -2), keepdim=True)
-    return t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
+    scaled = t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
+    return scaled, amax[..., 0, 0].to(torch.float64)
+
+
+def _small_gram(x: Tensor, gram: Tensor) -> Tensor:
+    """The smaller of ``x x^T`` (``gram``, computed lazily) and ``x^T x``: same non-zero spectrum."""
+    r, d = x.shape[-2:]
+    return x.mT @ x if d < r else gram
+
+
+def _finite_or_zero(c: Tensor) -> tuple[Tensor, Tensor]:
+    finite = torch.isfinite(c).all(-1).all(-1)
+    return torch.where(finite[..., None, None], c, 0.0), finite
+
+
+def _eigh(c: Tensor) -> tuple[Tensor, Tensor]:
+    """``eigh`` of symmetric ``c``; a non-finite matrix gives NaN eigenvalues (LAPACK would fail)."""
+    c0, finite = _finite_or_zero(c)
+    s, u = torch.linalg.eigh(c0)
+    return torch.where(finite[..., None], s, float("nan")), u
+
+
+def _lambda_max(c: Tensor) -> Tensor:
+    """Largest eigenvalue (clamped at 0) of each symmetric PSD ``c[..., :, :]``; NaN if not finite."""
+    c0, finite = _finite_or_zero(c)
+    lam = torch.linalg.eigvalsh((c0 + c0.mT) * 0.5)[..., -1].clamp_min(0)
+    return torch.where(finite, lam, float("nan"))
 
 
 def _undefined_as_nan(p: Products, value: Tensor) -> Tensor:
@@ -155,14 +231,56 @@ def directionality(p: Products) -> Tensor:
     return _undefined_as_nan(p, _directionality_batch(rows, cols, p.num_std, math.sqrt(p.eps)))
 
 
+def spectral_norm(p: Products) -> Tensor:
+    """``sigma_max(M)``, the largest singular value (true scale, float64); 0 for ``M = 0``."""
+    return p.sigma_max_sq.to(torch.float64).sqrt() * p.scale
+
+
+def frobenius_norm(p: Products) -> Tensor:
+    """``||M||_F`` (true scale, float64); 0 for ``M = 0``."""
+    return p.frob_sq.to(torch.float64).clamp_min(0).sqrt() * p.scale
+
+
+def stable_rank(p: Products) -> Tensor:
+    """``||M||_F^2 / sigma_max(M)^2`` in ``[1, rank M]``; NaN where ``M`` is zero or not finite."""
+    ratio = p.frob_sq.to(torch.float64) / torch.where(p.valid, p.sigma_max_sq.to(torch.float64), 1.0)
+    return _undefined_as_nan(p, ratio.clamp_min(1.0))
+
+
+def qk_bound(p: Products) -> Tensor:
+    """``sigma_max(A_h) * sigma_max(B_g(h))`` per head; for a layer, the largest over its heads.
+
+    For W_qk this is ``sigma_max(W_q^h) sigma_max(W_k^h)``, the weight-only bound on the
+    logits that survives rotary embeddings. A NaN head makes the layer value NaN.
+    """
+    heads = p.parts
+    if heads is not None:  # a layer: max over the unsummed heads
+        return qk_bound(heads).amax().reshape(1, 1).expand(p.shape)
+    sa, sb = p.factor_sigma_max
+    return sa * sb
+
+
 #: name -> function of :class:`Products` returning ``(n, G)``; order = display order
 METRICS: dict[str, Callable[[Products], Tensor]] = {
     "symmetry": symmetry,
     "directionality": directionality,
+    "spectral_norm": spectral_norm,
+    "frobenius_norm": frobenius_norm,
+    "stable_rank": stable_rank,
+    "qk_bound": qk_bound,
 }
 
 #: what every path computes unless told otherwise
-DEFAULT_METRICS: tuple[str, ...] = ("symmetry", "directionality")
+DEFAULT_METRICS: tuple[str, ...] = tuple(METRICS)
+
+#: metrics that are unbounded magnitudes, not scores in [-1, 1]: TensorBoard also gets their
+#: across-layer ``max`` (blow-ups sit in a few layers) and plots use a log y axis
+MAGNITUDES: frozenset[str] = frozenset({"spectral_norm", "frobenius_norm", "stable_rank", "qk_bound"})
+
+
+def is_magnitude(metric: str) -> bool:
+    """Whether ``metric`` (possibly with a pair prefix such as ``ov_``) is one of :data:`MAGNITUDES`."""
+    return any(metric == m or metric.endswith("_" + m) for m in MAGNITUDES)
 
 
 def check_metrics(metrics: Sequence[str] | str | None) -> tuple[str, ...]:
@@ -216,13 +334,25 @@ def score_factors(
         q = query.detach().to(dtype)
         k = key.detach().to(dtype)
         q_grouped = q.reshape(num_kv, group, head_dim, d).sum(1) if group > 1 else q
+        heads = _Lazy(lambda: Products(q.reshape(num_kv, group, head_dim, d), k, num_std, dtype))
         layer = Products(q_grouped.reshape(1, 1, num_kv * head_dim, d), k.reshape(1, num_kv * head_dim, d),
-                         num_std, dtype)
+                         num_std, dtype, parts=heads.get)
         columns = [_metric_table(layer, names)]
         if per_head:
-            heads = Products(q.reshape(num_kv, group, head_dim, d), k, num_std, dtype)
-            columns.append(_metric_table(heads, names))
+            columns.append(_metric_table(heads.get(), names))
         return torch.cat(columns, 1)
+
+
+class _Lazy:
+    """A value built once, on first use (shared by the layer's ``parts`` and the head columns)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make, self._value = make, None
+
+    def get(self) -> Any:
+        if self._value is None:
+            self._value = self._make()
+        return self._value
 
 
 # ------------------------------------------------------------------------------------ tables

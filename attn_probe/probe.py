@@ -352,7 +352,7 @@ class Probe:
                 by_key.setdefault((r.group, r.metric), []).append(r.value)
         return {(group, metric, stat): value
                 for (group, metric), vals in by_key.items()
-                for stat, value in layer_stats(vals).items()}
+                for stat, value in layer_stats(vals, metric).items()}
 
     # -- public ------------------------------------------------------------------------------
 

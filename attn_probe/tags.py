@@ -2,14 +2,16 @@
 
 ``attn_probe/{group}/{metric}/layer_{LL}``            one layer (layer-level matrix)
 ``attn_probe/{group}/{metric}/layer_{LL}/head_{HH}``  one head (opt-in)
-``attn_probe/{group}/{metric}/{stat}``                across layers: ``median``, ``q25``, ``q75``
+``attn_probe/{group}/{metric}/{stat}``                across layers: ``median``, ``q25``, ``q75``,
+                                                      and ``max`` for the magnitudes
 
-``metric`` is ``symmetry`` or ``directionality`` for W_qk; other weight pairs add metrics with
-a prefix (e.g. ``vo_symmetry``) without changing the grammar.
+``metric`` is a name of :data:`attn_probe.metrics.METRICS` for W_qk (``symmetry``,
+``directionality``, ``spectral_norm``, ...); other weight pairs add metrics with a prefix
+(e.g. ``ov_symmetry``) without changing the grammar.
 
 The across-layer statistics are defined here too (:data:`STAT_QUANTILES`,
-:func:`layer_stats`), so that the probe, the checkpoint summary and the post-hoc readers
-compute the same numbers.
+:func:`layer_stats`, :func:`stats_for`), so that the probe, the checkpoint summary and the
+post-hoc readers compute the same numbers.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PREFIX = "attn_probe"
-STATS = ("median", "q25", "q75")
+#: every across-layer statistic the grammar knows
+STATS = ("median", "q25", "q75", "max")
+#: the statistics of every metric: the median and the interquartile band (the paper's figure)
+BAND_STATS = ("median", "q25", "q75")
 #: quantile level of each across-layer statistic (linear interpolation, numpy's default)
-STAT_QUANTILES: dict[str, float] = {"median": 0.5, "q25": 0.25, "q75": 0.75}
+STAT_QUANTILES: dict[str, float] = {"median": 0.5, "q25": 0.25, "q75": 0.75, "max": 1.0}
+#: the paper's two scores, drawn first
 METRICS = ("symmetry", "directionality")
 
 _TAG = re.compile(
     rf"^{PREFIX}/(?P<group>[A-Za-z0-9_]+)/(?P<metric>[A-Za-z0-9_]+)/"
-    r"(?:(?P<stat>median|q25|q75)|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?)$"
+    rf"(?:(?P<stat>{'|'.join(STATS)})|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?)$"
 )
 
 
@@ -69,21 +75,36 @@ def parse_tag(tag: str) -> TagParts | None:
     )
 
 
-def layer_stats(values: Iterable[float | None]) -> dict[str, float]:
-    """``{stat: value}`` for every stat of :data:`STATS` over the finite ``values``.
-
-    Quantiles interpolate linearly between order statistics; ``None``/NaN/inf values are
-    left out, and every stat is NaN when no value is finite.
+def stats_for(metric: str) -> tuple[str, ...]:
+    """The across-layer stats written for ``metric``: :data:`BAND_STATS`, plus ``max`` for the
+    magnitudes (:func:`attn_probe.metrics.is_magnitude`: norms, stable rank, ``qk_bound``).
 
     Example:
-        >>> layer_stats([1.0, 4.0, float("nan"), 2.0, 3.0])
+        >>> stats_for("symmetry"), stats_for("ov_spectral_norm")
+        (('median', 'q25', 'q75'), ('median', 'q25', 'q75', 'max'))
+    """
+    from .metrics import is_magnitude
+
+    return (*BAND_STATS, "max") if is_magnitude(metric) else BAND_STATS
+
+
+def layer_stats(values: Iterable[float | None], metric: str | None = None) -> dict[str, float]:
+    """``{stat: value}`` over the finite ``values``: the stats of ``metric`` (:func:`stats_for`),
+    or every stat of :data:`STATS` when ``metric`` is not given.
+
+    Quantiles interpolate linearly between order statistics (``max`` is the 1.0 quantile);
+    ``None``/NaN/inf values are left out, and every stat is NaN when no value is finite.
+
+    Example:
+        >>> layer_stats([1.0, 4.0, float("nan"), 2.0, 3.0], "symmetry")
         {'median': 2.5, 'q25': 1.75, 'q75': 3.25}
     """
     import numpy as np
 
+    stats = STATS if metric is None else stats_for(metric)
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
     arr = arr[np.isfinite(arr)]
     if arr.size == 0:
-        return dict.fromkeys(STATS, math.nan)
-    qs = np.quantile(arr, [STAT_QUANTILES[s] for s in STATS])
-    return {s: float(q) for s, q in zip(STATS, qs, strict=True)}
+        return dict.fromkeys(stats, math.nan)
+    qs = np.quantile(arr, [STAT_QUANTILES[s] for s in stats])
+    return {s: float(q) for s, q in zip(stats, qs, strict=True)}

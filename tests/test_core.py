@@ -95,9 +95,11 @@ def test_live_probe_score_model_and_checkpoint_cli_agree(name, tmp_path, capsys)
     cli_rows = json.loads(capsys.readouterr().out)
     assert len(cli_rows) == len(rows) > 0
 
+    metrics = [k for k in rows[0] if k not in ("group", "layer", "name", "head")]
+    assert metrics == list(metrics_module.DEFAULT_METRICS)  # every default metric, in every path
     for row, cli_row in zip(rows, cli_rows, strict=True):
         assert (row["group"], row["layer"], row["head"]) == (cli_row["group"], cli_row["layer"], cli_row["head"])
-        for metric in ("symmetry", "directionality"):
+        for metric in metrics:
             live_value = live[(row["group"], row["layer"], row["head"], metric)]
             assert close(live_value, row[metric]), (metric, live_value, row[metric])
             assert close(cli_row[metric], row[metric]), (metric, cli_row[metric], row[metric])
@@ -231,5 +233,6 @@ def test_score_factors_metrics_against_explicit_matrices():
     for col, m in enumerate([sum(heads), *heads]):
         assert table[0, col].item() == pytest.approx(directionality_score(m), abs=1e-9)
         assert table[1, col].item() == pytest.approx(symmetry_score(m), abs=1e-9)
-    zero = attn_probe.score_factors(torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))
+    scores = ("symmetry", "directionality")  # undefined for M = 0; the norms of M = 0 are 0
+    zero = attn_probe.score_factors(torch.zeros(2, 2, 4), torch.zeros(2, 2, 4), scores)
     assert all(math.isnan(v) for v in zero.flatten().tolist())

@@ -12,6 +12,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
+from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.probe import LogDirError, Probe, render_heatmap
 from attn_probe.sinks.tensorboard import custom_scalars_layout
 from attn_probe.tags import parse_tag
@@ -41,6 +42,16 @@ def reference_rows(model, per_head=False):
             m = a.qk_matrix(head=h)
             out[(a.group, a.layer, h, "symmetry")] = symmetry_score(m)
             out[(a.group, a.layer, h, "directionality")] = directionality_score(m)
+            # the norm metrics (default too): float64 singular values of the explicit matrices
+            sv = torch.linalg.svdvals(m)
+            out[(a.group, a.layer, h, "spectral_norm")] = float(sv[0])
+            out[(a.group, a.layer, h, "frobenius_norm")] = float(torch.linalg.norm(m))
+            out[(a.group, a.layer, h, "stable_rank")] = float(sv.square().sum() / sv[0] ** 2)
+            q, k = (t.detach().double() for t in a.factors())
+            group = a.num_heads // a.num_kv_heads
+            bounds = [float(torch.linalg.svdvals(q[i])[0] * torch.linalg.svdvals(k[i // group])[0])
+                      for i in (range(a.num_heads) if h is None else [h])]
+            out[(a.group, a.layer, h, "qk_bound")] = max(bounds)
     return out
 
 
@@ -59,7 +70,7 @@ def assert_close_rows(got, want, tol=2e-4):
         if math.isnan(value):
             assert got[key] is None or math.isnan(got[key]), key
         else:
-            assert got[key] == pytest.approx(value, abs=tol), key
+            assert got[key] == pytest.approx(value, abs=tol, rel=1e-4), key
 
 
 # ------------------------------------------------------------------------------------ maths
@@ -123,7 +134,7 @@ def test_manual_snapshots_never_go_back(tmp_path):
     assert probe.snapshot(10) is not None
     assert probe.snapshot(10) is None and probe.snapshot(5) is None
     snap = probe.snapshot(11)
-    assert snap.step == 11 and {(g, m) for g, m, _ in snap.stats} == {("self", "symmetry"), ("self", "directionality")}
+    assert snap.step == 11 and {(g, m) for g, m, _ in snap.stats} == {("self", m) for m in DEFAULT_METRICS}
     probe.close(final_snapshot=False)
     assert sorted({r["step"] for r in read_jsonl(tmp_path)}) == [10, 11]
 

@@ -2,9 +2,11 @@
 
 Writes, into one run directory (the training run's own, so loss and scores sit together):
 
-* scalars ``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]`` and ``.../{median,q25,q75}``;
-* once at start, a custom_scalars layout (per group: a Margin chart median with the
-  q25-q75 band per metric, a Multiline chart of the per-layer curves) and the
+* scalars ``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]`` and ``.../{median,q25,q75}``
+  (``.../max`` too for the norms);
+* once at start, a custom_scalars layout (:func:`custom_scalars_layout`: per group, a Margin
+  chart median with the q25-q75 band per metric, a Multiline chart of the per-layer curves,
+  the norms in a category of their own with their max) and the
   configuration / model description as text;
 * optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``.
 
@@ -19,7 +21,7 @@ import os
 import re
 from typing import Any
 
-from ..tags import PREFIX, STATS, scalar_tag
+from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
@@ -34,16 +36,33 @@ def heatmap_tag(group: str, layer: int) -> str:
 
 
 def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, dict[str, list[Any]]]:
-    """``{category: {chart: [kind, tags]}}`` for ``SummaryWriter.add_custom_scalars``."""
+    """``{category: {chart: [kind, tags]}}`` for ``SummaryWriter.add_custom_scalars``.
+
+    Per group, category ``attn_probe/{group}`` holds the scores (symmetry, directionality, ...):
+    a Margin chart (median with the q25-q75 band) and a Multiline chart of the per-layer
+    curves per metric. The magnitudes (:func:`attn_probe.tags.stats_for` gives them a ``max``)
+    get their own category ``attn_probe/{group}/norms``: the same two charts plus a Multiline
+    chart of the across-layer max and median. TensorBoard's layout has no axis-scale field;
+    the log scale of the norm charts is a toggle in each chart's toolbar.
+    """
     layout: dict[str, dict[str, list[Any]]] = {}
     for group in groups:
-        charts: dict[str, list[Any]] = {}
+        scores: dict[str, list[Any]] = {}
+        norms: dict[str, list[Any]] = {}
         for metric in metrics:
-            band = [scalar_tag(group, metric, stat=s) for s in STATS]  # Margin: value, lower, upper
+            stats = stats_for(metric)
+            charts = norms if "max" in stats else scores
+            band = [scalar_tag(group, metric, stat=s) for s in BAND_STATS]  # Margin: value, lower, upper
             charts[f"{metric}: median across layers (q25-q75)"] = ["Margin", band]
+            if "max" in stats:
+                charts[f"{metric}: max and median across layers"] = [
+                    "Multiline", [re.escape(scalar_tag(group, metric, stat=s)) + "$" for s in ("max", "median")]]
             per_layer = re.escape(f"{PREFIX}/{group}/{metric}/") + r"layer_\d+$"
             charts[f"{metric}: per layer"] = ["Multiline", [per_layer]]
-        layout[f"{PREFIX}/{group}"] = charts
+        if scores:
+            layout[f"{PREFIX}/{group}"] = scores
+        if norms:
+            layout[f"{PREFIX}/{group}/norms"] = norms
     return layout
 
 
