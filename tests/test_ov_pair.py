@@ -24,6 +24,10 @@ from transformers import (
     MistralModel,
     Qwen2Config,
     Qwen2Model,
+    RobertaConfig,
+    RobertaModel,
+    RobertaPreLayerNormConfig,
+    RobertaPreLayerNormModel,
     T5Config,
     T5Model,
 )
@@ -40,6 +44,10 @@ SMALL = dict(vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_he
 MODELS = {
     "bert": (lambda: BertModel(BertConfig(**SMALL)),
              lambda model, attn, name: model.get_submodule(name[: -len("self")] + "output.dense")),
+    "roberta": (lambda: RobertaModel(RobertaConfig(**SMALL)),
+                lambda model, attn, name: model.get_submodule(name[: -len("self")] + "output.dense")),
+    "roberta-preln": (lambda: RobertaPreLayerNormModel(RobertaPreLayerNormConfig(**SMALL)),
+                      lambda model, attn, name: model.get_submodule(name[: -len("self")] + "output.dense")),
     "llama-gqa": (lambda: LlamaModel(LlamaConfig(**SMALL, num_key_value_heads=2)), lambda m, a, n: a.o_proj),
     "mistral-gqa": (lambda: MistralModel(MistralConfig(**SMALL, num_key_value_heads=1)), lambda m, a, n: a.o_proj),
     "qwen2": (lambda: Qwen2Model(Qwen2Config(**SMALL, num_key_value_heads=2)), lambda m, a, n: a.o_proj),

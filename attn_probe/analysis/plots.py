@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..metrics import is_magnitude
 from ..tags import METRICS
 from .summary import layer_quantiles
 from .trajectory import TrajectoryError, as_frame, require
@@ -90,13 +91,15 @@ def plot_dynamics(
     figsize: tuple[float, float] | None = None,
     path: str | os.PathLike | None = None,
 ) -> Figure:
-    """The emergent-dynamics figure: scores of the layer-level W_qk against training steps.
+    """The emergent-dynamics figure: metrics of the layer-level matrices against training steps.
 
-    One panel per score (default: symmetry and directionality, whichever are present). By
-    default each ``(run, group)`` is one colour: the median across layers as a line and the
-    q25-q75 band around it. With ``per_layer=True`` every layer is a line coloured by depth
-    (viridis, with a colorbar), and runs differ by line style. y spans [-1, 1] with a dashed
-    zero line. ``df_or_runs`` is a long table or run directories (see
+    One panel per metric (default: symmetry and directionality, whichever are present, else
+    every metric in the data; ``metrics=`` picks any, e.g. ``"spectral_norm"`` or
+    ``"ov_symmetry"``). By default each ``(run, group)`` is one colour: the median across
+    layers as a line and the q25-q75 band around it. With ``per_layer=True`` every layer is a
+    line coloured by depth (viridis, with a colorbar), and runs differ by line style. For the
+    scores y spans [-1, 1] with a dashed zero line; the magnitudes (norms, stable rank,
+    ``qk_bound``: :func:`attn_probe.metrics.is_magnitude`) get a log y axis. ``df_or_runs`` is a long table or run directories (see
     :func:`~attn_probe.analysis.trajectory.load_trajectory`). Saved to ``path`` if given.
 
     Example:
@@ -169,8 +172,11 @@ def plot_dynamics(
                 ax.plot(part["step"], part["median"], color=colour, linewidth=1.8, label=label(run, group))
         axes[0].legend(fontsize="small", loc="best")
     for ax, metric in zip(axes, chosen_metrics, strict=True):
-        ax.axhline(0.0, color="0.4", linestyle="--", linewidth=0.8, zorder=0)
-        ax.set_ylim(-1.0, 1.0)
+        if is_magnitude(metric):  # norms, stable rank: positive, growth over decades
+            ax.set_yscale("log")
+        else:  # scores live in [-1, 1]
+            ax.axhline(0.0, color="0.4", linestyle="--", linewidth=0.8, zorder=0)
+            ax.set_ylim(-1.0, 1.0)
         ax.set_title(metric)
         ax.set_xlabel("step")
         if logx:

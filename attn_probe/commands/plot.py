@@ -17,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", action="append", default=None, metavar="G",
                         help="attention group to draw (self, encoder, decoder, cross); repeatable; default all")
     parser.add_argument("--metric", action="append", default=None, metavar="M",
-                        help="score to draw, one panel each; repeatable; default symmetry and directionality")
+                        help="metric to draw, one panel each (any in the run: spectral_norm, ov_symmetry, ...; "
+                        "norms on a log axis); repeatable; default symmetry and directionality")
     parser.add_argument("--logx", action="store_true", help="logarithmic step axis")
     parser.add_argument("--title", default=None, help="figure title")
 
