@@ -108,7 +108,8 @@ def check_log_dir(path: str | os.PathLike, *, need_bytes: int = 0) -> str:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise _cannot_write(path, exc) from exc
+        if not (os.path.exists(path) and not os.path.isdir(path)):
+            raise _cannot_write(path, exc) from exc
     if not os.path.isdir(path):
         raise _error(f"attn_probe cannot use {path!r} as its log directory: it is not a directory",
                      errno.ENOTDIR)
