@@ -1,0 +1,114 @@
+"""MLflow sink for plain PyTorch loops: the probe's values as MLflow metrics, at the probe's step.
+
+MLflow keeps every ``(step, value)`` of a metric, so the values are logged with ``step=`` (the
+probe's step) and the user's own metrics are never affected. Logging goes through
+``MlflowClient.log_batch`` (batches of at most 1,000 metrics), asynchronously by default;
+:meth:`MlflowSink.finish` waits for every pending batch, so all values are stored when it
+returns (and a failed batch raises there).
+
+This is a network sink (see :mod:`attn_probe.sinks.trackers`): over HTTP, MLflow retries a
+dead server for minutes. ``mlflow`` is imported in :meth:`MlflowSink.start`
+(``pip install 'attn-probe[mlflow]'``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import RunInfo, Snapshot
+from .trackers import TrackerSink
+
+__all__ = ["MlflowSink"]
+
+#: MLflow's limit on the number of metrics in one ``log_batch`` request
+BATCH = 1000
+#: asynchronous batches kept before ``log`` waits for them
+MAX_PENDING = 64
+
+
+class MlflowSink(TrackerSink):
+    """Send snapshots to an MLflow run.
+
+    ``run_id``: the user's run, left open at ``finish()``. Without it, the active run
+    (``mlflow.active_run()``) is used when neither ``experiment`` nor ``run_name`` is given and
+    ``tracking_uri`` is unset or mlflow's own; otherwise a run is created in ``experiment`` (a
+    name, created if missing; default: ``MLFLOW_EXPERIMENT_NAME``/``MLFLOW_EXPERIMENT_ID`` or
+    the default experiment) and ended (``FINISHED``) by :meth:`finish`. ``synchronous=True``
+    makes every ``log`` wait for the server.
+
+    Example:
+        >>> with mlflow.start_run() as run:                              # doctest: +SKIP
+        ...     with attn_probe.watch(model, optimizer=opt, log_dir="runs/x", every=100,
+        ...                           sinks=[MlflowSink(run.info.run_id)]):
+        ...         train()
+    """
+
+    module = "mlflow"
+    extra = "mlflow"
+
+    def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
+                 experiment: str | None = None, run_name: str | None = None,
+                 tags: dict[str, str] | None = None, per_head: bool = False,
+                 synchronous: bool = False) -> None:
+        super().__init__(per_head=per_head)
+        self._given = run_id
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.tags = dict(tags or {})
+        self.synchronous = bool(synchronous)
+        self.client: Any = None
+        self.run_id: str | None = None
+        self._pending: list[Any] = []
+
+    def _open(self, run_info: RunInfo) -> None:
+        mlflow = self._import()
+        uri = self.tracking_uri or mlflow.get_tracking_uri()
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        active = mlflow.active_run()
+        same_store = self.tracking_uri is None or self.tracking_uri == mlflow.get_tracking_uri()
+        if self._given is not None:
+            self.run_id, self.owns_run = str(self._given), False
+        elif active is not None and same_store and self.experiment is None and self.run_name is None:
+            self.run_id, self.owns_run = active.info.run_id, False
+        else:
+            experiment_id = self._experiment_id()
+            run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)
+            self.run_id, self.owns_run = run.info.run_id, True
+        self.run = self.run_id
+        self._pending = []
+
+    def _experiment_id(self) -> str:
+        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if name:
+            found = self.client.get_experiment_by_name(name)
+            return found.experiment_id if found is not None else self.client.create_experiment(name)
+        return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"
+
+    def _send(self, snapshot: Snapshot, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        stamp, step = self.timestamp_ms(snapshot), int(snapshot.step)
+        metrics = [Metric(key, value, stamp, step) for key, value in values.items()]
+        for i in range(0, len(metrics), BATCH):
+            op = self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH],
+                                       synchronous=self.synchronous)
+            if not self.synchronous and op is not None:
+                self._pending.append(op)
+        if len(self._pending) >= MAX_PENDING:
+            self.flush()  # bounds memory; the batches sent earlier are normally stored by now
+
+    def flush(self) -> None:
+        """Wait until every batch sent so far is stored; raises if one failed."""
+        pending, self._pending = self._pending, []
+        for op in pending:
+            op.wait()
+
+    def _close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self.owns_run and self.run_id is not None:
+                self.client.set_terminated(self.run_id, "FINISHED")
+            self.run = None
