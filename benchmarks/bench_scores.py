@@ -11,6 +11,11 @@ Explicit reference, as one would write it by hand:
   the matrix product), then ``<M, M^T>``, ``||M||^2`` and the row/column norms of ``M``;
 * per head: ``M_h = Q_h^T K_{g(h)}`` formed one head at a time, same reductions.
 
+``--metrics`` times the scoring core (:func:`attn_probe.metrics.score_factors`) instead: the
+paper's two scores against the default metrics (the two scores plus spectral_norm,
+frobenius_norm, stable_rank, qk_bound), and the norms' largest relative difference from
+``torch.linalg.svdvals`` of the explicit float64 matrix.
+
 Factored: :func:`attn_probe.scores.factored_scores`. Both run in float32 on the same random
 weights (std 0.02), alternately (so that both see the same machine load); the script prints
 the median wall time of each, the speed-up and the largest absolute difference between
@@ -94,6 +99,40 @@ def interleaved_medians(
     return statistics.median(t_ref), statistics.median(t_fast), ref_out, fast_out
 
 
+def _core_table(q: torch.Tensor, k: torch.Tensor, metrics: tuple[str, ...], per_head: bool) -> list:
+    from attn_probe.metrics import score_factors
+
+    return score_factors(q, k, metrics, per_head=per_head).tolist()
+
+
+def core_metrics(args: argparse.Namespace) -> None:
+    """The core's cost with the two scores and with every default metric, per shape and mode."""
+    from attn_probe.metrics import DEFAULT_METRICS
+
+    two = ("symmetry", "directionality")
+    print(f"{'shape':<10} {'mode':<9} {'2 scores s':>11} {'6 metrics s':>12} {'ratio':>6} {'norm rel err':>13}")
+    for name in args.shapes:
+        d, num_heads, num_kv, head_dim = SHAPES[name]
+        q = torch.randn(num_heads, head_dim, d) * 0.02
+        k = torch.randn(num_kv, head_dim, d) * 0.02
+        for mode in args.modes:
+            per_head = mode == "per-head"
+            t_two, t_all, _, table = interleaved_medians(
+                partial(_core_table, q, k, two, per_head), partial(_core_table, q, k, DEFAULT_METRICS, per_head),
+                args.repeats)
+            group = num_heads // num_kv
+            qd, kd = q.double(), k.double()
+            m = sum(qd[h].T @ kd[h // group] for h in range(num_heads))
+            sv = torch.linalg.svdvals(m)
+            err = max(abs(table[2][0] / float(sv[0]) - 1), abs(table[3][0] / float(sv.norm()) - 1))
+            row = {"shape": name, "mode": mode, "two_scores_s": t_two, "all_metrics_s": t_all,
+                   "ratio": t_all / t_two, "layer_norm_rel_err": err}
+            if args.json:
+                print(json.dumps(row))
+            else:
+                print(f"{name:<10} {mode:<9} {t_two:>11.4f} {t_all:>12.4f} {t_all / t_two:>5.2f}x {err:>13.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
@@ -101,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object per row")
+    parser.add_argument("--metrics", action="store_true",
+                        help="time the core with 2 scores vs the 6 default metrics instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,6 +151,9 @@ def main() -> None:
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
         f"({platform.machine()}), float32, median of {args.repeats}, load average {load:.1f} at start"
     )
+    if args.metrics:
+        core_metrics(args)
+        return
     if not args.json:
         print(f"{'shape':<10} {'mode':<9} {'explicit s':>11} {'factored s':>11} {'speed-up':>9} {'max |diff|':>11}")
     for name in args.shapes:

@@ -20,6 +20,7 @@ import pytest
 from attn_probe import load_trajectory, summarize
 from attn_probe.analysis.summary import layer_quantiles
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError, TrajectoryWarning, find_runs
+from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.tags import scalar_tag
 from attn_probe.trajectory_format import TRAJECTORY_FILENAME, encode_value
 
@@ -278,7 +279,7 @@ def test_reads_what_the_live_probe_writes(tmp_path):
     from_traj = load_trajectory(tmp_path / "run")
     from_events = load_trajectory(tmp_path / "events")
     assert sorted(from_traj["step"].unique()) == [0, 1, 2, 3]
-    assert len(from_traj) == 4 * 3 * 2
+    assert len(from_traj) == 4 * 3 * len(DEFAULT_METRICS)
     pd.testing.assert_frame_equal(from_traj.drop(columns=["run", "value"]),
                                   from_events.drop(columns=["run", "value"]))
     np.testing.assert_array_equal(from_traj["value"].to_numpy(np.float32), from_events["value"].to_numpy())

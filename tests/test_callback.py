@@ -15,7 +15,8 @@ from transformers import Trainer, TrainerCallback
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
-from attn_probe.tags import scalar_tag
+from attn_probe.metrics import DEFAULT_METRICS
+from attn_probe.tags import scalar_tag, stats_for
 
 
 class KeepWeights(TrainerCallback):
@@ -61,9 +62,8 @@ def test_trainer_run_writes_scores_into_the_trainers_run(tmp_path, monkeypatch):
     ea, series = scalars(run)
     assert "train/loss" in series  # the Trainer's own logging sits in the same run
     ours = {t for t in series if t.startswith("attn_probe/")}
-    expected_tags = {scalar_tag("self", m, layer=i) for m in ("symmetry", "directionality") for i in (0, 1)}
-    expected_tags |= {scalar_tag("self", m, stat=s) for m in ("symmetry", "directionality")
-                      for s in ("median", "q25", "q75")}
+    expected_tags = {scalar_tag("self", m, layer=i) for m in DEFAULT_METRICS for i in (0, 1)}
+    expected_tags |= {scalar_tag("self", m, stat=s) for m in DEFAULT_METRICS for s in stats_for(m)}
     assert ours == expected_tags
     for tag in ours:
         assert [s for s, _ in series[tag]] == [0, 3, 6, 7]  # start, schedule, last step

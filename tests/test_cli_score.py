@@ -41,7 +41,7 @@ def test_table_and_summary(bert_dir, capsys):
     table = [line.split() for line in out.splitlines() if line.startswith("self ")]
     assert len(table) == 3
     for cells, row in zip(table, want, strict=True):
-        group, layer, head, sym, dirn, name = cells
+        group, layer, head, sym, dirn, *_norms, name = cells  # the scores come first
         assert (group, int(layer), head, name) == ("self", row["layer"], "-", row["name"])
         assert _close(float(sym), row["symmetry"], 6e-4) and _close(float(dirn), row["directionality"], 6e-4)
     summary = [line for line in out.splitlines() if "layers):" in line]

@@ -13,6 +13,7 @@ from trainer_fixtures import SEQ, VOCAB, RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
 import attn_probe
+from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.probe import LogDirError, Probe, QKPair
 
 
@@ -98,7 +99,7 @@ def test_resume_from_checkpoint_continues_without_duplicates(tmp_path, monkeypat
     rows = jsonl(log_dir)
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and sorted(set(steps)) == [0, 3, 4, 6, 8]
-    assert len(rows) == 5 * 2 * 2  # 5 snapshots x 2 layers x 2 metrics: no duplicates
+    assert len(rows) == 5 * 2 * len(DEFAULT_METRICS)  # 5 snapshots x 2 layers x the metrics: no duplicates
 
     ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     ea.Reload()
@@ -144,7 +145,7 @@ def test_plain_loop_resume_with_start_step_purges_stale_steps(tmp_path):
     train({"start_step": 2}, 2, seed=1)  # resume at step 2 with other weights: steps 2..4 again
     rows = jsonl(tmp_path)
     steps = [r["step"] for r in rows]
-    assert steps == sorted(steps) and len(rows) == 5 * 2 * 2
+    assert steps == sorted(steps) and len(rows) == 5 * 2 * len(DEFAULT_METRICS)
     ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     ea.Reload()
     events = ea.Scalars("attn_probe/self/symmetry/layer_00")
