@@ -17,7 +17,10 @@ pandas (and pyarrow for Parquet) are optional: ``pip install attn-probe[pandas]`
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import struct
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -185,37 +188,116 @@ def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
 # --------------------------------------------------------------------------- readers
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+#: group and metric names: the tag grammar's segments (:mod:`attn_probe.tags`), bounded
+_NAME = re.compile(r"[A-Za-z0-9_]{1,128}")
+#: a trajectory line longer than this is corrupt (a real one is a few hundred bytes); reading
+#: stops there, so one endless line cannot exhaust memory
+_MAX_LINE = 1 << 20
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _parse_line(line: str) -> tuple[str, int, int, int | None, str, float] | None:
-    """``(group, step, layer, head, metric, value)``; ``None`` if the line is not valid."""
+def _is_int64(v: Any) -> bool:
+    """An ``int`` (not ``bool``) that fits the table's int64/Int64 columns."""
+    return _is_int(v) and _INT64_MIN <= v <= _INT64_MAX
+
+
+def _is_name(v: Any) -> bool:
+    return isinstance(v, str) and _NAME.fullmatch(v) is not None
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN/Infinity are not JSON; the writer never emits them (NaN is null)
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _loads(line: str) -> Any:
+    """``json.loads`` that fails with ``None`` on anything (deep nesting, huge numbers, ...)."""
     try:
-        rec = json.loads(line)
-    except ValueError:
+        return json.loads(line, parse_constant=_reject_constant)
+    except (ValueError, RecursionError, OverflowError, TypeError, MemoryError):
         return None
+
+
+def _finite_float(v: Any) -> float | None:
+    """``v`` as a finite float, or ``None`` (bools, strings, ints beyond float range, inf)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _is_text(v: Any) -> bool:
+    """A ``str`` that can be written back as UTF-8 (no lone surrogates)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _parse_record(rec: Any, names: Any = _is_name) -> tuple[str, int, int, int | None, str, float] | None:
+    """``(group, step, layer, head, metric, value)`` of one decoded line, or ``None``.
+
+    Valid means what the writer produces: ``step``/``layer``/``head`` integers within
+    int64 (``head`` may be null), ``group``/``metric`` accepted by ``names`` (by default
+    the tag grammar's names), ``value`` a finite number or null (NaN).
+    """
     if not isinstance(rec, dict):
         return None
     step, layer, head = rec.get("step"), rec.get("layer"), rec.get("head")
     group, metric, value = rec.get("group"), rec.get("metric"), rec.get("value", "missing")
-    if not (_is_int(step) and isinstance(group, str) and isinstance(metric, str)):
+    if not (_is_int64(step) and names(group) and names(metric)):
         return None
-    if not (_is_int(layer) and (head is None or _is_int(head))):
+    if not (_is_int64(layer) and (head is None or _is_int64(head))):
         return None
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+    if value is None:
+        return group, step, layer, head, metric, float("nan")
+    f = _finite_float(value)
+    if f is None:
         return None
-    return group, step, layer, head, metric, decode_value(value)
+    return group, step, layer, head, metric, decode_value(f)
+
+
+def _parse_line(line: str) -> tuple[str, int, int, int | None, str, float] | None:
+    """One trajectory line as ``(group, step, layer, head, metric, value)``; ``None`` if it
+    is not valid. NaN/Infinity literals, ``10**30``, 1e400, deep nesting or broken UTF-8 in
+    a name make a line corrupt, never an error."""
+    return _parse_record(_loads(line))
+
+
+def _lines(fh: Any) -> Iterator[str | None]:
+    """Lines of a binary file as text (bad UTF-8 replaced); ``None`` for an overlong line."""
+    while True:
+        raw = fh.readline(_MAX_LINE + 1)
+        if not raw:
+            return
+        if len(raw) > _MAX_LINE:
+            while not raw.endswith(b"\n"):  # drop the rest of it, chunk by chunk
+                raw = fh.readline(_MAX_LINE)
+                if not raw:
+                    break
+            yield None
+            continue
+        yield raw.decode("utf-8", errors="replace")
 
 
 def _read_trajectory_file(path: Path) -> list[tuple]:
     rows: list[tuple] = []
     bad = 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
+    with open(path, "rb") as fh:
+        for line in _lines(fh):
+            if line is not None and not line.strip():
                 continue
-            parsed = _parse_line(line)
+            parsed = None if line is None else _parse_line(line)
             if parsed is None:
                 bad += 1
             else:
@@ -227,6 +309,150 @@ def _read_trajectory_file(path: Path) -> list[tuple]:
             stacklevel=4,
         )
     return rows
+
+
+# TFRecord framing of event files: u64 length, masked crc32c of the length, data, masked crc32c
+# of the data (all little-endian)
+_RECORD_HEADER = struct.Struct("<QI")
+_CRC = struct.Struct("<I")
+_FRAME = _RECORD_HEADER.size + _CRC.size  # bytes of a record besides its data
+#: bytes of the file checked at once
+_WINDOW = 32 << 20
+#: records of one length checked together with numpy; fewer go through TensorBoard's crc
+_BATCH_MIN = 16
+
+
+def _crc_tools() -> tuple[Any, Any]:
+    """TensorBoard's own ``masked_crc32c`` (its event writer uses it) and its CRC-32C table."""
+    import numpy as np
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as tb
+
+    return tb.masked_crc32c, np.asarray(tb.CRC_TABLE, dtype=np.uint32)
+
+
+def _masked_crc32c_many(buf: Any, starts: Any, length: int, table: Any) -> Any:
+    """Masked CRC-32C of ``buf[s:s+length]`` for every ``s`` in ``starts``, vectorised over
+    the records (one numpy step per byte position), as TensorBoard's ``masked_crc32c``."""
+    import numpy as np
+
+    crc = np.full(len(starts), 0xFFFFFFFF, dtype=np.uint32)
+    for j in range(length):
+        crc = table[(crc ^ buf[starts + j]) & 0xFF] ^ (crc >> 8)
+    crc ^= np.uint32(0xFFFFFFFF)
+    return (((crc >> 15) | (crc << 17)) + np.uint32(0xA282EAD8)).astype(np.uint32)
+
+
+def _first_bad_record(buf: Any, rel: Any, lengths: Any, tools: tuple[Any, Any]) -> tuple[int, str] | None:
+    """``(index, problem)`` of the first record in ``buf`` (at offsets ``rel``) whose length
+    or data fails its checksum, or ``None``."""
+    import numpy as np
+
+    masked_crc32c, table = tools
+    stored = lambda at: (buf[at].astype(np.uint32) | (buf[at + 1].astype(np.uint32) << 8)  # noqa: E731
+                         | (buf[at + 2].astype(np.uint32) << 16) | (buf[at + 3].astype(np.uint32) << 24))
+    n = len(rel)
+    bad_len = _masked_crc32c_many(buf, rel, 8, table) != stored(rel + 8)
+    bad_data = np.zeros(n, dtype=bool)
+    data_at, crc_at = rel + _RECORD_HEADER.size, rel + _RECORD_HEADER.size + lengths
+    for length in np.unique(lengths):
+        idx = np.nonzero(lengths == length)[0]
+        if len(idx) >= _BATCH_MIN:
+            bad_data[idx] = _masked_crc32c_many(buf, data_at[idx], int(length), table) != stored(crc_at[idx])
+        else:
+            for i in idx:
+                a = int(data_at[i])
+                bad_data[i] = masked_crc32c(buf[a:a + int(length)].tobytes()) != int(stored(crc_at[i:i + 1])[0])
+    first_len = int(np.argmax(bad_len)) if bad_len.any() else n
+    first_data = int(np.argmax(bad_data)) if bad_data.any() else n
+    if first_len == n and first_data == n:
+        return None
+    if first_len <= first_data:
+        return first_len, "record length fails its checksum"
+    return first_data, "record data fails its checksum"
+
+
+def _zero_tail(fh: Any, off: int) -> bool:
+    fh.seek(off)
+    while chunk := fh.read(1 << 20):
+        if chunk.strip(b"\0"):
+            return False
+    return True
+
+
+def scan_event_file(path: PathLike) -> tuple[int, str] | None:
+    """Check the record framing of an event file to its end: ``(byte offset, what is wrong)``
+    of the first corrupt record, or ``None`` when every record is intact.
+
+    TensorBoard's loader stops at a corrupt record (and says so only at debug level), so
+    everything after that offset is lost to it. A torn last record (a file still being
+    written, or cut by a crash) is not corruption, and neither is an all-zero tail (a
+    crash after the file grew but before its data reached the disk). Checksums are TensorBoard's
+    masked CRC-32C, computed with numpy over many records at once.
+    """
+    import numpy as np
+
+    tools = _crc_tools()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        # walk the framing: where each record starts and how long its data is
+        offsets: list[int] = []
+        lengths: list[int] = []
+        off = 0
+        tail: bytes | None = None  # header of a last record that runs past the end
+        while off + _RECORD_HEADER.size <= size:
+            fh.seek(off)
+            head = fh.read(_RECORD_HEADER.size)
+            if len(head) < _RECORD_HEADER.size:
+                break
+            length = _RECORD_HEADER.unpack(head)[0]
+            if off + _FRAME + length > size:
+                tail = head
+                break
+            offsets.append(off)
+            lengths.append(length)
+            off += _FRAME + length
+        # check the records window by window; the first bad one is reported
+        offs, lens = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        ends = offs + _FRAME + lens
+        i = 0
+        while i < len(offs):
+            j = max(i + 1, int(np.searchsorted(ends, offs[i] + _WINDOW, side="right")))
+            fh.seek(int(offs[i]))
+            raw = fh.read(int(ends[j - 1] - offs[i]))
+            if len(raw) < ends[j - 1] - offs[i]:
+                return None  # the file shrank while we read it
+            found = _first_bad_record(np.frombuffer(raw, dtype=np.uint8), offs[i:j] - offs[i], lens[i:j], tools)
+            if found is not None:
+                bad_off = int(offs[i + found[0]])
+                return None if _zero_tail(fh, bad_off) else (bad_off, found[1])
+            i = j
+        if tail is not None and tools[0](tail[:8]) != _CRC.unpack(tail[8:])[0]:
+            # not a torn record: its length is garbage
+            return None if _zero_tail(fh, off) else (off, "record length fails its checksum")
+    return None
+
+
+def _check_event_files(run_dir: Path) -> None:
+    """Warn about each event file in ``run_dir`` that is corrupt before its end."""
+    try:
+        files = sorted(e for e in run_dir.iterdir() if is_event_file(e.name) and e.is_file())
+    except OSError:
+        return
+    for f in files:
+        try:
+            found = scan_event_file(f)
+            size = f.stat().st_size
+        except OSError:
+            continue
+        if found is not None:
+            off, problem = found
+            warnings.warn(
+                f"{f}: corrupt event record at byte offset {off} of {size} ({problem}); TensorBoard "
+                f"reads this file only up to there, so the values in its last {size - off} bytes are "
+                "missing",
+                TrajectoryWarning,
+                stacklevel=5,
+            )
 
 
 def _read_event_files(run_dir: Path) -> list[tuple]:
@@ -247,6 +473,7 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
                        ea.HISTOGRAMS: 1, ea.COMPRESSED_HISTOGRAMS: 1},
         purge_orphaned_data=True,
     )
+    _check_event_files(run_dir)
     try:
         acc.Reload()
     except Exception as exc:  # corrupt event data: report, do not crash
@@ -254,21 +481,35 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
                       TrajectoryWarning, stacklevel=4)
         return []
     rows: list[tuple] = []
+    bad = 0
     tags = acc.Tags()
-    for tag in tags.get("scalars", []):
-        parts = parse_tag(tag)
-        if parts is None or parts.stat is not None:
-            continue
-        for ev in acc.Scalars(tag):
-            rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(ev.value)))
-    for tag in tags.get("tensors", []):  # scalars written with new_style=True
-        parts = parse_tag(tag)
-        if parts is None or parts.stat is not None:
-            continue
-        for ev in acc.Tensors(tag):
-            arr = tensor_util.make_ndarray(ev.tensor_proto)
-            if arr.size == 1:
-                rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, float(arr.item())))
+    for kind in ("scalars", "tensors"):  # tensors: scalars written with new_style=True
+        for tag in tags.get(kind, []):
+            parts = parse_tag(tag)
+            if parts is None or parts.stat is not None:
+                continue
+            if not (_is_int64(parts.layer) and (parts.head is None or _is_int64(parts.head))):
+                bad += 1  # a layer_/head_ number beyond int64
+                continue
+            for ev in (acc.Scalars(tag) if kind == "scalars" else acc.Tensors(tag)):
+                try:
+                    if kind == "scalars":
+                        value = float(ev.value)
+                    else:
+                        arr = tensor_util.make_ndarray(ev.tensor_proto)
+                        if arr.size != 1:
+                            continue
+                        value = float(arr.item())
+                except Exception:  # noqa: BLE001 - a malformed event is skipped and counted
+                    bad += 1
+                    continue
+                if not _is_int64(ev.step):
+                    bad += 1
+                    continue
+                rows.append((parts.group, ev.step, parts.layer, parts.head, parts.metric, value))
+    if bad:
+        warnings.warn(f"{run_dir}: skipped {bad} malformed event value{'s' if bad != 1 else ''} or tag"
+                      f"{'s' if bad != 1 else ''}", TrajectoryWarning, stacklevel=4)
     return rows
 
 
@@ -283,24 +524,163 @@ def _read_run(run_dir: Path) -> list[tuple]:
     return _read_event_files(run_dir)
 
 
-def normalize(df: pd.DataFrame) -> pd.DataFrame:
-    """Coerce a long table to the canonical dtypes, drop duplicate steps (keep last), sort."""
+def _is_na(v: Any) -> bool:
+    """A scalar missing value (``None``, NaN, ``pd.NA``); never an error for other objects."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return True
+    try:
+        import pandas as pd
+
+        return v is pd.NA or v is pd.NaT or (hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0
+                                              and bool(pd.isna(v)))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _as_int64(v: Any) -> int | None:
+    """``v`` as an int within int64, or ``None`` (also for fractions, inf, text, containers)."""
+    if isinstance(v, bool):
+        return None
+    try:
+        if isinstance(v, str):
+            v = v.strip()
+            try:
+                v = int(v)
+            except ValueError:
+                v = float(v)
+        elif hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0:  # numpy scalar
+            v = v.item()
+        if isinstance(v, float):
+            if not math.isfinite(v) or v != math.floor(v):
+                return None
+            v = int(v)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return v if _is_int64(v) else None
+
+
+def _int_column(s: pd.Series, nullable: bool) -> tuple[Any, Any]:
+    """``(Int64 values, bad-row mask)``: rows that are not integers within int64 are bad
+    (and missing ones too unless ``nullable``). Fast paths for integer and float columns."""
+    import numpy as np
+
+    pd = _pandas()
+    n = len(s)
+    if pd.api.types.is_integer_dtype(s.dtype) and not pd.api.types.is_unsigned_integer_dtype(s.dtype):
+        out = s.astype("Int64")
+        na = out.isna().to_numpy()
+        return out, (np.zeros(n, dtype=bool) if nullable else na)
+    if pd.api.types.is_float_dtype(s.dtype):
+        f = s.to_numpy(dtype="float64", na_value=np.nan)
+        na = np.isnan(f)
+        with np.errstate(invalid="ignore"):
+            good = np.isfinite(f) & (f == np.trunc(f)) & (f >= -(2.0**63)) & (f < 2.0**63)
+        vals = np.where(good, f, 0.0).astype(np.int64)
+    else:  # object, strings, unsigned, bool: one by one
+        vals = np.zeros(n, dtype=np.int64)
+        good = np.zeros(n, dtype=bool)
+        na = np.zeros(n, dtype=bool)
+        for i, v in enumerate(s.tolist()):
+            if _is_na(v):
+                na[i] = True
+                continue
+            iv = _as_int64(v)
+            if iv is not None:
+                vals[i], good[i] = iv, True
+    bad = ~good & ~na if nullable else ~good
+    return pd.Series(pd.arrays.IntegerArray(vals, ~good), index=s.index), bad
+
+
+def _float_column(s: pd.Series) -> tuple[Any, Any]:
+    """``(float64 values, bad-row mask)``: missing is NaN; text, bools, containers are bad."""
+    import numpy as np
+
+    pd = _pandas()
+    if (pd.api.types.is_float_dtype(s.dtype) or pd.api.types.is_integer_dtype(s.dtype)) and \
+            not pd.api.types.is_bool_dtype(s.dtype):
+        return s.to_numpy(dtype="float64", na_value=np.nan), np.zeros(len(s), dtype=bool)
+    vals = np.full(len(s), np.nan)
+    bad = np.zeros(len(s), dtype=bool)
+    for i, v in enumerate(s.tolist()):
+        if _is_na(v):
+            continue
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)) and not hasattr(v, "dtype"):
+                raise TypeError
+            vals[i] = float(v)
+        except (ValueError, TypeError, OverflowError):
+            bad[i] = True
+    return vals, bad
+
+
+def _str_column(s: pd.Series) -> tuple[Any, Any]:
+    """``(str values, bad-row mask)``: text that cannot be written as UTF-8 (lone surrogates) is bad."""
+    import numpy as np
+
+    out = s.astype(str)
+    wrong = [v for v in out.unique() if not _is_text(v)]  # few distinct names: check those
+    return out, (out.isin(wrong).to_numpy() if wrong else np.zeros(len(s), dtype=bool))
+
+
+def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
+    """Coerce a long table to the canonical dtypes, drop duplicate steps (keep last), sort.
+
+    Rows whose ``step`` is not an integer within int64 (missing, fractional, ``1e30``,
+    text), whose ``layer``/``head`` is not such an integer or missing, or whose ``value`` is
+    not a number are dropped with one :class:`TrajectoryWarning` counting them
+    (``source`` names where they came from).
+    """
+    import numpy as np
+
     pd = _pandas()
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise TrajectoryError(f"table lacks column(s) {', '.join(missing)}; expected {', '.join(COLUMNS)}")
+    step, bad_step = _int_column(df["step"], nullable=False)
+    layer, bad_layer = _int_column(df["layer"], nullable=True)
+    head, bad_head = _int_column(df["head"], nullable=True)
+    value, bad_value = _float_column(df["value"])
+    cols = {c: _str_column(df[c]) for c in ("run", "group", "metric")}
+    bad = bad_step | bad_layer | bad_head | bad_value
+    for _, b in cols.values():
+        bad |= b
     out = pd.DataFrame({
-        "run": df["run"].astype(str),
-        "group": df["group"].astype(str),
-        "step": pd.to_numeric(df["step"]).astype("int64"),
-        "layer": pd.to_numeric(df["layer"]).astype("Int64"),
-        "head": pd.to_numeric(df["head"]).astype("Int64"),
-        "metric": df["metric"].astype(str),
-        "value": pd.to_numeric(df["value"]).astype("float64"),
+        "run": cols["run"][0],
+        "group": cols["group"][0],
+        "step": step.fillna(0).astype("int64"),
+        "layer": layer,
+        "head": head,
+        "metric": cols["metric"][0],
+        "value": pd.Series(value, index=df.index, dtype="float64"),
     })
+    if bad.any():
+        n = int(bad.sum())
+        warnings.warn(
+            f"{source or 'the table'}: skipped {n} row{'s' if n != 1 else ''} with an invalid step, layer, "
+            "head, value or name (steps, layers and heads must be integers within int64)",
+            TrajectoryWarning, stacklevel=3,
+        )
+        out = out[~np.asarray(bad)]
     out = out.drop_duplicates(subset=_KEY, keep="last")
     out = out.sort_values(_KEY, na_position="first", kind="stable").reset_index(drop=True)
     return out
+
+
+def _rows_frame(run: str, rows: list[tuple]) -> pd.DataFrame:
+    """Validated reader rows as a table with exact dtypes (no float round trip for the ints)."""
+    import numpy as np
+
+    pd = _pandas()
+    group, step, layer, head, metric, value = zip(*rows, strict=True)
+    return pd.DataFrame({
+        "run": [run] * len(rows),
+        "group": list(group),
+        "step": np.array(step, dtype=np.int64),
+        "layer": pd.array(layer, dtype="Int64"),
+        "head": pd.array(head, dtype="Int64"),
+        "metric": list(metric),
+        "value": np.array(value, dtype=np.float64),
+    })
 
 
 def load_trajectory(runs: RunsLike) -> pd.DataFrame:
@@ -327,10 +707,7 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
         if not rows:
             empty.append(str(run_dir))
             continue
-        frames.append(pd.DataFrame.from_records(
-            [(name, *r) for r in rows],
-            columns=["run", "group", "step", "layer", "head", "metric", "value"],
-        ))
+        frames.append(_rows_frame(name, rows))
     if not frames:
         raise TrajectoryError(
             f"no probe data in {', '.join(empty)}: no valid {TRAJECTORY_FILENAME} line and no "
@@ -441,9 +818,28 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
         require("pyarrow", "pandas")
         df = pd.read_parquet(p, engine="pyarrow")
     else:
-        with open(p, encoding="utf-8") as fh:
-            recs = [json.loads(line) for line in fh if line.strip()]
+        recs, bad = [], 0
+        with open(p, "rb") as fh:
+            for line in _lines(fh):
+                if line is not None and not line.strip():
+                    continue
+                parsed = None if line is None else _parse_table_line(line)
+                if parsed is None:
+                    bad += 1
+                else:
+                    recs.append(parsed)
+        if bad:
+            warnings.warn(f"{p}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
+                          TrajectoryWarning, stacklevel=2)
         df = pd.DataFrame.from_records(recs, columns=list(COLUMNS))
-        df["value"] = [decode_value(v) for v in df["value"]]
         df["head"] = df["head"].astype("object").where(df["head"].notna(), None)
-    return normalize(df)
+    return normalize(df, source=str(p))
+
+
+def _parse_table_line(line: str) -> tuple | None:
+    """One line of an exported JSONL table as a row of :data:`COLUMNS`, or ``None``."""
+    rec = _loads(line)
+    if not isinstance(rec, dict) or not _is_text(rec.get("run")):
+        return None
+    parsed = _parse_record(rec, names=_is_text)  # a table may hold any names a DataFrame had
+    return None if parsed is None else (rec["run"], *parsed)
