@@ -18,8 +18,9 @@ the TensorBoard tag segment and the row key, unchanged everywhere.
 
 No host transfer happens here: results stay on the factors' device until a caller moves
 many layers' tables to the host in one transfer. The norm metrics call
-``torch.linalg.eigvalsh``, which on CUDA waits for cuSOLVER's error flag (one implicit sync
-per call); the scores make none.
+``torch.linalg.eigh``/``eigvalsh``, whose status check reads the solver's error flag on the
+host, so on CUDA each call is expected to wait for the device (from the PyTorch sources; not
+measured on a GPU here); the two scores make no such call.
 """
 
 from __future__ import annotations
