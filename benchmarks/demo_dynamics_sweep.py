@@ -19,6 +19,7 @@ Used to choose the demo defaults (docs/reproducing-the-paper.md):
 
     python benchmarks/demo_dynamics_sweep.py --kind encoder --seed 1                  # demo defaults
     python benchmarks/demo_dynamics_sweep.py --kind decoder --arch bert --lr 1e-3 --warmup 30 --no-unigram-bias
+    python benchmarks/demo_dynamics_sweep.py --kind decoder --decoder-objective paper-mlm   # the released code's decoder
     python benchmarks/demo_dynamics_sweep.py --arch bert --lr 1e-3 --warmup 100 --steps 6000 --every 250 \
         --hidden 128 --ffn 512                                   # post-LN, 4 x 128, 6000 steps
 """
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     d = demo.DemoConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", choices=demo.MODEL_KINDS, default="encoder")
+    p.add_argument("--decoder-objective", choices=demo.DECODER_OBJECTIVES, default="causal",
+                   help="causal (next token) or paper-mlm (the released code's MLM batches to the causal LM)")
     p.add_argument("--size", choices=list(demo.SIZES), default=d.size)
     p.add_argument("--arch", choices=list(demo.ARCHITECTURES), default=d.arch)
     p.add_argument("--layers", type=int, help="override the size's layer count")
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.unigram_bias:
         demo.init_output_bias_to_unigram_(model, blocks)
     model.set_attn_implementation("eager")  # attention probabilities for the entropy
-    collator = demo.make_collator(a.kind, tokenizer)
+    collator = demo.make_collator(a.kind, tokenizer, a.decoder_objective)
 
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]

@@ -2,10 +2,15 @@
 
 Saponati et al. (ICML 2025) show that bidirectional training makes the query-key matrix
 W_qk = W_q W_k^T symmetric, while next-token training makes a few of its columns dominant
-(negative directionality). This script reproduces that on your CPU in minutes:
+(negative directionality). This script is `attn-probe demo --preset cpu` written out step by step,
+and takes about 10 minutes on a 2-core CPU:
 
-    python examples/emergent_dynamics.py            # same as `attn-probe demo`
-    tensorboard --logdir runs/example               # live curves while it trains
+    python examples/emergent_dynamics.py            # the demo's cpu preset
+    tensorboard --logdir runs/example               # live curves (loss beside the scores) while it trains
+
+On a GPU, `attn-probe demo` (the paper-small preset) trains long enough for the encoder's symmetry
+to take off; set cfg = demo.DemoConfig(name="example", **demo.resolve_preset("paper-small")) here
+for the same schedule (and bf16=cfg.precision == "bf16" in TrainingArguments).
 
 Set ATTN_PROBE_EXAMPLE_TINY=1 for a seconds-long smoke run (used by the tests).
 """
@@ -43,22 +48,28 @@ for kind in ("encoder", "decoder"):
     # attn_probe.symmetric_init_(model)   # try it: start every head with W_k = W_q
 
     run_dir = f"{cfg.out_dir}/{cfg.name}/{kind}"
+    # The Trainer's own TensorBoard run (loss, learning rate) goes to run_dir: transformers reads
+    # TENSORBOARD_LOGGING_DIR when the Trainer is built. The probe writes into the same run.
+    os.environ["TENSORBOARD_LOGGING_DIR"] = run_dir
     args = TrainingArguments(
         output_dir=f"{run_dir}/trainer", max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
         learning_rate=cfg.lr, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, data_seed=cfg.seed,
-        logging_steps=10, save_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=TINY,
+        logging_steps=max(1, min(cfg.every, 10)), save_strategy="no", report_to=["tensorboard"],
+        seed=cfg.seed, disable_tqdm=TINY,
     )
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=demo.BlockDataset(blocks),
-        # 3. The objective: 15% masked-LM for the encoder, next-token loss on every position for the decoder.
+        # 3. The objective: 15% masked-LM for the encoder, next-token loss on every position for the decoder
+        #    (demo.make_collator(kind, tokenizer, "paper-mlm") gives the paper's released code's decoder batches).
         data_collator=demo.make_collator(kind, tokenizer),
-        # 4. The one line that watches W_qk: TensorBoard events + attn_probe.jsonl in run_dir.
-        callbacks=[attn_probe.AttnProbeCallback(every=cfg.every, log_dir=run_dir)],
     )
+    # 4. The one line that watches W_qk: scores into the Trainer's TensorBoard run (beside the loss)
+    #    and the lossless attn_probe.jsonl next to them.
+    probe = attn_probe.attach(trainer, every=cfg.every)
     trainer.train()
-    run_dirs[kind] = run_dir
+    run_dirs[kind] = probe.run_log_dir
 
 # 5. The figure: median across layers with the interquartile band, encoder vs decoder.
 figure = f"{cfg.out_dir}/{cfg.name}/dynamics.png"

