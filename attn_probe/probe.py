@@ -18,12 +18,10 @@ from __future__ import annotations
 import functools
 import math
 import os
-import socket
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,9 +33,11 @@ from .counting import ForwardPasses, OptimizerUpdates
 from .distributed import is_main_process, iter_layer_params
 from .extraction import AttentionLayer, find_attention, unwrap
 from .images import HeatmapImages, render_heatmap
+from .logdir import LogDirError, LogDirInUseError, LogDirLock, acquire_default, check_log_dir, default_log_dir
 from .metrics import table_entries
 from .pairs import QKPair, ScorePair, pair_metric_names
 from .sinks import Record, RunInfo, Sink, Snapshot
+from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats
 from .sinks.tensorboard import writer_log_dir
 from .tags import layer_stats
 
@@ -45,6 +45,7 @@ __all__ = [
     "Probe",
     "ProbeConfig",
     "LogDirError",
+    "LogDirInUseError",
     "ScorePair",
     "QKPair",
     "render_heatmap",
@@ -54,20 +55,12 @@ __all__ = [
 Tensor = torch.Tensor
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: trajectory files written by open probes of this process (two probes must not share one)
-_OPEN_PATHS: set[str] = set()
-
 #: keyword arguments of :class:`Probe` that wire it up rather than configure the measurement
-WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale")
+WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale",
+          "background", "sink_queue", "sink_timeout")
 
-
-class LogDirError(OSError):
-    """The log directory cannot be created or written (raised at attach time)."""
-
-
-def default_log_dir() -> str:
-    """``runs/<Mon DD_HH-MM-SS>_<host>``, SummaryWriter's own default."""
-    return os.path.join("runs", datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
+# LogDirError, LogDirInUseError, default_log_dir: attn_probe.logdir, re-exported here
+# (``attn_probe.probe.LogDirError`` is the documented name).
 
 
 def default_is_main_process() -> bool:
@@ -129,17 +122,22 @@ def never_raise(method: F) -> F:
 
 
 def _check_log_dir(log_dir: str) -> None:
-    try:
-        os.makedirs(log_dir, exist_ok=True)
-        probe_file = os.path.join(log_dir, f".attn_probe_write_test.{os.getpid()}")
-        with open(probe_file, "w") as f:
-            f.write("ok")
-        os.remove(probe_file)
-    except OSError as exc:
-        raise LogDirError(
-            f"attn_probe cannot write its log directory {log_dir!r}: {exc.strerror or exc}. "
-            "Pass a writable log_dir=."
-        ) from exc
+    """Create ``log_dir`` and prove it writable, else :class:`LogDirError` (:func:`attn_probe.logdir.check_log_dir`)."""
+    check_log_dir(log_dir)
+
+
+def _start_error(log_dir: str, exc: OSError) -> LogDirError:
+    """A sink of the log directory failed to start: the OSError as a LogDirError saying why."""
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = f"the disk is full or nearly full ({exc.strerror or exc})"
+    else:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+    err = LogDirError(f"attn_probe cannot write its log directory {log_dir!r}: {reason}. "
+                      "Free some space or pass another log_dir=")
+    err.errno = exc.errno
+    return err
 
 
 def _describe_model(model: nn.Module, layers: Sequence[AttentionLayer]) -> dict[str, Any]:
@@ -184,6 +182,9 @@ class Probe:
         is_main_process: bool | None = None,
         extra_config: dict[str, Any] | None = None,
         purge_stale: bool = True,
+        background: bool = True,
+        sink_queue: int = DEFAULT_QUEUE_SIZE,
+        sink_timeout: float = DEFAULT_TIMEOUT,
         **options: Any,
     ) -> None:
         self.config = cfg = config_from_options(config, allowed_extra=WIRING, **options)
@@ -210,7 +211,8 @@ class Probe:
         self._forward_counter: ForwardPasses | None = None
         self._closed = False
         self._sinks: list[Sink] = []
-        self._paths: list[str] = []
+        self._dispatcher: SinkDispatcher | None = None
+        self._lock: LogDirLock | None = None
         self.log_dir: str | None = None
         groups = sorted({a.group for a in self.layers}, key=[a.group for a in self.layers].index)
         record = {
@@ -228,7 +230,8 @@ class Probe:
             resume_step=self.step if self.step > 0 else None,
         )
         if self.is_main_process:
-            self._open_sinks(log_dir, writer, sinks, purge_stale)
+            self._open_sinks(log_dir, writer, sinks, purge_stale, background=background,
+                             queue_size=sink_queue, timeout=sink_timeout)
 
     @property
     def schedule(self) -> Callable[[int], bool] | None:
@@ -236,37 +239,75 @@ class Probe:
 
     # -- sinks -------------------------------------------------------------------------------
 
-    def _open_sinks(self, log_dir: str | None, writer: Any, sinks: Sequence[Sink] | None,
-                    purge_stale: bool) -> None:
+    def _open_sinks(self, log_dir: str | None, writer: Any, sinks: Sequence[Sink] | None, purge_stale: bool,
+                    *, background: bool = True, queue_size: int = DEFAULT_QUEUE_SIZE,
+                    timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Choose and lock the log directory, build the sinks and start them behind a dispatcher.
+
+        The directory is locked (:class:`~attn_probe.logdir.LogDirLock`) for the probe's
+        lifetime: a second writer gets :class:`LogDirInUseError` here. A directory the user did
+        not name gets a unique name instead (``..._1``, ...). Anything that fails here raises
+        (a log-directory problem as :class:`LogDirError`), releasing the lock.
+        """
         from .sinks.tensorboard import TensorBoardSink
         from .sinks.trajectory import TrajectorySink
 
-        if writer is not None and log_dir is None:
-            log_dir = writer_log_dir(writer)
-        if sinks is None or log_dir is not None or writer is not None:
-            log_dir = os.path.expanduser(log_dir if log_dir is not None else default_log_dir())
-            _check_log_dir(log_dir)
-            trajectory = TrajectorySink(log_dir)
-            path = os.path.abspath(trajectory.path)
-            if path in _OPEN_PATHS:
-                raise LogDirError(f"another open attn_probe already writes {path}; give each probe its own log_dir")
-            tb = (TensorBoardSink(writer=writer) if writer is not None
-                  else TensorBoardSink(log_dir, purge_stale=purge_stale))
-            built: list[Sink] = [tb, trajectory]
-            self.log_dir = log_dir
-            self._paths.append(path)
-        else:
-            built = []
-        built += list(sinks or [])
-        for sink in built:
-            sink.start(self._run)
-            self._sinks.append(sink)
-        _OPEN_PATHS.update(self._paths)
+        lock: LogDirLock | None = None
+        try:
+            if writer is not None and log_dir is None:
+                log_dir = writer_log_dir(writer)
+            own: list[Sink] = []
+            if sinks is None or log_dir is not None or writer is not None:
+                if log_dir is None:  # not named by the user: a fresh unique directory, never a clash
+                    lock = acquire_default(default_log_dir())
+                    log_dir = lock.log_dir
+                else:
+                    log_dir = os.path.expanduser(log_dir)
+                    check_log_dir(log_dir)
+                    lock = LogDirLock(log_dir).acquire()
+                tb = (TensorBoardSink(writer=writer, purge_stale=purge_stale) if writer is not None
+                      else TensorBoardSink(log_dir, purge_stale=purge_stale))
+                own = [tb, TrajectorySink(log_dir)]
+            built = own + list(sinks or [])
+            dispatcher = SinkDispatcher(built, background=background, queue_size=queue_size, timeout=timeout)
+            try:
+                dispatcher.start(self._run)
+            except OSError as exc:
+                if log_dir is None or isinstance(exc, LogDirError) or not any(
+                        dispatcher.failed_sink is sink for sink in own):
+                    raise
+                raise _start_error(log_dir, exc) from exc
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        self.log_dir = log_dir
+        self._lock = lock
+        self._sinks = built
+        self._dispatcher = dispatcher
 
     @main_process_only
     def _write(self, snapshot: Snapshot) -> None:
-        for sink in self._sinks:
-            sink.log(snapshot)
+        """Hand the snapshot to the dispatcher (background lanes: returns at once; never raises)."""
+        if self._dispatcher is not None:
+            self._dispatcher.log(snapshot)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every snapshot taken so far is written by every sink (main process).
+
+        With the default background writing, ``snapshot()`` returns before its values are
+        on disk; call this before reading the files while the probe is open. ``timeout`` in
+        seconds (default: the probe's ``sink_timeout``). Returns ``False`` if a sink was still
+        busy then; ``True`` at once on other ranks and after :meth:`close`. Never raises.
+        """
+        dispatcher = self._dispatcher
+        if dispatcher is None:
+            return True
+        return dispatcher.flush(timeout)
+
+    def sink_stats(self) -> list[SinkStats]:
+        """Per sink: snapshots delivered, lost to failures, dropped (queue full), and whether it fails now."""
+        return self._dispatcher.stats() if self._dispatcher is not None else []
 
     # -- measuring ---------------------------------------------------------------------------
 
@@ -414,14 +455,23 @@ class Probe:
         self._closed = True
         self._finish_sinks()
 
-    @never_raise
     def _finish_sinks(self) -> None:
+        """Drain the sinks' queues and finish them (bounded by ``sink_timeout``); release the log dir.
+
+        Never raises: the dispatcher catches and warns about everything a sink does at close.
+        """
+        dispatcher, lock = self._dispatcher, self._lock
+        self._dispatcher, self._lock = None, None
+        self._sinks = []
         try:
-            for sink in self._sinks:
-                sink.finish()
+            if dispatcher is not None:
+                dispatcher.close()
         finally:
-            _OPEN_PATHS.difference_update(self._paths)
-            self._sinks.clear()
+            if lock is not None:
+                try:
+                    lock.release()
+                except Exception:  # noqa: BLE001 - close() must not raise
+                    pass
 
     def __enter__(self) -> Probe:
         return self

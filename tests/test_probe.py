@@ -167,7 +167,7 @@ def test_two_probes_in_one_process(tmp_path):
     m1, m2 = tiny_bert(seed=1), tiny_bert(seed=2)
     p1 = Probe(m1, log_dir=str(tmp_path / "one"), every=None)
     p2 = Probe(m2, log_dir=str(tmp_path / "two"), every=None)
-    with pytest.raises(LogDirError, match="another open attn_probe"):
+    with pytest.raises(LogDirError, match="already in use by another attn_probe"):
         Probe(m2, log_dir=str(tmp_path / "one"), every=None)
     p1.snapshot(0), p2.snapshot(0)
     p1.close(), p2.close()

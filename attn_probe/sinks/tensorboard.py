@@ -11,21 +11,26 @@ Writes, into one run directory (the training run's own, so loss and scores sit t
 * optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``.
 
 Never ``add_scalars`` (one run directory per key). Flushes at snapshot boundaries only.
-``torch.utils.tensorboard`` is imported in :meth:`TensorBoardSink.start`.
+``torch.utils.tensorboard`` is imported in :meth:`TensorBoardSink.start`. A resumed run marks
+its restart so TensorBoard drops the interrupted run's later steps, whichever writer is used;
+a dead event file (full disk) is replaced by a new one (:meth:`TensorBoardSink.recover`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import struct
+import time
 from typing import Any
 
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
-           "is_event_file", "writer_log_dir", "CONFIG_TEXT_TAG"]
+           "is_event_file", "writer_log_dir", "writer_error", "truncate_torn_record", "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
 HEATMAP_PREFIX = f"{PREFIX}_heatmap"
@@ -96,23 +101,149 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in os.path.basename(name)
 
 
-def has_event_files(log_dir: str) -> bool:
-    """Whether ``log_dir`` itself (not below it) already holds TensorBoard event files."""
+def _event_files(log_dir: str) -> list[str]:
     try:
         with os.scandir(log_dir) as entries:
-            return any(is_event_file(e.name) and e.is_file() for e in entries)
+            return sorted(e.name for e in entries if is_event_file(e.name) and e.is_file())
     except OSError:
-        return False
+        return []
+
+
+def has_event_files(log_dir: str) -> bool:
+    """Whether ``log_dir`` itself (not below it) already holds TensorBoard event files."""
+    return bool(_event_files(log_dir))
+
+
+#: an event file's records: uint64 length, uint32 crc of it, data, uint32 crc of the data
+_RECORD_HEADER = struct.Struct("<QI")
+_RECORD_OVERHEAD = _RECORD_HEADER.size + 4
+
+
+def truncate_torn_record(path: str) -> int:
+    """Cut a torn last record off an event file (a write that hit a full disk); returns bytes cut.
+
+    Walks the record framing from the start (the lengths only: CRCs are the reader's job) and
+    truncates the file after its last complete record. A file that cannot be read is left alone.
+    """
+    try:
+        size = os.path.getsize(path)
+        good = 0
+        with open(path, "rb") as f:
+            while good + _RECORD_HEADER.size <= size:
+                f.seek(good)
+                (length, _crc) = _RECORD_HEADER.unpack(f.read(_RECORD_HEADER.size))
+                end = good + _RECORD_OVERHEAD + length
+                if end > size:
+                    break
+                good = end
+        if good < size:
+            os.truncate(path, good)
+        return size - good
+    except OSError:
+        return 0
+
+
+def _has_room(log_dir: str, need: int) -> bool:
+    """``statvfs`` says at least ``need`` bytes are free (True where it cannot tell)."""
+    try:
+        st = os.statvfs(log_dir)
+    except (OSError, AttributeError):
+        return True
+    if st.f_blocks == 0:  # no block accounting (some FUSE/network filesystems): cannot tell
+        return True
+    return st.f_bavail * st.f_frsize >= need
+
+
+def _wait_for_a_later_name(log_dir: str) -> None:
+    """Sleep (at most ~1 s) until a new event file would sort after every one in ``log_dir``.
+
+    Event files are named ``events.out.tfevents.<seconds>.<host>.<pid>.<counter>`` and read in
+    name order; the counter sorts as text (``10`` before ``9``), so a file opened in the same
+    second as an older one may be read first. A reopened writer must come last.
+    """
+    newest = 0
+    for name in _event_files(log_dir):
+        match = re.search(r"tfevents\.(\d+)\.", name)
+        if match:
+            newest = max(newest, int(match.group(1)))
+    now = time.time()
+    if int(now) <= newest:
+        time.sleep(min(1.05, newest + 1 - now + 0.01))
+
+
+def _file_writer_state(file_writer: Any) -> tuple[str | None, Any, Any]:
+    """``(event file path, async writer, its worker thread)`` of a torch/tensorboard FileWriter.
+
+    These are private attributes of ``tensorboard.summary.writer.event_file_writer``; anything
+    missing reads as ``None`` and the callers fall back to the public ``close()``.
+    """
+    event_writer = getattr(file_writer, "event_writer", file_writer)
+    path = getattr(event_writer, "_file_name", None)
+    async_writer = getattr(event_writer, "_async_writer", None)
+    worker = getattr(async_writer, "_worker", None)
+    return (path if isinstance(path, str) else None), async_writer, worker
+
+
+def writer_error(writer: Any) -> BaseException | None:
+    """The exception that TensorBoard's background writer thread died with, if it did.
+
+    ``EventFileWriter`` runs a thread that writes the queued events; when a write fails (a
+    full disk) the thread stores the exception and stops, and every later ``add_*`` or
+    ``flush`` re-raises it: the writer is dead for good and must be replaced.
+    """
+    for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
+        _, _, worker = _file_writer_state(file_writer)
+        exc = getattr(worker, "exception", None)
+        if isinstance(exc, BaseException):
+            return exc
+    return None
+
+
+def _abandon_file_writer(file_writer: Any) -> None:
+    """Close a (possibly dead) FileWriter without blocking or raising; trim a torn last record.
+
+    A dead writer thread cannot take the shutdown signal that ``close()`` sends it (nor flush
+    again), so the file is closed directly; a live one is closed normally, which flushes and
+    may fail again on a full disk.
+    """
+    path, async_writer, worker = _file_writer_state(file_writer)
+    try:
+        if worker is not None and async_writer is not None and not worker.is_alive():
+            async_writer._closed = True
+            async_writer._writer.close()
+        else:
+            file_writer.close()
+    except Exception:  # noqa: BLE001 - the old file is given up either way
+        pass
+    if path is not None:
+        truncate_torn_record(path)
 
 
 class TensorBoardSink:
     """Write snapshots with a ``SummaryWriter`` of our own, or a borrowed one.
 
-    ``writer`` (e.g. Accelerate's tracker's) is flushed but never closed. With our own
-    writer, a resumed run (``RunInfo.resume_step``) in a directory that already holds event
-    files opens the writer with ``purge_step=resume_step``, so TensorBoard discards the stale
-    steps ``>= resume_step`` of the interrupted run.
+    ``writer`` (e.g. Accelerate's tracker's, or one given to ``watch(writer=...)``) is flushed
+    but never closed. **Resume** (``RunInfo.resume_step`` = G > 0, ``purge_stale``): TensorBoard
+    must drop the interrupted run's events at steps ``>= G``, which it does for the events read
+    before a ``SessionLog.START`` marker at step G. The marker goes into the earliest event
+    file of this session: with our own writer in a directory that already holds event files,
+    through ``purge_step=G``; with a borrowed writer, into the borrowed writer's file
+    (:func:`emit_session_start`), which also purges the user's own stale events of that run.
+    ``purge_stale=False`` when the caller has already marked the restart in another writer of
+    the same directory (the Trainer's, see ``integrations/transformers.py``).
+
+    **Faults.** A write that fails (a full disk) kills TensorBoard's background writer for good
+    (:func:`writer_error`). :meth:`recover`, called by the dispatcher before the next attempt,
+    gives up the dead event file (trimming a torn last record) and opens a new one in the same
+    directory: for a torch ``SummaryWriter``, ours or borrowed, by recreating its file writer
+    (which heals the borrowed writer for its owner too); a borrowed writer of another kind is
+    replaced by a ``SummaryWriter`` of our own in the same directory. While ``statvfs`` reports
+    less than :data:`REOPEN_MIN_FREE` bytes free no new file is attempted, so a full disk does
+    not collect empty event files.
     """
+
+    #: free bytes below which a reopen is not attempted
+    REOPEN_MIN_FREE = 8192
 
     def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000,
                  purge_stale: bool = True) -> None:
@@ -123,46 +254,136 @@ class TensorBoardSink:
         self._owned = writer is None
         self._max_queue = max_queue
         self._purge_stale = purge_stale
+        self._broken = False
 
     @property
     def writer(self) -> Any:
         return self._writer
 
-    def start(self, run: RunInfo) -> None:
-        if self._owned:
-            from torch.utils.tensorboard import SummaryWriter
+    @property
+    def owned(self) -> bool:
+        """Whether the sink opened its writer (and closes it at ``finish``)."""
+        return self._owned
 
-            stale = self._purge_stale and run.resume_step and has_event_files(self.log_dir)
-            purge = run.resume_step if stale else None
-            self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=purge,
-                                         max_queue=self._max_queue, flush_secs=3600)
-        w = self._writer
-        w.add_custom_scalars(custom_scalars_layout(run.groups, run.metrics))
-        text = "\n\n".join(
-            f"**{title}**\n\n```\n{json.dumps(body, indent=2, default=str)}\n```"
-            for title, body in (("configuration", run.config), ("model", run.model))
-        )
-        w.add_text(CONFIG_TEXT_TAG, text, global_step=run.resume_step or 0)
-        w.flush()
+    def _open_own_writer(self, purge_step: int | None = None) -> Any:
+        """A ``SummaryWriter`` of our own in ``log_dir``; on failure no new event file is left."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        before = set(_event_files(self.log_dir))
+        try:
+            return SummaryWriter(log_dir=self.log_dir, purge_step=purge_step, max_queue=self._max_queue,
+                                 flush_secs=3600)
+        except BaseException:
+            self._remove_new_event_files(before)
+            raise
+
+    def _remove_new_event_files(self, before: set[str]) -> None:
+        for name in set(_event_files(self.log_dir)) - before:
+            try:
+                os.remove(os.path.join(self.log_dir, name))
+            except OSError:
+                pass
+
+    def start(self, run: RunInfo) -> None:
+        resume = run.resume_step if run.resume_step and self._purge_stale else None
+        before = set(_event_files(self.log_dir))
+        if self._owned:
+            self._writer = self._open_own_writer(resume if resume and before else None)
+        elif resume and not emit_session_start(self._writer, resume):
+            from .dispatch import safe_warn
+
+            safe_warn(f"attn_probe: cannot mark the restart at step {resume} in the given "
+                      f"{type(self._writer).__name__} (it takes no raw events); TensorBoard may show the "
+                      f"interrupted run's steps >= {resume} twice in {self.log_dir}.")
+        try:
+            w = self._writer
+            w.add_custom_scalars(custom_scalars_layout(run.groups, run.metrics))
+            text = "\n\n".join(
+                f"**{title}**\n\n```\n{json.dumps(body, indent=2, default=str)}\n```"
+                for title, body in (("configuration", run.config), ("model", run.model))
+            )
+            w.add_text(CONFIG_TEXT_TAG, text, global_step=run.resume_step or 0)
+            w.flush()
+        except BaseException:
+            if self._owned:  # attach fails: leave no half-written event file of ours behind
+                for fw in list((getattr(self._writer, "all_writers", None) or {}).values()):
+                    _abandon_file_writer(fw)
+                self._remove_new_event_files(before)
+                self._writer = None
+            raise
 
     def log(self, snapshot: Snapshot) -> None:
+        if self._broken or writer_error(self._writer) is not None:
+            self.recover()
+        try:
+            w = self._writer
+            step, wall = snapshot.step, snapshot.wall_time
+            for r in snapshot.records:
+                w.add_scalar(scalar_tag(r.group, r.metric, layer=r.layer, head=r.head), r.value, step,
+                             walltime=wall)
+            for (group, metric, stat), value in snapshot.stats.items():
+                assert stat in STATS
+                w.add_scalar(scalar_tag(group, metric, stat=stat), value, step, walltime=wall)
+            for (group, layer), image in snapshot.images.items():
+                w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
+            w.flush()
+        except BaseException:
+            self._broken = True
+            raise
+
+    def recover(self) -> None:
+        """Replace a dead event file by a new one in the same directory (see the class docstring).
+
+        Raises (and changes nothing that matters) while the disk is still full.
+        """
+        if not self._broken and writer_error(self._writer) is None:
+            return
+        if not _has_room(self.log_dir, self.REOPEN_MIN_FREE):
+            raise OSError(errno.ENOSPC, f"no room to reopen the event file in {self.log_dir}")
         w = self._writer
-        step, wall = snapshot.step, snapshot.wall_time
-        for r in snapshot.records:
-            w.add_scalar(scalar_tag(r.group, r.metric, layer=r.layer, head=r.head), r.value, step,
-                         walltime=wall)
-        for (group, metric, stat), value in snapshot.stats.items():
-            assert stat in STATS
-            w.add_scalar(scalar_tag(group, metric, stat=stat), value, step, walltime=wall)
-        for (group, layer), image in snapshot.images.items():
-            w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
-        w.flush()
+        os.makedirs(self.log_dir, exist_ok=True)
+        if hasattr(w, "_get_file_writer") and hasattr(w, "all_writers") and hasattr(w, "file_writer"):
+            for fw in list((w.all_writers or {}).values()):
+                _abandon_file_writer(fw)
+            w.file_writer = w.all_writers = None
+            _wait_for_a_later_name(self.log_dir)
+            before = set(_event_files(self.log_dir))
+            try:
+                w._get_file_writer()  # a new event file: the writer is usable again, for its owner too
+            except BaseException:
+                w.file_writer = w.all_writers = None
+                self._remove_new_event_files(before)
+                raise
+        else:
+            from .dispatch import safe_warn
+
+            try:
+                w.close() if self._owned else w.flush()
+            except Exception:  # noqa: BLE001 - it is being given up
+                pass
+            _wait_for_a_later_name(self.log_dir)
+            new = self._open_own_writer()
+            if not self._owned:
+                safe_warn(f"attn_probe: the given {type(w).__name__} in {self.log_dir} failed and cannot be "
+                          "reopened; the probe writes through a SummaryWriter of its own in the same directory.")
+            self._writer, self._owned = new, True
+        self._broken = False
+
+    def flush(self) -> None:
+        if self._writer is not None and not self._broken:
+            self._writer.flush()
 
     def finish(self) -> None:
-        if self._writer is None:
+        w, self._writer = self._writer, None
+        if w is None:
             return
         if self._owned:
-            self._writer.close()
-            self._writer = None
-        else:
-            self._writer.flush()
+            if self._broken or writer_error(w) is not None:
+                for fw in list((getattr(w, "all_writers", None) or {}).values()):
+                    _abandon_file_writer(fw)
+                if hasattr(w, "all_writers"):
+                    w.file_writer = w.all_writers = None
+                return
+            w.close()
+        elif not self._broken:
+            w.flush()

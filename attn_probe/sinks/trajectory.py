@@ -1,48 +1,106 @@
 """The lossless trajectory sink: ``attn_probe.jsonl`` beside the event files.
 
 Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Every snapshot is
-appended, flushed and fsync'd, so a crash loses at most the snapshot being written; on
-resume, rows with ``step >= resume_step`` are dropped first so steps stay unique and ordered.
+appended with ``os.write`` and fsync'd, so a crash loses at most the snapshot being written.
+
+The file only ever holds complete lines:
+
+* a write that fails (a full disk) is rolled back: the file is truncated to its size before
+  that snapshot, so a failed snapshot leaves no partial line;
+* opening the file (at start, and when :meth:`TrajectorySink.recover` reopens it after a
+  failure) cuts a torn last line left by a crash;
+* on resume, rows with ``step >= resume_step`` (and unreadable lines) are dropped first, so
+  steps stay unique and ordered. When the kept rows are a prefix of the file (the usual case)
+  the file is truncated in place, which needs no free space; otherwise it is rewritten through
+  a temporary file that is removed again if the write fails.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import warnings
-from typing import IO
 
 from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
 from . import RunInfo, Snapshot
 
-__all__ = ["TrajectorySink", "truncate_trajectory"]
+__all__ = ["TrajectorySink", "truncate_trajectory", "last_complete_line_end"]
+
+_CHUNK = 1 << 16
+
+
+def _keep_row(line: bytes, resume_step: int) -> bool:
+    """A complete, readable line of a step before ``resume_step``."""
+    if not line.endswith(b"\n"):
+        return False
+    try:
+        row = json.loads(line)
+        return int(row["step"]) < resume_step
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, IndexError):
+        return False
 
 
 def truncate_trajectory(path: str, resume_step: int) -> int:
-    """Drop rows with ``step >= resume_step`` (and a torn last line) in place; returns rows dropped."""
+    """Drop rows with ``step >= resume_step`` (and unreadable or torn lines) in place; returns rows dropped.
+
+    Raises ``OSError`` when the file cannot be rewritten (no temporary file is left then).
+    """
     if not os.path.exists(path):
         return 0
-    kept: list[str] = []
+    kept: list[bytes] = []
     dropped = 0
-    with open(path, encoding="utf-8") as f:
+    prefix = 0  # bytes of the leading run of kept lines
+    in_prefix = True
+    with open(path, "rb") as f:
         for line in f:
-            try:
-                row = json.loads(line)
-                keep = line.endswith("\n") and int(row["step"]) < resume_step
-            except (ValueError, KeyError, TypeError):
-                keep = False
-            if keep:
+            if _keep_row(line, resume_step):
                 kept.append(line)
+                if in_prefix:
+                    prefix += len(line)
             else:
                 dropped += 1
-    if dropped:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
+                in_prefix = False
+    if not dropped:
+        return 0
+    if prefix == sum(len(line) for line in kept):  # the rows to keep come first: cut the tail
+        os.truncate(path, prefix)
+        return dropped
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, b"".join(kept))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     return dropped
+
+
+def last_complete_line_end(fd: int) -> int:
+    """Offset just past the last ``\\n`` of the file behind ``fd`` (0 when it has none)."""
+    end = os.fstat(fd).st_size
+    pos = end
+    while pos > 0:
+        start = max(0, pos - _CHUNK)
+        chunk = os.pread(fd, pos - start, start)
+        i = chunk.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 class TrajectorySink:
@@ -50,34 +108,77 @@ class TrajectorySink:
 
     def __init__(self, log_dir: str, filename: str = TRAJECTORY_FILENAME) -> None:
         self.path = os.path.join(log_dir, filename)
-        self._file: IO[str] | None = None
+        self._fd: int | None = None
+        self._size = 0  # bytes of complete lines in the file
 
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if run.resume_step is not None:
             truncate_trajectory(self.path, run.resume_step)
         elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            warnings.warn(
+            from .dispatch import safe_warn
+
+            safe_warn(
                 f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "
                 "and its rows are appended after the old ones. Use a fresh log_dir for a new run.",
-                RuntimeWarning,
                 stacklevel=2,
             )
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._open()
+
+    def _open(self) -> None:
+        """Open for appending and cut a torn last line, so the next row starts on a line of its own."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            reader = os.open(self.path, os.O_RDONLY)
+            try:
+                good = last_complete_line_end(reader)
+                if good < os.fstat(reader).st_size:
+                    os.ftruncate(fd, good)
+            finally:
+                os.close(reader)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._size = fd, good
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def log(self, snapshot: Snapshot) -> None:
-        if self._file is None:
-            raise RuntimeError("TrajectorySink.log() before start()")
+        if self._fd is None:
+            raise RuntimeError("TrajectorySink.log() before start() or after a failure it could not undo")
         lines = []
         for r in snapshot.records:
             row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
                                     r.metric, encode_value(r.value)), strict=True))
             lines.append(json.dumps(row, allow_nan=False) + "\n")
-        self._file.write("".join(lines))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = "".join(lines).encode("utf-8")
+        try:
+            _write_all(self._fd, data)
+            os.fsync(self._fd)
+        except BaseException:
+            self._roll_back()
+            raise
+        self._size += len(data)
+
+    def _roll_back(self) -> None:
+        """Truncate to the size before the failed snapshot; if that fails too, close (recover reopens)."""
+        try:
+            assert self._fd is not None
+            os.ftruncate(self._fd, self._size)
+        except (OSError, AssertionError):
+            self._close_fd()
+
+    def recover(self) -> None:
+        """Reopen the file after a failure (its directory too, if it went), cutting any torn line."""
+        self._close_fd()
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._open()
 
     def finish(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._close_fd()

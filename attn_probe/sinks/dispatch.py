@@ -1,0 +1,457 @@
+"""Deliver snapshots to sinks off the training step, one isolated lane per sink.
+
+:class:`SinkDispatcher` is what the probe writes through. Each sink gets a *lane*: a bounded
+queue and a daemon thread that drains it, so that
+
+* a slow or blocked sink (MLflow over HTTP retries a dead server for minutes) delays neither
+  the training step nor any other sink;
+* a failing sink never silences another: an exception from ``sink.log`` is caught in its
+  lane, the snapshot is counted as lost for that sink only, and the user is warned once when
+  the sink stops and once when it resumes (naming the sink, the steps lost and the step it
+  resumed at);
+* a failed sink is retried at every later snapshot: ``sink.recover()`` (when the sink has
+  one: reopen a file or a writer) and then ``sink.log`` again.
+
+**Queue full.** A lane holds at most ``queue_size`` snapshots. When a new snapshot arrives at a
+full lane, the lane drops its *oldest* waiting snapshot (the newest state is the one worth
+showing once the sink catches up; the final snapshot at ``close()`` is never the one
+dropped), counts it, warns at the first drop and reports the total at ``close()``.
+
+**flush / close.** ``flush(timeout)`` returns once every snapshot submitted before it has been
+handed to its sink (and the sink's own ``flush()``, if any, has run), or when ``timeout``
+seconds have passed (returns ``False`` then). ``close(timeout)`` does the same, then calls
+each sink's ``finish()`` in its lane; a lane still busy at the deadline is abandoned: its
+waiting snapshots are dropped and counted in a warning, and its thread (a daemon) finishes
+the sink if the blocked call ever returns. Nothing waits without a bound, and the daemon
+threads never hold up interpreter exit; an ``atexit`` hook flushes dispatchers that were
+never closed, bounded by :data:`EXIT_TIMEOUT`.
+
+**Which thread.** ``background=False`` delivers inline, on the caller's thread, with the same
+isolation, retries and warnings (for debugging, and for tests that want files written when
+``log`` returns). A sink whose class sets ``background = False`` is always delivered inline:
+use it for libraries whose state is thread-local (MLflow's fluent API keeps the active run
+per thread). Background deliveries run in a copy of the caller's :mod:`contextvars` context
+taken at submission, so libraries that keep their current run in a ``ContextVar`` (trackio)
+see it.
+
+**Never raises.** ``log``, ``flush`` and ``close`` catch everything; warnings go through
+:func:`safe_warn`, which falls back to stderr when the warnings filter turns them into
+exceptions (``python -W error``). ``start`` is the exception: it runs at attach time on the
+caller's thread and raises, after finishing the sinks already started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import RunInfo, Snapshot
+
+__all__ = ["SinkDispatcher", "SinkStats", "safe_warn", "sink_name", "describe_steps",
+           "DEFAULT_QUEUE_SIZE", "DEFAULT_TIMEOUT", "EXIT_TIMEOUT"]
+
+#: snapshots a lane holds before it drops its oldest
+DEFAULT_QUEUE_SIZE = 64
+#: seconds ``close()`` (and ``flush()`` without a timeout) waits for all lanes together
+DEFAULT_TIMEOUT = 60.0
+#: seconds the interpreter-exit hook waits for dispatchers that were never closed
+EXIT_TIMEOUT = 10.0
+
+
+def safe_warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
+    """``warnings.warn`` that never raises: under ``-W error`` the message goes to stderr instead."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Exception:  # noqa: BLE001 - a warning must never stop training
+        try:
+            print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - stderr closed: nothing left to tell
+            pass
+
+
+def sink_name(sink: Any) -> str:
+    """A sink as named in warnings: its class, and its file or directory when it has one."""
+    name = type(sink).__name__
+    where = getattr(sink, "path", None) or getattr(sink, "log_dir", None)
+    return f"{name}({where})" if isinstance(where, str) and where else name
+
+
+def describe_steps(steps: Sequence[int]) -> str:
+    """``"step 5"``, ``"steps 5, 10"`` or ``"steps 5 to 245 (48 snapshots)"``."""
+    if not steps:
+        return "no step"
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if len(steps) <= 4:
+        return "steps " + ", ".join(str(s) for s in steps)
+    return f"steps {steps[0]} to {steps[-1]} ({len(steps)} snapshots)"
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class SinkStats:
+    """What happened to one sink's snapshots (``SinkDispatcher.stats()``)."""
+
+    sink: str
+    background: bool
+    delivered: int = 0
+    #: snapshots whose ``log`` (or ``recover``) raised
+    lost: int = 0
+    #: snapshots dropped because the lane's queue was full
+    dropped: int = 0
+    #: snapshots still waiting when ``close()`` gave up on the lane
+    undelivered: int = 0
+    #: the sink is failing now (its last delivery raised)
+    failing: bool = False
+    #: the most recent failure, as ``Type: message``
+    last_error: str | None = None
+    lost_steps: list[int] = field(default_factory=list)
+
+
+class _Item:
+    """One entry of a lane's queue: a snapshot, or a flush/finish request."""
+
+    __slots__ = ("kind", "snapshot", "context", "done")
+
+    def __init__(self, kind: str, snapshot: Snapshot | None = None) -> None:
+        self.kind = kind
+        self.snapshot = snapshot
+        self.context = contextvars.copy_context()
+        self.done = threading.Event()
+
+
+class _Lane:
+    """One sink: its queue, its thread, its failure state and counters."""
+
+    def __init__(self, sink: Any, *, background: bool, queue_size: int) -> None:
+        self.sink = sink
+        self.name = sink_name(sink)
+        self.background = background and getattr(sink, "background", True) is not False
+        self.capacity = max(1, int(queue_size))
+        self.stats = SinkStats(self.name, self.background)
+        self._items: deque[_Item] = deque()
+        self._waiting = 0  # snapshots in _items
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._abandoned = False
+        self._finished = False
+        self._outage: list[int] = []  # steps lost in the current outage
+        self._stopped_at: int | None = None
+        self._warned_drop = False
+        self._warned_flush = False
+
+    # -- submitting (caller's thread) ----------------------------------------------------------
+
+    def submit(self, item: _Item) -> None:
+        if not self.background:
+            self._handle(item)
+            item.done.set()
+            return
+        with self._cond:
+            if self._finished or self._abandoned:
+                item.done.set()
+                return
+            dropped: int | None = None
+            if item.kind == "snapshot":
+                if self._waiting >= self.capacity:
+                    for old in self._items:
+                        if old.kind == "snapshot":
+                            self._items.remove(old)
+                            self._waiting -= 1
+                            assert old.snapshot is not None
+                            dropped = old.snapshot.step
+                            self.stats.dropped += 1
+                            break
+                self._waiting += 1
+            self._items.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"attn_probe sink {self.name}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if dropped is not None and not self._warned_drop:
+            self._warned_drop = True
+            safe_warn(f"attn_probe: sink {self.name} is {self.capacity} snapshots behind (slow or blocked); "
+                      f"dropped its oldest waiting snapshot (step {dropped}). Later drops are counted and "
+                      "reported at close(); training continues.")
+
+    # -- the lane's thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+                if item.kind == "snapshot":
+                    self._waiting -= 1
+            try:
+                if not (self._abandoned and item.kind == "snapshot"):
+                    item.context.run(self._handle, item)
+            except BaseException:  # noqa: BLE001 - the lane never dies (SystemExit included)
+                pass
+            finally:
+                item.done.set()
+            if item.kind == "finish":
+                return
+
+    # -- delivery (the lane's thread, or the caller's when inline) ----------------------------
+
+    def _handle(self, item: _Item) -> None:
+        try:
+            if item.kind == "snapshot":
+                assert item.snapshot is not None
+                self._deliver(item.snapshot)
+            elif item.kind == "flush":
+                self._flush_sink()
+            elif item.kind == "finish":
+                self._finish_sink()
+        except Exception:  # noqa: BLE001 - nothing escapes a lane
+            pass
+
+    def _deliver(self, snapshot: Snapshot) -> None:
+        if self._finished:
+            return
+        step = snapshot.step
+        try:
+            if self.stats.failing:
+                recover = getattr(self.sink, "recover", None)
+                if callable(recover):
+                    recover()
+            self.sink.log(snapshot)
+        except Exception as exc:  # noqa: BLE001 - one sink must not stop training or the others
+            self._failed(step, exc)
+            return
+        self.stats.delivered += 1
+        if self.stats.failing:
+            self._resumed(step)
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        s = self.stats
+        s.lost += 1
+        s.lost_steps.append(step)
+        s.last_error = _error_text(exc)
+        self._outage.append(step)
+        if s.failing:
+            return
+        s.failing = True
+        self._stopped_at = step
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        safe_warn(f"attn_probe: logging to {self.name} stopped at step {step} ({s.last_error}). Its snapshots "
+                  "are lost until it recovers; it is retried at every later snapshot, and the other sinks "
+                  f"and training continue.\n{tb}")
+
+    def _resumed(self, step: int) -> None:
+        s = self.stats
+        lost, self._outage = self._outage, []
+        s.failing = False
+        safe_warn(f"attn_probe: logging to {self.name} resumed at step {step}; lost {describe_steps(lost)} "
+                  f"while it failed (from step {self._stopped_at}: {s.last_error}).")
+
+    def _flush_sink(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        if self._finished or self.stats.failing or not callable(flush):
+            return
+        try:
+            flush()
+        except Exception as exc:  # noqa: BLE001
+            if not self._warned_flush:
+                self._warned_flush = True
+                safe_warn(f"attn_probe: flushing {self.name} failed ({_error_text(exc)}); snapshots it "
+                          "accepted may be lost. Training continues.")
+
+    def _finish_sink(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            self.sink.finish()
+        except Exception as exc:  # noqa: BLE001
+            safe_warn(f"attn_probe: closing {self.name} failed ({_error_text(exc)}); what it had written "
+                      "before stays.")
+
+    # -- closing (caller's thread) -------------------------------------------------------------
+
+    def abandon(self) -> int:
+        """Give up on a lane still busy at the deadline: drop what waits; returns how many snapshots."""
+        with self._cond:
+            self._abandoned = True
+            waiting = [i for i in self._items if i.kind == "snapshot"]
+            busy = 0 if self._thread is None or not self._thread.is_alive() else 1
+            self._items = deque(i for i in self._items if i.kind != "snapshot")
+            self._waiting = 0
+            n = len(waiting) + busy
+            self.stats.undelivered += n
+            return n
+
+    def report_close(self) -> None:
+        s = self.stats
+        if s.failing and self._outage:
+            safe_warn(f"attn_probe: logging to {self.name} stopped at step {self._stopped_at} and did not "
+                      f"resume before close(); lost {describe_steps(self._outage)} ({s.last_error}).")
+        if s.dropped:
+            safe_warn(f"attn_probe: sink {self.name} fell behind and dropped {s.dropped} snapshot"
+                      f"{'s' if s.dropped != 1 else ''} (queue of {self.capacity}).")
+
+
+#: dispatchers not closed yet, flushed by the interpreter-exit hook
+_OPEN: weakref.WeakSet[SinkDispatcher] = weakref.WeakSet()
+_OPEN_GUARD = threading.Lock()
+
+
+def _flush_at_exit() -> None:
+    with _OPEN_GUARD:
+        open_now = list(_OPEN)
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    for dispatcher in open_now:
+        try:
+            dispatcher.flush(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - never raise at exit
+            pass
+
+
+atexit.register(_flush_at_exit)
+
+
+class SinkDispatcher:
+    """Fan snapshots out to ``sinks``, each in its own lane (see the module docstring).
+
+    ``background=False`` delivers inline on the caller's thread; ``queue_size`` bounds each
+    lane; ``timeout`` is the default bound of :meth:`flush` and :meth:`close`, in seconds.
+    """
+
+    def __init__(self, sinks: Iterable[Any], *, background: bool = True, queue_size: int = DEFAULT_QUEUE_SIZE,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        if int(queue_size) < 1:
+            raise ValueError(f"queue_size must be at least 1, got {queue_size!r}")
+        self.sinks = list(sinks)
+        self.background = bool(background)
+        self.timeout = float(timeout)
+        self._lanes = [_Lane(s, background=self.background, queue_size=queue_size) for s in self.sinks]
+        self._pid = os.getpid()
+        self._closed = False
+        self._started = False
+        #: the sink whose ``start`` raised in :meth:`start`, if one did
+        self.failed_sink: Any = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, run: RunInfo) -> None:
+        """``sink.start(run)`` for each sink, on this thread; on an exception the sinks already
+        started are finished and the exception propagates (attach-time errors must surface)."""
+        started: list[_Lane] = []
+        try:
+            for lane in self._lanes:
+                self.failed_sink = lane.sink
+                lane.sink.start(run)
+                started.append(lane)
+            self.failed_sink = None
+        except BaseException:
+            for lane in started:
+                lane._finish_sink()
+            for lane in self._lanes:
+                lane._finished = True
+            self._closed = True
+            raise
+        self._started = True
+        with _OPEN_GUARD:
+            _OPEN.add(self)
+
+    def _usable(self) -> bool:
+        return self._started and not self._closed and os.getpid() == self._pid
+
+    def log(self, snapshot: Snapshot) -> None:
+        """Hand ``snapshot`` to every sink's lane (inline lanes deliver now). Never raises."""
+        if not self._usable():
+            return
+        for lane in self._lanes:
+            try:
+                lane.submit(_Item("snapshot", snapshot))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _wait(self, items: list[_Item], timeout: float | None) -> bool:
+        deadline = time.monotonic() + (self.timeout if timeout is None else max(0.0, float(timeout)))
+        ok = True
+        for item in items:
+            if not item.done.wait(max(0.0, deadline - time.monotonic())):
+                ok = False
+        return ok
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every snapshot logged so far reached its sink (and the sink's own ``flush()``
+        ran); ``timeout`` defaults to the dispatcher's. Returns whether all lanes got there."""
+        if not self._usable():
+            return True
+        try:
+            items = []
+            for lane in self._lanes:
+                item = _Item("flush")
+                lane.submit(item)
+                items.append(item)
+            return self._wait(items, timeout)
+        except Exception:  # noqa: BLE001
+            return False
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Deliver what waits, finish every sink, stop the threads; bounded by ``timeout``.
+
+        Lanes still busy at the deadline are abandoned (their waiting snapshots are counted as
+        undelivered and warned about). Returns whether every lane finished in time. Never raises.
+        """
+        if self._closed or os.getpid() != self._pid:
+            return True
+        self._closed = True
+        with _OPEN_GUARD:
+            _OPEN.discard(self)
+        if not self._started:
+            return True
+        ok = True
+        try:
+            items = []
+            for lane in self._lanes:
+                item = _Item("finish")
+                lane.submit(item)
+                items.append(item)
+            deadline_ok = self._wait(items, timeout)
+            for lane, item in zip(self._lanes, items, strict=True):
+                if not item.done.is_set():
+                    ok = False
+                    n = lane.abandon()
+                    safe_warn(f"attn_probe: sink {lane.name} did not finish within "
+                              f"{self.timeout if timeout is None else timeout:g} s at close(); {n} snapshot"
+                              f"{'s' if n != 1 else ''} not delivered to it. Its thread is left to finish "
+                              "in the background.")
+                lane.report_close()
+            ok = ok and deadline_ok
+        except Exception:  # noqa: BLE001
+            ok = False
+        return ok
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def stats(self) -> list[SinkStats]:
+        """A copy of every lane's counters."""
+        return [SinkStats(**{**vars(lane.stats), "lost_steps": list(lane.stats.lost_steps)})
+                for lane in self._lanes]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        mode = "background" if self.background else "inline"
+        return f"SinkDispatcher({', '.join(lane.name for lane in self._lanes)}; {mode})"
