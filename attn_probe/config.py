@@ -59,7 +59,9 @@ class ProbeConfig:
     * ``images_every``, ``image_size``, ``image_mode``: W_qk heatmap images in TensorBoard;
     * ``pairs``: score pairs (:mod:`attn_probe.pairs`); default the W_qk pair with ``metrics``;
     * ``start_step``: the counter's first value (resume);
-    * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...).
+    * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...);
+    * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
+      agreements (``docs/distributed.md``); default the training process group's timeout.
     """
 
     every: ScheduleLike | None = 100
@@ -74,6 +76,7 @@ class ProbeConfig:
     pairs: tuple[Any, ...] | None = None
     start_step: int = 0
     find_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    agreement_timeout: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -103,6 +106,11 @@ class ProbeConfig:
         if not isinstance(self.find_kwargs, Mapping):
             raise TypeError(f"find_kwargs must be a dict, got {type(self.find_kwargs).__name__}")
         set_(self, "find_kwargs", dict(self.find_kwargs))
+        if self.agreement_timeout is not None:
+            t = self.agreement_timeout
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"agreement_timeout must be a positive number of seconds or None, got {t!r}")
+            set_(self, "agreement_timeout", float(t))
 
     @property
     def schedule(self) -> Schedule | None:
@@ -139,6 +147,7 @@ class ProbeConfig:
             "image_size": self.image_size,
             "image_mode": self.image_mode,
             "start_step": self.start_step,
+            "agreement_timeout": self.agreement_timeout,
         }
 
 

@@ -13,10 +13,11 @@ What each setup costs per snapshot (``bytes`` = size of the layer's full ``W_q``
   parameters (``modifier_rank=None``).
 
 Every gather is a collective: **every rank must exhaust** :func:`iter_layer_factors` with
-the same layers in the same order (sharded setups add one small all-reduce per call that
-checks this and skips the snapshot everywhere when ranks disagree). Scoring and writing
-happen on rank 0 only; errors in the non-collective part of one layer are logged and
-skipped so that no rank ever misses a collective the others enter.
+the same layers in the same order. Sharded setups agree before every gather, on a gloo
+group of their own (:class:`Agreement`): first on the plan (same layers, names and
+layouts on every rank), then, per gather, that every rank prepared it (memory reserved,
+extraction dry-run); a gather is entered by all ranks or by none. Scoring and writing
+happen on rank 0 only. The protocol is stated in ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -96,13 +98,82 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _agree(ok: bool, signature: int, count: int) -> bool:
-    """One all-reduce: every rank is ok and holds the same layer plan."""
-    vals = [1 if ok else 0, signature, -signature, count, -count]
-    t = torch.tensor(vals, dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    got = t.tolist()
-    return got[0] == 1 and -got[2] == got[1] == signature and -got[4] == got[3] == count
+# --------------------------------------------------------------------------- agreement
+class AgreementError(RuntimeError):
+    """An agreement between ranks timed out or failed: this rank must issue no further collective."""
+
+
+def training_group_timeout() -> timedelta:
+    """The timeout of the default (training) process group, or torch's default for its backend."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        group = c10d._get_default_group()
+        device = c10d._get_pg_default_device(group)
+        timeout = group._get_backend(device).options._timeout
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's documented default
+        pass
+    try:
+        return c10d._get_default_timeout(torch.distributed.get_backend())
+    except Exception:  # noqa: BLE001
+        return c10d.default_pg_timeout
+
+
+class Agreement:
+    """The ranks' agreements: MIN all-reduces of a few integers, on a gloo group of their own.
+
+    Made at attach on every rank (``new_group`` is itself collective). CPU tensors on gloo:
+    no CUDA synchronisation, and a timeout raises an exception that can be caught (an NCCL
+    timeout would abort the process). ``timeout`` (seconds) defaults to the training group's
+    (:func:`training_group_timeout`). After a timeout or any other error, :meth:`min` raises
+    :class:`AgreementError` and this object stays ``broken``: its owner must stop issuing
+    collectives (the other ranks then time out in their next agreement and stop too).
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timedelta(seconds=timeout) if timeout is not None else training_group_timeout()
+        self.group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
+        self.rank = torch.distributed.get_rank()
+        self.broken: str | None = None
+        self.count = 0  # agreements run (for tests and cost measurements)
+
+    def min(self, values: list[int]) -> list[int]:
+        """Element-wise MIN of ``values`` over all ranks (a collective on the agreement group)."""
+        if self.broken is not None:
+            raise AgreementError(self.broken)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        try:
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - gloo timeout, closed pair, ...
+            self.broken = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            raise AgreementError(self.broken) from exc
+        self.count += 1
+        return tensor.tolist()
+
+
+_DEFAULT_AGREEMENTS: dict[int, Agreement] = {}
+
+
+def default_agreement() -> Agreement:
+    """The agreement group of the lower-level API (made on first use, on every rank: collective)."""
+    key = id(torch.distributed.distributed_c10d._get_default_group())
+    if key not in _DEFAULT_AGREEMENTS:
+        _DEFAULT_AGREEMENTS[key] = Agreement()
+    return _DEFAULT_AGREEMENTS[key]
+
+
+class WalkOutcome:
+    """Filled in by :func:`iter_layer_params`: did every layer reach the consumer's rank?"""
+
+    def __init__(self) -> None:
+        self.complete = True
+        self.reasons: list[str] = []
+
+    def skip(self, reason: str) -> None:
+        self.complete = False
+        self.reasons.append(reason)
 
 
 # --------------------------------------------------------------------------- detection
@@ -191,8 +262,23 @@ def _plan(layer: AttentionLayer, model: nn.Module, owners: dict[int, nn.Module],
     return _Plan(layer, refs, tuple(units))
 
 
+def _layout(value: Any) -> str:
+    """How one parameter is laid out: what a gather of it does on this rank."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(value, dtensor):
+        return f"D{tuple(value.shape)}"
+    if hasattr(value, "ds_id"):
+        return f"Z{tuple(getattr(value, 'ds_shape', ()))}"
+    return "L"  # read locally (FSDP1 views too: the owning units carry FSDP1's layout)
+
+
 def _signature(plans: list[_Plan]) -> int:
-    text = "|".join(f"{canonical_name(p.layer.name)}:{','.join(p.refs)}" for p in plans)
+    """CRC of what the walk will gather: layer and parameter names, layouts, FSDP1 units."""
+    text = "|".join(
+        f"{canonical_name(p.layer.name)}:{','.join(p.refs)}:"
+        f"{','.join(_layout(getattr(m, a, None)) for m, a in p.refs.values())}:{len(p.units)}"
+        for p in plans
+    )
     return zlib.crc32(text.encode()) & 0x3FFFFFFF
 
 
@@ -261,12 +347,97 @@ def _zero3_params(values: Iterable[Tensor]) -> list[Tensor]:
 ParamGetter = Callable[[str], Tensor]
 
 
+@dataclasses.dataclass
+class _Gather:
+    """One collective step of the walk: one layer, or (FSDP1) the layers of one summon."""
+
+    plans: list[_Plan]
+    units: tuple[nn.Module, ...] = ()
+
+    @property
+    def names(self) -> str:
+        return ", ".join(canonical_name(p.layer.name) for p in self.plans)
+
+
+def _gathers(plans: list[_Plan], kind: str) -> list[_Gather]:
+    if kind != "fsdp1":
+        return [_Gather([plan], plan.units) for plan in plans]
+    runs: list[_Gather] = []
+    for plan in plans:  # FSDP1: consecutive layers that share their owning units share one summon
+        if runs and [id(u) for u in runs[-1].units] == [id(u) for u in plan.units]:
+            runs[-1].plans.append(plan)
+        else:
+            runs.append(_Gather([plan], plan.units))
+    return runs
+
+
+def _fsdp1_shapes(units: tuple[nn.Module, ...]) -> tuple[dict[tuple[int, str], torch.Size], list[Tensor]]:
+    """FSDP1: full shapes of the units' original parameters, and their flat parameters."""
+    shapes: dict[tuple[int, str], torch.Size] = {}
+    flats: list[Tensor] = []
+    for unit in units:
+        flat = unit._handle.flat_param  # private: the unit's FlatParameter
+        flats.append(flat)
+        for info, shape in zip(flat._param_infos, flat._shapes, strict=True):
+            shapes[(id(info.module), info.param_name)] = shape
+    return shapes, flats
+
+
+def reserve_gather_memory(gather: _Gather, kind: str) -> dict[tuple[int, str], Tensor]:
+    """Allocate, before the ranks agree to a gather, the memory that gather will take.
+
+    Returns empty tensors of the full shapes (views of the reservation), keyed by
+    ``(plan index, parameter name)``, for a dry run of the extraction. The caller drops them
+    just before the gather, whose own allocations then come out of the memory just freed (the
+    CUDA caching allocator keeps it). An out-of-memory error is thus raised here, on the
+    rank that lacks the memory, before any rank has entered the gather. FSDP1: the units'
+    whole unsharded flat parameters (what ``summon_full_params`` allocates).
+    """
+    specs: list[tuple[tuple[int, str], torch.Size, torch.dtype, torch.device]] = []
+    totals: dict[tuple[torch.dtype, torch.device], int] = {}
+    if kind == "fsdp1":
+        try:
+            shapes, flats = _fsdp1_shapes(gather.units)
+        except Exception:  # noqa: BLE001 - private attributes: reserve nothing, check nothing
+            return {}
+        for flat in flats:
+            key = (flat.dtype, flat.device)
+            totals[key] = totals.get(key, 0) + flat._padded_unsharded_size.numel()
+        dtype, device = flats[0].dtype, flats[0].device
+        for i, plan in enumerate(gather.plans):
+            for name, (owner, attr) in plan.refs.items():
+                shape = shapes.get((id(owner), attr))
+                if shape is not None:
+                    specs.append(((i, name), shape, dtype, device))
+    else:
+        for i, plan in enumerate(gather.plans):
+            for name, (owner, attr) in plan.refs.items():
+                value = getattr(owner, attr)
+                shape = torch.Size(getattr(value, "ds_shape", value.shape))
+                key = (value.dtype, value.device)
+                specs.append(((i, name), shape, *key))
+                totals[key] = totals.get(key, 0) + shape.numel()
+    buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in totals.items()}
+    offsets = dict.fromkeys(buffers, 0)
+    views: dict[tuple[int, str], Tensor] = {}
+    for key, shape, dtype, device in specs:
+        buf, at = buffers[(dtype, device)], offsets[(dtype, device)]
+        if at + shape.numel() <= buf.numel():
+            views[key] = buf[at: at + shape.numel()].view(shape)
+            offsets[(dtype, device)] = at + shape.numel()
+    return views
+
+
 def iter_layer_params(
     model: nn.Module,
     layers: Iterable[AttentionLayer],
     *,
     param_names: Callable[[AttentionLayer], tuple[str, ...]] | None = None,
     rank0_only: bool = True,
+    agreement: Agreement | None = None,
+    check: Callable[[AttentionLayer, ParamGetter], Any] | None = None,
+    stop: Callable[[], bool] | None = None,
+    outcome: WalkOutcome | None = None,
 ) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
     """Yield ``(layer, get)`` one layer at a time: ``get(name)`` is the full parameter tensor.
 
@@ -282,55 +453,147 @@ def iter_layer_params(
     rank 0 receives layers, the other ranks take part in the gathers and yield nothing;
     with ``rank0_only=False`` every rank receives them. ``model`` is what was wrapped (the
     FSDP root, the DDP module, the model whose parameters carry DeepSpeed ``ds_*``).
+
+    The protocol (sharded models; ``docs/distributed.md``): the ranks first agree on the
+    plan (every rank located its parameters, same layers, names and layouts); then, for each
+    gather, every rank does the local work that can fail (reserving the gather's memory,
+    the dry run ``check(layer, get)`` of the extraction on empty full-shape tensors on the
+    ranks that receive) and polls ``stop()``, and the ranks agree: a gather is entered
+    only when every rank is ready; a layer that failed anywhere is skipped on every rank;
+    when any rank asks to stop, every rank ends the walk. Agreements run on ``agreement``
+    (default :func:`default_agreement`), a gloo group; an :class:`AgreementError` (timeout)
+    propagates, and the caller must then issue no further collective. ``outcome`` records
+    whether every layer was yielded (on a receiving rank). Local setups (single process, DDP,
+    ZeRO-1/2) issue no collective at all.
     """
     layers = list(layers)
+    outcome = outcome if outcome is not None else WalkOutcome()
     info = world_info()
     receive = (not rank0_only) or (not info.distributed) or info.rank == 0
     kind = sharding_kind(model) if info.distributed else "local"
     plans: list[_Plan] = []
+    gathers: list[_Gather] = []
     ok = True
     try:
         owners = _fsdp_owners(model) if kind == "fsdp1" else {}
         plans = [_plan(layer, model, owners, param_names(layer) if param_names else None) for layer in layers]
-    except Exception as exc:
+        gathers = _gathers(plans, kind)
+        signature = _signature(plans)
+    except Exception as exc:  # noqa: BLE001 - reported through the agreement below
         ok = False
         logger.warning("attn_probe: could not locate the layers' parameters (%s: %s)", type(exc).__name__, exc)
-    if kind != "local":
-        if not _agree(ok, _signature(plans) if ok else 0, len(plans) if ok else -1):
-            logger.warning(
-                "attn_probe: ranks disagree on the layers to gather (or one failed); skipping this snapshot"
-            )
+    if kind == "local":
+        if not ok:
+            outcome.skip("could not locate the layers' parameters")
             return
-        if kind == "fsdp1" and not _fsdp1_root_ready(model):
-            return
-    elif not ok:
+        yield from _walk_local(plans, receive, stop, outcome)
         return
-    if kind == "fsdp1":
-        yield from _iter_fsdp1(plans, receive, rank0_only)
+    if ok and kind == "fsdp1":
+        try:
+            ok = _fsdp1_root_ready(model)  # local: FSDP's own lazy init, before any gather
+        except Exception as exc:  # noqa: BLE001
+            ok = False
+            logger.warning("attn_probe: FSDP lazy init failed (%s: %s)", type(exc).__name__, exc)
+    agreement = agreement if agreement is not None else default_agreement()
+    sig, count = (signature, len(plans)) if ok else (0, -1)
+    got = agreement.min([1 if ok else 0, sig, -sig, count, -count])
+    if not (got[0] == 1 and -got[2] == got[1] == sig and -got[4] == got[3] == count):
+        logger.warning("attn_probe: ranks disagree on the layers to gather (or one failed); skipping this snapshot")
+        outcome.skip("the ranks disagree on the layers to gather, or one failed to locate them")
         return
+    yield from _walk_sharded(gathers, kind, agreement, receive, rank0_only, check, stop, outcome)
+
+
+def _walk_local(plans: list[_Plan], receive: bool, stop: Callable[[], bool] | None,
+                outcome: WalkOutcome) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
+    """Single process, DDP, ZeRO-1/2: read each layer's own parameters, no collective."""
     with torch.no_grad():
         for plan in plans:
-            gathered: dict[str, Tensor] = {}
-            with contextlib.ExitStack() as stack:
-                try:  # collective part: identical on every rank
-                    values = {n: getattr(m, a) for n, (m, a) in plan.refs.items()}
-                    if kind == "zero3":
-                        import deepspeed
-
-                        ds = _zero3_params(values.values())
-                        stack.enter_context(deepspeed.zero.GatheredParameters(ds, modifier_rank=None))
-                        gathered = {n: getattr(m, a).data for n, (m, a) in plan.refs.items()}
-                    elif kind == "dtensor":
-                        gathered = {n: _dtensor_full(v.detach()) for n, v in values.items()}
-                    else:
-                        gathered = {n: v.detach() for n, v in values.items()}
-                except Exception as exc:
-                    logger.warning("attn_probe: gathering %s failed: %s", plan.layer.name, exc)
-                    continue
-                if not receive:
-                    continue
+            if stop is not None and stop():
+                outcome.skip("stopped")
+                return
+            try:
+                gathered = {n: getattr(m, a).detach() for n, (m, a) in plan.refs.items()}
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("attn_probe: reading %s failed: %s", plan.layer.name, exc)
+                outcome.skip(f"reading {canonical_name(plan.layer.name)} failed")
+                continue
+            if receive:
                 yield _canonical_layer(plan.layer), gathered.__getitem__
-                del gathered
+            del gathered
+
+
+def _prepare(gather: _Gather, kind: str, receive: bool,
+             check: Callable[[AttentionLayer, ParamGetter], Any] | None) -> bool:
+    """The local work before a gather that can fail: reserve its memory, dry-run the extraction."""
+    try:
+        views = reserve_gather_memory(gather, kind)
+        if check is not None and receive:
+            for i, plan in enumerate(gather.plans):
+                keyed = {n: views.get((i, n)) for n in plan.refs}
+                if all(v is not None for v in keyed.values()):
+                    check(_canonical_layer(plan.layer), keyed.__getitem__)
+        del views
+        return True
+    except Exception as exc:  # noqa: BLE001 - reported through the agreement
+        logger.warning("attn_probe: preparing the gather of %s failed on this rank (%s: %s); "
+                       "every rank skips it", gather.names, type(exc).__name__, exc)
+        return False
+
+
+def _walk_sharded(gathers: list[_Gather], kind: str, agreement: Agreement, receive: bool, rank0_only: bool,
+                  check: Callable[[AttentionLayer, ParamGetter], Any] | None,
+                  stop: Callable[[], bool] | None,
+                  outcome: WalkOutcome) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
+    """FSDP1/2, TP, ZeRO-3: one agreement before every gather; all ranks enter it or none."""
+    with torch.no_grad():
+        for gather in gathers:
+            try:
+                stopping = bool(stop()) if stop is not None else False
+            except Exception:  # noqa: BLE001
+                stopping = True
+            ready = False if stopping else _prepare(gather, kind, receive, check)
+            go, all_ready = agreement.min([0 if stopping else 1, 1 if ready else 0])
+            if not go:
+                outcome.skip("a rank stopped the walk")
+                return
+            if not all_ready:
+                if ready:
+                    logger.warning("attn_probe: another rank could not prepare the gather of %s; "
+                                   "every rank skips it", gather.names)
+                outcome.skip(f"{gather.names}: failed on a rank, skipped on every rank")
+                continue
+            with contextlib.ExitStack() as stack:
+                try:  # the collective: every rank is here, for the same gather
+                    held = _gather(stack, gather, kind, rank0_only)
+                except Exception as exc:  # noqa: BLE001 - inside the collective: out of scope
+                    logger.warning("attn_probe: gathering %s failed on this rank (%s: %s)",
+                                   gather.names, type(exc).__name__, exc)
+                    outcome.skip(f"gathering {gather.names} failed")
+                    continue
+                if not (receive and held is not None):
+                    continue  # with rank0_only, ranks != 0 only took part in the collective
+                yield from held
+
+
+def _gather(stack: contextlib.ExitStack, gather: _Gather, kind: str,
+            rank0_only: bool) -> list[tuple[AttentionLayer, ParamGetter]] | None:
+    """Enter the gather's collective(s); the layers and getters if this rank holds the data."""
+    if kind == "fsdp1":
+        if not _fsdp1_gather(stack, gather.units, rank0_only):
+            return None
+        return [(_canonical_layer(plan.layer), (lambda n, plan=plan: getattr(*plan.refs[n]).detach()))
+                for plan in gather.plans]
+    plan = gather.plans[0]
+    values = {n: getattr(m, a) for n, (m, a) in plan.refs.items()}
+    if kind == "zero3":
+        import deepspeed
+
+        stack.enter_context(deepspeed.zero.GatheredParameters(_zero3_params(values.values()), modifier_rank=None))
+        gathered = {n: getattr(m, a).data for n, (m, a) in plan.refs.items()}
+    else:
+        gathered = {n: _dtensor_full(v.detach()) for n, v in values.items()}
+    return [(_canonical_layer(plan.layer), gathered.__getitem__)]
 
 
 def iter_layer_factors(
@@ -343,9 +606,13 @@ def iter_layer_factors(
 
     ``W_q``: ``(num_heads, head_dim, d)``, ``W_k``: ``(num_kv_heads, head_dim, d)``; the
     collective contract of :func:`iter_layer_params` applies (exhaust the iterator on every
-    rank). A layer whose split into heads fails is skipped with a warning.
+    rank). The split into heads is dry-run before each gather on the ranks that receive; a
+    layer whose split fails is skipped with a warning.
     """
-    for layer, get in iter_layer_params(model, layers, rank0_only=rank0_only):
+    def check(layer: AttentionLayer, get: ParamGetter) -> None:
+        layer.factors(get)
+
+    for layer, get in iter_layer_params(model, layers, rank0_only=rank0_only, check=check):
         try:
             query, key = layer.factors(get)
         except Exception as exc:
@@ -354,31 +621,6 @@ def iter_layer_factors(
             )
             continue
         yield layer, query.detach(), key.detach()
-
-
-def _iter_fsdp1(
-    plans: list[_Plan], receive: bool, rank0_only: bool
-) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
-    """FSDP1: one summon per run of consecutive layers that share their owning units."""
-    runs: list[list[_Plan]] = []
-    for plan in plans:
-        if runs and [id(u) for u in runs[-1][0].units] == [id(u) for u in plan.units]:
-            runs[-1].append(plan)
-        else:
-            runs.append([plan])
-    with torch.no_grad():
-        for run in runs:
-            with contextlib.ExitStack() as stack:
-                try:
-                    holds = _fsdp1_gather(stack, run[0].units, rank0_only)
-                except Exception as exc:
-                    logger.warning("attn_probe: FSDP summon for %s failed: %s", run[0].layer.name, exc)
-                    continue
-                # with rank0_only, ranks != 0 hold no data here: they only entered the collective
-                if not (receive and holds):
-                    continue
-                for plan in run:
-                    yield _canonical_layer(plan.layer), (lambda n, plan=plan: getattr(*plan.refs[n]).detach())
 
 
 def gather_scores(
@@ -424,14 +666,20 @@ def gather_bytes(layers: Iterable[AttentionLayer], element_size: int = 4) -> int
 
 
 __all__ = [
+    "Agreement",
+    "AgreementError",
+    "WalkOutcome",
     "WorldInfo",
     "all_ranks_ok",
     "canonical_name",
+    "default_agreement",
     "gather_bytes",
     "gather_scores",
     "is_main_process",
     "iter_layer_factors",
     "iter_layer_params",
+    "reserve_gather_memory",
     "sharding_kind",
+    "training_group_timeout",
     "world_info",
 ]

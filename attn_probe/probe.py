@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 import traceback
 import warnings
@@ -30,12 +31,21 @@ from torch import nn
 
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
-from .distributed import is_main_process, iter_layer_params
+from .distributed import (
+    Agreement,
+    AgreementError,
+    WalkOutcome,
+    is_main_process,
+    iter_layer_params,
+    sharding_kind,
+    world_info,
+)
 from .extraction import AttentionLayer, find_attention, unwrap
 from .images import HeatmapImages, render_heatmap
 from .logdir import LogDirError, LogDirInUseError, LogDirLock, acquire_default, check_log_dir, default_log_dir
 from .metrics import table_entries
 from .pairs import QKPair, ScorePair, pair_metric_names
+from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats
 from .sinks.tensorboard import writer_log_dir
@@ -94,23 +104,56 @@ def main_process_only(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn without ever raising.
+
+    Under ``python -W error`` (or a ``filterwarnings("error")``) ``warnings.warn`` raises the
+    warning as an exception; the probe's isolation must not depend on the warnings filter, so
+    the message then goes to stderr instead.
+    """
+    try:
+        warnings.warn(message, category, stacklevel=3)
+    except Exception:  # noqa: BLE001 - a warning must never stop training
+        try:
+            print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _report_failure(probe: Probe, what: str, exc: BaseException) -> None:
+    """Count a failure of the probe; warn about the first one with its traceback. Never raises."""
+    try:
+        probe.failures += 1
+        if probe.failures == 1:
+            _warn(
+                f"attn_probe: {what} failed ({type(exc).__name__}: {exc}); that snapshot "
+                "is skipped and training continues. Later failures are counted, not reported.\n"
+                + "".join(traceback.format_exception(exc))
+            )
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module:
+    """``module.get_submodule(path)`` by dictionary lookups (a few hundred ns per segment)."""
+    for item in path.split(".") if path else ():
+        child = module._modules.get(item)
+        module = child if child is not None else getattr(module, item)  # AttributeError: gone
+    return module
+
+
 def never_raise(method: F) -> F:
-    """Catch every exception of ``method``: warn once per probe with the traceback, return ``None``."""
+    """Catch every exception of ``method``: warn once per probe with the traceback, return ``None``.
+
+    The warning itself cannot raise (:func:`_warn`), so this holds under ``python -W error``.
+    """
 
     @functools.wraps(method)
     def wrapper(self: Probe, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the probe must never stop training
-            self.failures += 1
-            if self.failures == 1:
-                warnings.warn(
-                    f"attn_probe: {method.__name__} failed ({type(exc).__name__}: {exc}); that snapshot "
-                    "is skipped and training continues. Later failures are counted, not reported.\n"
-                    + "".join(traceback.format_exception(exc)),
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            _report_failure(self, method.__name__, exc)
             return None
 
     return wrapper  # type: ignore[return-value]
@@ -207,6 +250,11 @@ class Probe:
         self.last_snapshot_step: int | None = None
         self.failures = 0
         self._warned_nonfinite = False
+        #: a sharded run's probe stops for good after a failed agreement (docs/distributed.md)
+        self.disabled = False
+        self._deterministic = is_deterministic(cfg.schedule) and is_deterministic(cfg.image_schedule)
+        self._agreement: Agreement | None = self._make_agreement(model)  # collective on a sharded run
+        self._identities = self._record_identities()
         self._handles: list[Any] = []
         self._forward_counter: ForwardPasses | None = None
         self._closed = False
@@ -236,6 +284,143 @@ class Probe:
     @property
     def schedule(self) -> Callable[[int], bool] | None:
         return self.config.schedule
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this probe gathers (FSDP/DTensor/ZeRO-3 on several ranks) and so agrees first."""
+        return self._agreement is not None
+
+    # -- the collective protocol (docs/distributed.md) ---------------------------------------
+
+    def _make_agreement(self, model: nn.Module) -> Agreement | None:
+        """On a sharded run, the gloo group of the probe's agreements (made at attach, every rank)."""
+        if not world_info().distributed or sharding_kind(model) == "local":
+            return None  # single process, DDP, ZeRO-1/2: no collective, ever
+        return Agreement(self.config.agreement_timeout)
+
+    def _disable(self, reason: str) -> None:
+        """A failed agreement: issue no further collective from this rank (warned once)."""
+        self.disabled = True
+        timeout = self._agreement.timeout if self._agreement is not None else None
+        _warn(
+            f"attn_probe: an agreement between ranks failed on this rank ({reason}); the probe is disabled "
+            "here and issues no further collective. The other ranks time out in their next agreement "
+            f"(after agreement_timeout, {timeout}) and disable theirs too. Training continues; no "
+            "further snapshots are taken in this run."
+        )
+
+    def _due_parts(self, step: int) -> tuple[bool, bool]:
+        """``(schedule fires, image schedule fires)`` at ``step`` (may raise: user code)."""
+        schedule = self.config.schedule
+        return schedule is not None and bool(schedule(step)), self._images_due(step)
+
+    def _agreed_snapshot(self, step: int, want: bool, images: bool | None,
+                         error: BaseException | None) -> Snapshot | None:
+        """Sharded: one agreement decides, identically on every rank, whether to snapshot now.
+
+        Rank 0's ``want`` decides; an ``error`` on any rank (its schedule raised), a stale step on
+        any rank, or different steps make every rank skip. Raises only after every collective of
+        this call (then caught by :func:`never_raise`).
+        """
+        assert self._agreement is not None
+        try:
+            rank0 = self._agreement.rank == 0
+            fresh = self.last_snapshot_step is None or step > self.last_snapshot_step
+            vote = [(1 if want else 0) if rank0 else 1, 0 if error is not None else 1, 1 if fresh else 0,
+                    int(step), -int(step)]
+        except Exception as exc:  # noqa: BLE001 - still vote: "no"
+            vote, error = [1, 0, 1, 0, 0], exc
+        try:
+            due, ok, fresh_everywhere, low, minus_high = self._agreement.min(vote)
+        except AgreementError as exc:
+            self._disable(str(exc))
+            return None
+        if not ok:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the schedule failed on another rank at step {step}; every rank skips it")
+        if low != -minus_high:
+            raise RuntimeError(f"the ranks disagree on the step ({low} to {-minus_high}); every rank skips it")
+        if not due or not fresh_everywhere:
+            return None
+        self.last_snapshot_step = step
+        try:
+            snap = self._measure(step, images)
+        except AgreementError as exc:
+            self._disable(str(exc))
+            return None
+        if snap is not None:
+            self._write(snap)
+        return snap
+
+    # -- model surgery after attach ----------------------------------------------------------
+
+    def _record_identities(self) -> list[tuple[AttentionLayer, Any, list[tuple[bool, str, Any, str, Any]]]]:
+        """Per layer: its module and, per scored parameter, the owning module and the parameter object."""
+        root = unwrap(self.model)
+        out = []
+        for layer in self.layers:
+            module = layer.module
+            prefix = f"{layer.name}." if layer.name else ""
+            refs = []
+            for name in self._param_names(layer):
+                on_layer = module is not None and name.startswith(prefix)
+                rel = name[len(prefix):] if on_layer else name
+                path, _, attr = rel.rpartition(".")
+                base = module if on_layer else root
+                owner = base.get_submodule(path) if path else base
+                refs.append((on_layer, path, owner, attr, owner._parameters.get(attr)))
+            out.append((layer, module, refs))
+        return out
+
+    def _changed_layers(self) -> list[str]:
+        """Attached layers whose module, or whose q/k parameters, are no longer those of attach time.
+
+        Identity comparisons only (a few ``getattr`` per layer): the module at each attached
+        path, the module owning each scored parameter, the parameter registered there.
+        """
+        root = unwrap(self.model)
+        changed = []
+        for layer, module, refs in self._identities:
+            try:
+                same = module is None or _submodule(root, layer.name) is module
+                for on_layer, path, owner, attr, param in refs if same else ():
+                    current = _submodule(module if on_layer else root, path)
+                    if current is not owner or current._parameters.get(attr) is not param:
+                        same = False
+                        break
+            except AttributeError:  # the path is gone (a deleted layer)
+                same = False
+            if not same:
+                changed.append(layer.name)
+        return changed
+
+    def _check_surgery(self) -> None:
+        """Re-resolve the layers (with a warning) when the model changed since attach."""
+        changed = self._changed_layers()
+        if not changed:
+            return
+        before = [a.name for a in self.layers]
+        try:
+            layers = find_attention(self.model, groups=self.config.groups, layers=self.config.layers,
+                                    **self.config.find_kwargs)
+        except Exception:  # noqa: BLE001 - UnsupportedModelError: nothing left to read
+            layers = []
+        self.layers = layers
+        self._identities = self._record_identities()
+        now = [a.name for a in layers]
+        gone = [n for n in before if n not in now]
+        found = [n for n in now if n not in before]
+        _warn(
+            "attn_probe: the model changed after attach: "
+            f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} no longer the module (or q/k "
+            "parameters) found at attach. The probe found the attention layers again: "
+            f"{len(layers)} layer{'s' if len(layers) != 1 else ''} now"
+            + (f"; gone: {', '.join(gone)}" if gone else "")
+            + (f"; new: {', '.join(found)}" if found else "")
+            + ". Values from this snapshot on are those of the live modules."
+            + ("" if layers else " Nothing is logged until attention layers are found again.")
+        )
 
     # -- sinks -------------------------------------------------------------------------------
 
@@ -321,16 +506,34 @@ class Probe:
     def _images_due(self, step: int) -> bool:
         return self.images is not None and self.images.due(step)
 
-    def _measure(self, step: int) -> Snapshot | None:
-        """Walk all layers (every rank); score and assemble on the main process."""
+    def _check_extraction(self, layer: AttentionLayer, get: Any) -> None:
+        """Dry run of the pairs' extraction on empty full-shape tensors (before a gather)."""
+        for pair in self.pairs:
+            pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
+
+    def _measure(self, step: int, want_images: bool | None = None) -> Snapshot | None:
+        """Walk all layers (every rank); score and assemble on the main process.
+
+        Local errors (the model-surgery check, the image schedule, extraction, scoring) are
+        kept and re-raised after the walk; under sharding they make this rank vote "stop" at
+        the next agreement, so that every rank ends the walk at the same gather.
+        """
         scored: list[tuple[AttentionLayer, list[Tensor]]] = []
         images: dict[tuple[str, int], np.ndarray] = {}
         error: BaseException | None = None
+        outcome = WalkOutcome()
+        try:
+            self._check_surgery()
+        except Exception as exc:  # noqa: BLE001 - re-raised after the walk
+            error = exc
         try:  # a user schedule must not make the main process skip the collective walk below
-            want_images = self.is_main_process and self._images_due(step)
+            want_images = self.is_main_process and (self._images_due(step) if want_images is None else want_images)
         except Exception as exc:  # noqa: BLE001 - re-raised after the walk
             want_images, error = False, exc
-        for layer, get in iter_layer_params(self.model, self.layers, param_names=self._param_names):
+        layers = list(self.layers)
+        walk = iter_layer_params(self.model, layers, param_names=self._param_names, agreement=self._agreement,
+                                 check=self._check_extraction, stop=lambda: error is not None, outcome=outcome)
+        for layer, get in walk:
             if not self.is_main_process or error is not None:
                 continue  # keep exhausting the iterator: other ranks wait in its collectives
             try:
@@ -347,8 +550,11 @@ class Probe:
                 error = exc
         if error is not None:
             raise error
-        if not self.is_main_process:
+        if not self.is_main_process or not layers:
             return None
+        if not outcome.complete or len(scored) != len(layers):
+            raise RuntimeError(f"incomplete snapshot at step {step} ({'; '.join(outcome.reasons)}); "
+                               "not logged")
         return self._assemble(step, scored, images)
 
     def _assemble(self, step: int, scored: list[tuple[AttentionLayer, list[Tensor]]],
@@ -375,12 +581,10 @@ class Probe:
                         nonfinite.append(f"{layer.name} {metric}")
         if nonfinite and not self._warned_nonfinite:
             self._warned_nonfinite = True
-            warnings.warn(
+            _warn(
                 f"attn_probe: non-finite weights or undefined scores at step {step} "
                 f"({', '.join(nonfinite[:6])}{', ...' if len(nonfinite) > 6 else ''}); logged as NaN. "
-                "This warning is shown once.",
-                RuntimeWarning,
-                stacklevel=4,
+                "This warning is shown once."
             )
         return Snapshot(step=step, wall_time=time.time(), records=records,
                         stats=self._stats(records), images=images)
@@ -402,10 +606,18 @@ class Probe:
         """Measure now and write (main process); ``step`` defaults to the probe's counter.
 
         Steps must increase: a step ``<=`` the last snapshot's is skipped. Returns the
-        :class:`~attn_probe.sinks.Snapshot` on the main process, ``None`` elsewhere.
+        :class:`~attn_probe.sinks.Snapshot` on the main process, ``None`` elsewhere. On a
+        sharded run every rank must call it (the ranks agree first, see ``docs/distributed.md``).
         """
-        if self._closed:
+        if self._closed or self.disabled:
             return None
+        if self._agreement is not None:
+            error: BaseException | None = None
+            try:
+                step = self.step if step is None else int(step)
+            except Exception as exc:  # noqa: BLE001 - still take part in the agreement
+                step, error = self.step, exc
+            return self._agreed_snapshot(step, True, None, error)
         step = self.step if step is None else int(step)
         if self.last_snapshot_step is not None and step <= self.last_snapshot_step:
             return None
@@ -422,10 +634,36 @@ class Probe:
 
     @never_raise
     def on_update(self, step: int | None = None) -> None:
-        """Advance the counter by one update (or set it to ``step``); snapshot if due."""
-        self.step = self.step + 1 if step is None else int(step)
-        if self.due(self.step):
-            self.snapshot(self.step)
+        """Advance the counter by one update (or set it to ``step``); snapshot if due.
+
+        On a sharded run the ranks agree on every call when the schedule is a user callable,
+        and only on due steps with the built-in ``every``/``log_spaced`` (whose answer is the
+        same on every rank); a schedule that raises counts as "no" and every rank skips.
+        """
+        error: BaseException | None = None
+        try:
+            self.step = self.step + 1 if step is None else int(step)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        if self._closed or self.disabled:
+            if error is not None:
+                raise error
+            return
+        if self._agreement is None:
+            if error is not None:
+                raise error
+            if self.due(self.step):
+                self.snapshot(self.step)
+            return
+        want = images = False
+        if error is None:
+            try:
+                want, images = self._due_parts(self.step)
+            except Exception as exc:  # noqa: BLE001 - counts as "no", agreed with the other ranks
+                error = exc
+        if error is None and not (want or images) and self._deterministic:
+            return  # the same "no" on every rank: nothing to agree on
+        self._agreed_snapshot(self.step, want or images, images, error)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer.step()`` calls (:class:`attn_probe.counting.OptimizerUpdates`)."""
@@ -441,19 +679,34 @@ class Probe:
         self._handles.append(handle)
 
     def close(self, final_snapshot: bool = True) -> None:
-        """Detach hooks, take a last snapshot if the counter moved past the last one, close sinks."""
+        """Detach hooks, take a last snapshot if the counter moved past the last one, close sinks.
+
+        Never raises (whatever the warnings filter). On a sharded run every rank must call it:
+        the final snapshot is agreed like any other.
+        """
         if self._closed:
             return
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        counter = self._forward_counter
-        if counter is not None and counter.final_step is not None:
-            self.step = max(self.step, counter.final_step)
-        if final_snapshot and (self.last_snapshot_step is None or self.step > self.last_snapshot_step):
-            self.snapshot(self.step)
-        self._closed = True
-        self._finish_sinks()
+        try:
+            for handle in self._handles:
+                try:
+                    handle.remove()
+                except Exception:  # noqa: BLE001
+                    pass
+            self._handles.clear()
+            counter = self._forward_counter
+            if counter is not None and counter.final_step is not None:
+                self.step = max(self.step, counter.final_step)
+            moved = self.last_snapshot_step is None or self.step > self.last_snapshot_step
+            if final_snapshot and not self.disabled and (moved or self._agreement is not None):
+                self.snapshot(self.step)  # sharded: always, the agreement skips a stale step everywhere
+        except Exception as exc:  # noqa: BLE001 - close() must not stop the user's script
+            _report_failure(self, "close", exc)
+        finally:
+            self._closed = True
+            try:
+                self._finish_sinks()
+            except Exception as exc:  # noqa: BLE001
+                _report_failure(self, "closing the sinks", exc)
 
     def _finish_sinks(self) -> None:
         """Drain the sinks' queues and finish them (bounded by ``sink_timeout``); release the log dir.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["Schedule", "every", "log_spaced", "as_schedule", "any_of"]
+__all__ = ["Schedule", "every", "log_spaced", "as_schedule", "any_of", "is_deterministic"]
 
 Schedule = Callable[[int], bool]
 ScheduleLike = int | Schedule
@@ -34,7 +34,7 @@ def every(n: int, offset: int = 0) -> Schedule:
         return step >= offset and (step - offset) % n == 0
 
     schedule.__qualname__ = f"every({n}, offset={offset})"
-    return schedule
+    return _deterministic(schedule)
 
 
 def log_spaced(per_decade: int = 10, start: int = 1, max_interval: int | None = None) -> Schedule:
@@ -63,12 +63,32 @@ def log_spaced(per_decade: int = 10, start: int = 1, max_interval: int | None = 
         return any(point(j) == step for j in (math.floor(k) - 1, math.floor(k), math.ceil(k), math.ceil(k) + 1) if j >= 0)
 
     schedule.__qualname__ = f"log_spaced(per_decade={per_decade}, start={start}, max_interval={max_interval})"
-    return schedule
+    return _deterministic(schedule)
 
 
 def any_of(*schedules: Schedule) -> Schedule:
-    """Fire when any of ``schedules`` fires."""
-    return lambda step: any(s(step) for s in schedules)
+    """Fire when any of ``schedules`` fires (deterministic when all of them are)."""
+
+    def schedule(step: int) -> bool:
+        return any(s(step) for s in schedules)
+
+    schedule.__qualname__ = f"any_of({', '.join(getattr(s, '__qualname__', repr(s)) for s in schedules)})"
+    return _deterministic(schedule) if all(is_deterministic(s) for s in schedules) else schedule
+
+
+def _deterministic(schedule: Schedule) -> Schedule:
+    schedule.deterministic = True  # type: ignore[attr-defined]
+    return schedule
+
+
+def is_deterministic(schedule: Schedule | None) -> bool:
+    """Whether ``schedule``'s answer depends on the step alone (the built-in ``every``/``log_spaced``).
+
+    Then every rank computes the same answer and a sharded probe agrees with the other ranks
+    only on due steps; any other callable (it may read a clock, a file, rank-local state) is
+    agreed on at every step. ``None`` (never fires) counts as deterministic.
+    """
+    return schedule is None or getattr(schedule, "deterministic", False) is True
 
 
 def as_schedule(value: ScheduleLike | None) -> Schedule | None:
