@@ -20,7 +20,7 @@ CUDA is available.
 The architecture is BERT (``--arch bert``: ``BertForMaskedLM`` / ``BertLMHeadModel``, the
 paper's classes) or, by default, the same network with pre-LayerNorm sub-layers (``--arch
 bert-preln``: ``RobertaPreLayerNormForMaskedLM`` / ``RobertaPreLayerNormForCausalLM``), which
-gets off the loss plateau within a CPU budget where the post-LN BERT encoder does not.
+starts using its attention within a CPU budget where the post-LN BERT encoder does not.
 
 Each run is watched by the one-line :class:`attn_probe.AttnProbeCallback`, which writes TensorBoard
 events and the ``attn_probe.jsonl`` trajectory into ``<out>/<name>/{encoder,decoder}/``; the
@@ -95,7 +95,7 @@ class Architecture(NamedTuple):
 
 
 #: ``bert`` is the paper's (post-LayerNorm); ``bert-preln`` puts the LayerNorm before each
-#: sub-layer, and is the default because it leaves the loss plateau within a CPU budget
+#: sub-layer, and is the default because its encoder starts using attention within a CPU budget
 #: (docs/reproducing-the-paper.md has the measurements).
 ARCHITECTURES: dict[str, Architecture] = {
     "bert-preln": Architecture(

@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         choices=list(ARCHITECTURES),
         default=_D.arch,
-        help="bert-preln: LayerNorm before each sub-layer (RoBERTa-PreLayerNorm classes; leaves the "
-        "loss plateau within a CPU budget); bert: the paper's post-LN BertForMaskedLM/BertLMHeadModel "
+        help="bert-preln: LayerNorm before each sub-layer (RoBERTa-PreLayerNorm classes; its encoder "
+        "starts using attention within a CPU budget); bert: the paper's post-LN BertForMaskedLM/BertLMHeadModel "
         "(default: %(default)s)",
     )
     model.add_argument(
