@@ -26,7 +26,8 @@ from test_distributed import launch  # noqa: E402
 
 TOL = 1e-5
 STEPS = 5
-CASES = {"fsdp2": ["raise1", "clock", "oom", "timeout", "count"], "fsdp1": ["raise1", "clock", "oom"],
+CASES = {"fsdp2": ["raise1", "clock", "oom", "timeout", "count", "surgery", "surgery1"],
+         "fsdp1": ["raise1", "clock", "oom"],
          "ddp": ["count"]}
 #: steps logged when the fault skips step 2 on every rank (step 0 at attach, then every step)
 ALL_BUT_2 = {0, 1, 3, 4, 5}
@@ -127,6 +128,26 @@ def test_ddp_issues_no_collectives_and_sharded_runs_use_the_agreement_group(runs
     assert [r["collectives"].get("new_group") for r in fsdp2] == [1, 1]
     assert all(r["collectives"].get("all_reduce", 0) > 0 for r in fsdp2)
     assert assert_logged_snapshots_complete_and_right(runs("fsdp2", "count")) == set(range(STEPS + 1))
+
+
+def test_model_surgery_on_every_rank_is_followed(runs) -> None:
+    out = runs("fsdp2", "surgery")
+    info = ranks(out)
+    assert [r["steps"] for r in info] == [STEPS, STEPS]
+    assert all(any("model changed after attach" in w for w in r["warnings"]) for r in info)
+    # every snapshot logged, each equal to the live model's (the new module from step 2 on)
+    assert assert_logged_snapshots_complete_and_right(out) == set(range(STEPS + 1))
+
+
+def test_model_surgery_on_one_rank_only_skips_snapshots_but_never_hangs(runs) -> None:
+    out = runs("fsdp2", "surgery1")
+    info = ranks(out)
+    assert [r["steps"] for r in info] == [STEPS, STEPS]
+    assert any("model changed after attach" in w for w in info[1]["warnings"])
+    assert not any("model changed after attach" in w for w in info[0]["warnings"])
+    # rank 1 now reads layer 0 locally where rank 0 gathers it: the plans differ, every rank skips
+    assert assert_logged_snapshots_complete_and_right(out) == set(range(STEPS + 1))
+    assert not any(r["disabled"] for r in info)
 
 
 # --------------------------------------------------------------------------- isolation (-W error)

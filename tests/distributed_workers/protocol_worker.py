@@ -19,7 +19,11 @@ Cases (each a fault on one rank only, or a schedule whose answer differs between
   taken;
 * ``timeout``: ``agreement_timeout=2``; rank 1 reaches step 3's agreement 3.5 s late;
 * ``count``: a callable schedule firing every step; counts the ``torch.distributed`` calls the
-  probe makes (none expected under DDP).
+  probe makes (none expected under DDP);
+* ``surgery``: after step 1, every rank replaces layer 0's ``attention.self`` by a fresh module
+  (same seed on every rank; its parameters are plain tensors, not sharded);
+* ``surgery1``: after training, rank 1 alone replaces that module (reading layer 0 locally where
+  rank 0 gathers it), then every rank asks for one more snapshot (step 6): the plans differ.
 """
 
 from __future__ import annotations
@@ -160,6 +164,15 @@ def inject_gather_oom(rank: int, state: dict) -> list:
     return [(distributed, "reserve_gather_memory", original)]
 
 
+def replace_attention(model) -> None:
+    """Model surgery: layer 0's self-attention becomes a fresh module (same on every rank)."""
+    from shard_worker import bert_config
+    from transformers.models.bert.modeling_bert import BertSelfAttention
+
+    torch.manual_seed(123)
+    model.encoder.layer[0].attention.self = BertSelfAttention(bert_config())
+
+
 def run(setup: str, case: str, out: Path) -> None:
     start = time.monotonic()
     rank = dist.get_rank()
@@ -194,7 +207,7 @@ def run(setup: str, case: str, out: Path) -> None:
                 time.sleep(3.5)
 
         opt.register_step_pre_hook(stall)
-    elif case == "count":
+    elif case in ("count", "surgery", "surgery1"):
         def every(step: int) -> bool:
             return True
     else:
@@ -215,6 +228,8 @@ def run(setup: str, case: str, out: Path) -> None:
                                  is_main_process=rank == 0, **options)
         for step in range(1, STEPS + 1):
             state["step"] = step
+            if step == 2 and case == "surgery":
+                replace_attention(model)
             if case == "clock":
                 time.sleep(0.05)
             loss = model(input_ids=batch(rank, step)).last_hidden_state.pow(2).mean()
@@ -222,6 +237,10 @@ def run(setup: str, case: str, out: Path) -> None:
             opt.step()  # the probe's hook: snapshot when due
             opt.zero_grad()
             save_ref(step)
+        if case == "surgery1":  # (during training, FSDP2 itself would fail: rank 1 lacks gradients)
+            if rank == 1:
+                replace_attention(model)
+            probe.snapshot(STEPS + 1)
         probe.close()
     counter.uninstall()
     for owner, name, original in restore:
@@ -233,6 +252,7 @@ def run(setup: str, case: str, out: Path) -> None:
         "disabled": bool(getattr(probe, "disabled", False)),
         "collectives": counter.calls,
         "warnings": [str(w.message).splitlines()[0] for w in caught if "attn_probe" in str(w.message)],
+        "layers": [a.name for a in probe.layers],
     }))
 
 
