@@ -151,6 +151,7 @@ class _Lane:
         self._finished = False
         self._outage: list[int] = []  # steps lost in the current outage
         self._stopped_at: int | None = None
+        self._stop_error: str | None = None
         self._warned_drop = False
         self._warned_flush = False
 
@@ -248,7 +249,7 @@ class _Lane:
         if s.failing:
             return
         s.failing = True
-        self._stopped_at = step
+        self._stopped_at, self._stop_error = step, s.last_error
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         safe_warn(f"attn_probe: logging to {self.name} stopped at step {step} ({s.last_error}). Its snapshots "
                   "are lost until it recovers; it is retried at every later snapshot, and the other sinks "
@@ -259,7 +260,7 @@ class _Lane:
         lost, self._outage = self._outage, []
         s.failing = False
         safe_warn(f"attn_probe: logging to {self.name} resumed at step {step}; lost {describe_steps(lost)} "
-                  f"while it failed (from step {self._stopped_at}: {s.last_error}).")
+                  f"while it failed (from step {self._stopped_at}: {self._stop_error}).")
 
     def _flush_sink(self) -> None:
         flush = getattr(self.sink, "flush", None)
@@ -301,7 +302,7 @@ class _Lane:
         s = self.stats
         if s.failing and self._outage:
             safe_warn(f"attn_probe: logging to {self.name} stopped at step {self._stopped_at} and did not "
-                      f"resume before close(); lost {describe_steps(self._outage)} ({s.last_error}).")
+                      f"resume before close(); lost {describe_steps(self._outage)} ({self._stop_error}).")
         if s.dropped:
             safe_warn(f"attn_probe: sink {self.name} fell behind and dropped {s.dropped} snapshot"
                       f"{'s' if s.dropped != 1 else ''} (queue of {self.capacity}).")
