@@ -849,6 +849,8 @@ def config_from_args(args: Any) -> DemoConfig:
         preset, reason = default_preset()
     else:
         reason = "chosen with --preset"
+        if preset == "paper-small" and not torch.cuda.is_available():
+            reason += "; no CUDA device: 20,000 steps per model take many hours on a CPU"
     values = resolve_preset(preset)
     overridden = sorted(k for k in values if k in given and given[k] != values[k])
     if overridden:

@@ -390,6 +390,7 @@ def test_preset_fills_unset_flags_and_given_flags_win(monkeypatch):
     assert (cfg.lr, cfg.warmup, cfg.seq_len, cfg.size, cfg.save_every) == (5e-4, 200, 128, "mini", 2000)
     assert cfg.precision == "fp32"  # no CUDA: no bf16
     assert "--steps 300" in cfg.preset_reason and "--batch-size 8" in cfg.preset_reason
+    assert "many hours on a CPU" in cfg.preset_reason
     cpu = _parse(["--lr", "1e-3"])
     assert cpu.preset == "cpu" and "no CUDA" in cpu.preset_reason
     assert (cpu.steps, cpu.batch_size, cpu.warmup, cpu.lr) == (700, 8, 50, 1e-3)
