@@ -12,6 +12,12 @@ the TensorBoard run). The counter advances on *real* optimizer updates only:
 
 Writes go through the accelerator's TensorBoard tracker's writer when one is initialised
 (flushed, never closed by the probe), otherwise into an own writer in ``log_dir``.
+
+Resume: ``watch(model, accelerator=acc, start_step=G)``. The trajectory drops its rows at steps
+``>= G``, and :class:`~attn_probe.sinks.tensorboard.TensorBoardSink` writes TensorBoard's
+restart marker (``SessionLog.START`` at G) into the tracker's writer, the newest event file of
+the run, so TensorBoard drops the interrupted run's events at steps ``>= G`` (the user's
+logged losses too) and each step shows once. The same logic serves every resume path.
 """
 
 from __future__ import annotations
