@@ -152,6 +152,16 @@ class Agreement:
         self.count += 1
         return tensor.tolist()
 
+    def close(self) -> None:
+        """Destroy the group (local, no collective); a later :meth:`min` raises :class:`AgreementError`."""
+        group, self.group = self.group, None
+        self.broken = self.broken or "the agreement group was closed"
+        if group is not None:
+            try:
+                torch.distributed.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - e.g. the default group is already gone
+                pass
+
 
 _DEFAULT_AGREEMENTS: dict[int, Agreement] = {}
 

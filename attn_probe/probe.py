@@ -254,7 +254,10 @@ class Probe:
         self.disabled = False
         self._deterministic = is_deterministic(cfg.schedule) and is_deterministic(cfg.image_schedule)
         self._agreement: Agreement | None = self._make_agreement(model)  # collective on a sharded run
-        self._identities = self._record_identities()
+        try:
+            self._identities = self._record_identities()
+        except Exception:  # noqa: BLE001 - unresolvable names: snapshots will say so; no surgery check
+            self._identities = []
         self._handles: list[Any] = []
         self._forward_counter: ForwardPasses | None = None
         self._closed = False
@@ -703,6 +706,8 @@ class Probe:
             _report_failure(self, "close", exc)
         finally:
             self._closed = True
+            if self._agreement is not None:
+                self._agreement.close()  # local: the gloo group's sockets and threads
             try:
                 self._finish_sinks()
             except Exception as exc:  # noqa: BLE001

@@ -130,6 +130,14 @@ def test_ddp_issues_no_collectives_and_sharded_runs_use_the_agreement_group(runs
     assert assert_logged_snapshots_complete_and_right(runs("fsdp2", "count")) == set(range(STEPS + 1))
 
 
+def test_no_model_surgery_is_reported_when_there_was_none(runs) -> None:
+    for setup, cases in CASES.items():
+        for case in cases:
+            if not case.startswith("surgery"):
+                for r in ranks(runs(setup, case)):
+                    assert not any("model changed" in w for w in r["warnings"]), (setup, case, r["warnings"])
+
+
 def test_model_surgery_on_every_rank_is_followed(runs) -> None:
     out = runs("fsdp2", "surgery")
     info = ranks(out)
