@@ -26,7 +26,7 @@ from test_distributed import launch  # noqa: E402
 
 TOL = 1e-5
 STEPS = 5
-CASES = {"fsdp2": ["raise1", "clock", "oom", "timeout", "count", "surgery", "surgery1"],
+CASES = {"fsdp2": ["raise1", "clock", "oom", "timeout", "count", "builtin", "surgery", "surgery1"],
          "fsdp1": ["raise1", "clock", "oom"],
          "ddp": ["count"]}
 #: steps logged when the fault skips step 2 on every rank (step 0 at attach, then every step)
@@ -128,6 +128,28 @@ def test_ddp_issues_no_collectives_and_sharded_runs_use_the_agreement_group(runs
     assert [r["collectives"].get("new_group") for r in fsdp2] == [1, 1]
     assert all(r["collectives"].get("all_reduce", 0) > 0 for r in fsdp2)
     assert assert_logged_snapshots_complete_and_right(runs("fsdp2", "count")) == set(range(STEPS + 1))
+
+
+def test_builtin_schedule_agrees_only_on_due_steps(runs) -> None:
+    out = runs("fsdp2", "builtin")
+    # every=2 over 5 steps: snapshots at 0 (attach), 2, 4 and 5 (close), each 1 decision +
+    # 1 plan + 1 per layer (2) = 4 agreements; steps 1, 3 and 5 of on_update agree on nothing
+    assert [r["collectives"] for r in ranks(out)] == [{"new_group": 1, "all_reduce": 16}] * 2
+    assert assert_logged_snapshots_complete_and_right(out) == {0, 2, 4, 5}
+
+
+def test_schedules_say_whether_they_are_deterministic() -> None:
+    from attn_probe.config import ProbeConfig
+    from attn_probe.schedules import any_of, every, is_deterministic, log_spaced
+
+    assert all(is_deterministic(s) for s in (every(3), log_spaced(4), any_of(every(2), log_spaced()), None))
+    assert is_deterministic(ProbeConfig(every=5).schedule)
+    assert not is_deterministic(lambda step: True)
+    assert not is_deterministic(any_of(every(2), lambda step: step == 7))
+    for bad in (0, -1.0, float("nan"), True, "10"):
+        with pytest.raises(ValueError):
+            ProbeConfig(agreement_timeout=bad)
+    assert ProbeConfig(agreement_timeout=5).agreement_timeout == 5.0
 
 
 def test_no_model_surgery_is_reported_when_there_was_none(runs) -> None:

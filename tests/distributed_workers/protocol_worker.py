@@ -20,6 +20,7 @@ Cases (each a fault on one rank only, or a schedule whose answer differs between
 * ``timeout``: ``agreement_timeout=2``; rank 1 reaches step 3's agreement 3.5 s late;
 * ``count``: a callable schedule firing every step; counts the ``torch.distributed`` calls the
   probe makes (none expected under DDP);
+* ``builtin``: ``every=2`` (deterministic): the same count, agreements only on due steps;
 * ``surgery``: after step 1, every rank replaces layer 0's ``attention.self`` by a fresh module
   (same seed on every rank; its parameters are plain tensors, not sharded);
 * ``surgery1``: after training, rank 1 alone replaces that module (reading layer 0 locally where
@@ -210,10 +211,12 @@ def run(setup: str, case: str, out: Path) -> None:
     elif case in ("count", "surgery", "surgery1"):
         def every(step: int) -> bool:
             return True
+    elif case == "builtin":
+        every = 2
     else:
         raise SystemExit(f"unknown case {case}")
     counter = Collectives()
-    if case == "count":
+    if case in ("count", "builtin"):
         counter.install()
 
     def save_ref(step: int) -> None:
