@@ -36,6 +36,8 @@ def tiny_bert(seed=0):
 class ListSink:
     """Records the steps it was given and the thread that gave them."""
 
+    background = True  # safe to call from the dispatcher's thread
+
     def __init__(self, fail_steps=(), delay=0.0):
         self.steps, self.threads, self.fail_steps, self.delay = [], set(), set(fail_steps), delay
         self.started = self.finished = False
@@ -168,13 +170,26 @@ def test_inline_mode_and_inline_sinks_run_on_the_callers_thread():
     class ThreadLocalSink(ListSink):
         background = False  # e.g. a library keeping its active run per thread
 
-    local = ThreadLocalSink()
-    d = SinkDispatcher([plain, local])
+    class Undeclared:  # says nothing about threads: called on the caller's thread too
+        def __init__(self):
+            self.threads = set()
+
+        def start(self, run):
+            pass
+
+        def log(self, snapshot):
+            self.threads.add(threading.get_ident())
+
+        def finish(self):
+            pass
+
+    local, undeclared = ThreadLocalSink(), Undeclared()
+    d = SinkDispatcher([plain, local, undeclared])
     d.start(RUN)
     d.log(snap(0))
     d.close()
     me = threading.get_ident()
-    assert local.threads == {me} and plain.threads and me not in plain.threads
+    assert local.threads == undeclared.threads == {me} and plain.threads and me not in plain.threads
     sync = ListSink()
     d = SinkDispatcher([sync], background=False)
     d.start(RUN)
@@ -293,6 +308,7 @@ from attn_probe.sinks import dispatch
 dispatch.EXIT_TIMEOUT = 2.0
 
 class Slow:
+    background = True
     def start(self, run): pass
     def log(self, snapshot):
         time.sleep(0.05)
@@ -301,6 +317,7 @@ class Slow:
     def finish(self): pass
 
 class Stuck:
+    background = True
     def start(self, run): pass
     def log(self, snapshot): threading.Event().wait()  # never returns
     def finish(self): pass
@@ -320,3 +337,19 @@ def test_interpreter_exit_drains_an_unclosed_dispatcher_and_never_hangs(tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     assert time.monotonic() - t0 < 30
     assert path.read_text().split() == [str(s) for s in range(10)]  # the healthy lane was drained at exit
+
+
+def test_a_dispatcher_dropped_without_close_still_writes_and_finishes():
+    import gc
+
+    sink = ListSink(delay=0.02)
+    d = SinkDispatcher([sink])
+    d.start(RUN)
+    for step in range(3):
+        d.log(snap(step))
+    del d
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while not sink.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.steps == [0, 1, 2] and sink.finished

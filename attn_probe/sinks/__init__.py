@@ -3,6 +3,16 @@
 Sinks only receive plain Python data (no tensors, no model) and never import the probe;
 ``TensorBoardSink`` (``sinks.tensorboard``) and ``TrajectorySink`` (``sinks.trajectory``)
 are imported lazily so that ``import attn_probe`` stays light.
+
+The probe drives its sinks through :class:`~attn_probe.sinks.dispatch.SinkDispatcher`: each
+sink isolated from the others, retried after a failure, and written from a background thread
+of its own when it says that is safe. Optional members a sink may have:
+
+* ``background = True`` (class attribute): may be called from the dispatcher's thread (one
+  thread per sink; calls never overlap). Without it the sink is called on the training thread;
+* ``recover()``: called before the next write after a failed one (reopen a file or a writer);
+  raising means "still broken", and that snapshot is counted as lost for this sink;
+* ``flush()``: make what was logged durable (called by ``probe.flush()``).
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ class RunInfo:
 
 
 class Sink(Protocol):
+    """The required members; ``background``, ``recover()`` and ``flush()`` are optional (above)."""
+
     def start(self, run: RunInfo) -> None: ...
 
     def log(self, snapshot: Snapshot) -> None: ...

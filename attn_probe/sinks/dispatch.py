@@ -26,13 +26,15 @@ the sink if the blocked call ever returns. Nothing waits without a bound, and th
 threads never hold up interpreter exit; an ``atexit`` hook flushes dispatchers that were
 never closed, bounded by :data:`EXIT_TIMEOUT`.
 
-**Which thread.** ``background=False`` delivers inline, on the caller's thread, with the same
-isolation, retries and warnings (for debugging, and for tests that want files written when
-``log`` returns). A sink whose class sets ``background = False`` is always delivered inline:
-use it for libraries whose state is thread-local (MLflow's fluent API keeps the active run
-per thread). Background deliveries run in a copy of the caller's :mod:`contextvars` context
-taken at submission, so libraries that keep their current run in a ``ContextVar`` (trackio)
-see it.
+**Which thread.** A sink gets a background lane when its class says it is safe to call from
+another thread: ``background = True`` (the TensorBoard and trajectory sinks do; a network
+sink should). Any other sink is delivered inline, on the caller's thread, with the same
+isolation, retries and warnings: calling a sink from a thread it was not written for can
+break it silently (MLflow's fluent API keeps the active run per thread: from another thread
+it would log into a new run). ``SinkDispatcher(background=False)`` delivers every sink
+inline (for debugging, and for tests that want files written when ``log`` returns).
+Background deliveries run in a copy of the caller's :mod:`contextvars` context taken at
+submission, so libraries that keep their current run in a ``ContextVar`` (trackio) see it.
 
 **Never raises.** ``log``, ``flush`` and ``close`` catch everything; warnings go through
 :func:`safe_warn`, which falls back to stderr when the warnings filter turns them into
@@ -140,7 +142,7 @@ class _Lane:
     def __init__(self, sink: Any, *, background: bool, queue_size: int) -> None:
         self.sink = sink
         self.name = sink_name(sink)
-        self.background = background and getattr(sink, "background", True) is not False
+        self.background = background and getattr(sink, "background", False) is True
         self.capacity = max(1, int(queue_size))
         self.stats = SinkStats(self.name, self.background)
         self._items: deque[_Item] = deque()
@@ -441,6 +443,17 @@ class SinkDispatcher:
         except Exception:  # noqa: BLE001
             ok = False
         return ok
+
+    def __del__(self) -> None:
+        # Collected without close() (a probe dropped in a notebook): let every lane write what it
+        # holds and then finish its sink, without waiting here (this may run on any thread).
+        try:
+            if self._started and not self._closed and os.getpid() == self._pid:
+                self._closed = True
+                for lane in self._lanes:
+                    lane.submit(_Item("finish"))
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
 
     # -- introspection ---------------------------------------------------------------------------
 

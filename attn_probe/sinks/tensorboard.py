@@ -244,6 +244,8 @@ class TensorBoardSink:
 
     #: free bytes below which a reopen is not attempted
     REOPEN_MIN_FREE = 8192
+    #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
+    background = True
 
     def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000,
                  purge_stale: bool = True) -> None:

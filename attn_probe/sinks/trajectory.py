@@ -106,6 +106,9 @@ def _write_all(fd: int, data: bytes) -> None:
 class TrajectorySink:
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
+    #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
+    background = True
+
     def __init__(self, log_dir: str, filename: str = TRAJECTORY_FILENAME) -> None:
         self.path = os.path.join(log_dir, filename)
         self._fd: int | None = None
