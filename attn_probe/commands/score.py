@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths", metavar="PATH", nargs="+",
         help="checkpoint directory (config.json + model.safetensors, sharded, or pytorch_model.bin), "
-             "several, or a Trainer output dir (all its checkpoint-N folders)",
+             "several, a Trainer output dir (all its checkpoint-N folders), or a llama.cpp .gguf file",
     )
     parser.add_argument(
         "--trajectory", metavar="RUN_DIR",
@@ -86,17 +86,55 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import summarize_rows
+    from ..trajectory_format import encode_value
+
+    gguf = [p for p in args.paths if str(p).lower().endswith(".gguf")]
+    if gguf:
+        rows, many, checkpoints = _score_gguf(args, gguf), False, []
+    else:
+        rows, many, checkpoints = _score_checkpoints(args)
+    if args.json:
+        # NaN as null, the trajectory file's rule
+        print(json.dumps([{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()}
+                          for r in rows], allow_nan=False))
+        return 0
+    if many:
+        for step, _path in checkpoints:
+            part = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] == step]
+            print(f"step {step}:")
+            print(format_summary(summarize_rows(part)))
+        return 0
+    print(format_table(rows))
+    print()
+    print(format_summary(summarize_rows(rows)))
+    return 0
+
+
+def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any]]:
+    """``attn-probe score model.gguf``: llama.cpp's format, architecture from its metadata."""
     import sys
 
-    from ..checkpoint import (
-        CheckpointError,
-        find_checkpoints,
-        score_checkpoint,
-        summarize_rows,
-        write_checkpoint_trajectory,
-    )
     from ..cli import CommandError
-    from ..trajectory_format import encode_value
+
+    if len(args.paths) != 1 or args.trajectory is not None or args.step is not None:
+        raise CommandError(f"a GGUF file ({gguf[0]}) is scored on its own, without --trajectory or --step")
+    try:
+        from ..gguf import GGUFError, score_gguf
+    except ImportError as exc:  # pragma: no cover - the module imports gguf lazily
+        raise CommandError(str(exc)) from None
+    try:
+        return score_gguf(args.paths[0], per_head=args.per_head, num_std=args.num_std, metrics=args.metrics,
+                          progress=sys.stderr.isatty())
+    except (GGUFError, ImportError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool, list[Any]]:
+    import sys
+
+    from ..checkpoint import CheckpointError, find_checkpoints, score_checkpoint, write_checkpoint_trajectory
+    from ..cli import CommandError
 
     try:
         checkpoints = find_checkpoints(args.paths, step=args.step)
@@ -116,18 +154,4 @@ def run(args: argparse.Namespace) -> int:
                                     metrics=args.metrics)
     except CheckpointError as exc:
         raise CommandError(str(exc)) from None
-    if args.json:
-        # NaN as null, the trajectory file's rule
-        print(json.dumps([{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()}
-                          for r in rows], allow_nan=False))
-        return 0
-    if many:
-        for step, _path in checkpoints:
-            part = [{k: v for k, v in r.items() if k != "step"} for r in rows if r["step"] == step]
-            print(f"step {step}:")
-            print(format_summary(summarize_rows(part)))
-        return 0
-    print(format_table(rows))
-    print()
-    print(format_summary(summarize_rows(rows)))
-    return 0
+    return rows, many, checkpoints

@@ -38,7 +38,7 @@ from ..schedules import ScheduleLike
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
 #: options of the callback itself (wiring), beside the ProbeConfig fields
-CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head")
+CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head", "background", "sink_queue", "sink_timeout")
 
 
 def _find_callback_handler() -> Any:
@@ -110,6 +110,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
+        self.sink_options = {k: options.pop(k) for k in ("background", "sink_queue", "sink_timeout") if k in options}
         self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
             trackers = tuple(trackers)
@@ -191,16 +192,32 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             trackers = _reporting_callbacks(handler, self.trackers)
             if trackers:
                 sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head))
+        from ..logdir import LogDirInUseError, unique_log_dir
+
+        def build(where: str | None) -> Probe:
+            return Probe(
+                model,
+                self.config.replace(start_step=step),
+                log_dir=where,
+                sinks=sinks or None,
+                is_main_process=main,
+                purge_stale=purge_stale,
+                extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
+                **self.sink_options,
+            )
+
+        try:
+            self.probe = build(log_dir)
+        except LogDirInUseError:
+            chosen_by_default = self.log_dir is None and os.getenv("TENSORBOARD_LOGGING_DIR") is None
+            if not chosen_by_default or log_dir is None:
+                raise
+            # another run (e.g. a second Trainer started in the same second) writes the default
+            # directory: take a unique sibling rather than failing
+            taken, log_dir = log_dir, unique_log_dir(log_dir)
+            _warn(f"attn_probe: {taken} is in use by another run; this probe writes to {log_dir}")
+            self.probe = build(log_dir)
         self.run_log_dir = log_dir
-        self.probe = Probe(
-            model,
-            self.config.replace(start_step=step),
-            log_dir=log_dir,
-            sinks=sinks or None,
-            is_main_process=main,
-            purge_stale=purge_stale,
-            extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
-        )
         if main:
             from ..watching import announce
 
