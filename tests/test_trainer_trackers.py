@@ -1,0 +1,157 @@
+"""A real Trainer reporting to MLflow / W&B: the probe's values reach the Trainer's own run.
+
+``attn_probe.attach(trainer, every=2)`` (and ``callbacks=[AttnProbeCallback(...)]`` once) with
+``report_to=["mlflow"]`` (a local tracking server, read back with ``MlflowClient``) and
+``report_to=["wandb"]`` (offline, read back from the ``.wandb`` file). The tracker holds the
+per-layer values and the across-layer stats at the probe's steps (the final step included),
+equal to the JSONL, in exactly one run, beside the Trainer's own loss; nothing of the probe
+lands in ``trainer.state.log_history``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from pathlib import Path
+
+import pytest
+from tracker_servers import MlflowServer, expected_metrics, wandb_history
+from trainer_fixtures import RandomTokens, make_args, tiny_bert
+from transformers import Trainer
+
+import attn_probe
+from attn_probe.integrations.transformers import AttnProbeCallback
+
+STEPS = 5
+PROBE_STEPS = [0, 2, 4, 5]  # every=2, and the final step
+
+
+def same(a, b) -> bool:
+    a, b = float(a), float(b)
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def assert_same_series(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]]) -> None:
+    assert sorted(got) == sorted(want) == PROBE_STEPS
+    for step in want:
+        assert sorted(got[step]) == sorted(want[step]), f"keys at step {step}"
+        bad = {k: (got[step][k], v) for k, v in want[step].items() if not same(got[step][k], v)}
+        assert not bad, f"step {step}: {bad}"
+    keys = want[PROBE_STEPS[0]]
+    assert any("/layer_" in k for k in keys)
+    for stat in ("median", "q25", "q75"):
+        assert any(k.endswith(f"/symmetry/{stat}") for k in keys), stat
+    assert not any("/head_" in k for k in keys)  # per-head values only when asked
+
+
+def probe_run_dir(out: Path) -> Path:
+    runs = [d for d in (out / "runs").iterdir() if (d / "attn_probe.jsonl").is_file()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def no_probe_values_in_log_history(trainer: Trainer) -> None:
+    history = trainer.state.log_history
+    assert any("loss" in row for row in history)
+    assert not [k for row in history for k in row if "attn_probe" in k]
+
+
+def build(out: Path, report_to: list[str], how: str) -> Trainer:
+    args = make_args(out, STEPS, report_to=report_to, logging_steps=1)
+    if how == "callbacks":
+        return Trainer(model=tiny_bert(), args=args, train_dataset=RandomTokens(),
+                       callbacks=[AttnProbeCallback(every=2)])
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=RandomTokens())
+    attn_probe.attach(trainer, every=2)
+    return trainer
+
+
+# --------------------------------------------------------------------------- MLflow
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow")
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("how", ["attach", "callbacks"])
+def test_trainer_reporting_to_mlflow_gets_the_probe_values_in_its_run(tmp_path, monkeypatch, mlflow_server, how):
+    import mlflow
+    from mlflow import MlflowClient
+
+    experiment = f"trainer-{how}-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    mlflow.set_tracking_uri(mlflow_server.uri)
+
+    trainer = build(tmp_path, ["mlflow"], how)
+    trainer.train()
+    flush = getattr(mlflow, "flush_async_logging", None)
+    if flush is not None:
+        flush()  # the Trainer's MLflowCallback logs with synchronous=False
+    if mlflow.active_run() is not None:
+        mlflow.end_run()
+
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1  # the Trainer's own run, no second one
+    run_id = runs[0].info.run_id
+    got: dict[int, dict[str, float]] = {}
+    for key in client.get_run(run_id).data.metrics:
+        if key.startswith("attn_probe/"):
+            for m in client.get_metric_history(run_id, key):
+                assert key not in got.get(m.step, {}), f"{key} logged twice at step {m.step}"
+                got.setdefault(m.step, {})[key] = m.value
+    assert_same_series(got, expected_metrics(probe_run_dir(tmp_path)))
+    losses = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1))  # the Trainer's own loss
+    no_probe_values_in_log_history(trainer)
+
+
+# --------------------------------------------------------------------------- W&B
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                       "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
+                       "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
+                       "WANDB_CACHE_DIR": str(tmp_path / "wbcache"), "WANDB_PROJECT": "attn-probe-trainer",
+                       "WANDB_LOG_MODEL": "false", "WANDB_WATCH": "false"}.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "wb").mkdir()
+    yield tmp_path / "wb"
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def test_trainer_reporting_to_wandb_gets_the_probe_values_in_its_run(tmp_path, wandb_offline):
+    import wandb
+
+    out = tmp_path / "out"
+    trainer = build(out, ["wandb"], "attach")
+    trainer.train()
+    assert wandb.run is not None  # the Trainer's run, still open: the probe opened no other
+    wandb.run.finish()
+
+    history = wandb_history(wandb_offline)  # asserts exactly one .wandb file
+    prefix = "train/attn_probe/"  # the WandbCallback's own convention: train/ prefix, train/global_step axis
+    got: dict[int, dict[str, float]] = {}
+    losses = []
+    for row in history:
+        probe = {k[len("train/"):]: v for k, v in row.items() if k.startswith(prefix)}
+        if probe:
+            step = int(row["train/global_step"])
+            assert step not in got, f"probe step {step} in two rows"
+            got[step] = probe
+        if "train/loss" in row:
+            losses.append(int(row["train/global_step"]))
+    assert_same_series(got, expected_metrics(probe_run_dir(out)))
+    assert losses == list(range(1, STEPS + 1))
+    no_probe_values_in_log_history(trainer)
