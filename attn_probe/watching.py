@@ -13,6 +13,9 @@ from .schedules import ScheduleLike
 
 __all__ = ["watch", "announce"]
 
+#: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
+ACCELERATE_OPTIONS = ("trackers", "trackers_per_head")
+
 
 def _describe_schedule(every: Any, unit: str) -> str:
     if every is None:
@@ -59,7 +62,9 @@ def watch(
 
     * ``watch(model, optimizer=opt, log_dir="runs/x", every=100)``: counts ``opt.step()``;
     * ``watch(model, accelerator=accelerator, every=100)``: counts real optimizer updates of
-      the prepared optimizers and writes into the accelerator's TensorBoard run if any;
+      the prepared optimizers (``optimizer=opt`` names the one to count), writes into the
+      accelerator's TensorBoard run if any, and sends the values to its other trackers
+      (``trackers=``/``trackers_per_head=``, :mod:`attn_probe.integrations.accelerate`);
     * ``watch(model, every=100)``: counts training-mode forward passes of ``model``.
 
     ``every`` is an int or a callable ``step -> bool`` (:mod:`attn_probe.schedules`). The
@@ -68,14 +73,16 @@ def watch(
     ``image_mode``, ``pairs``, ``start_step``, ``find_kwargs``) and ``sinks``/``writer``;
     a misspelled or invalid one raises ``TypeError``/``ValueError`` here.
     """
+    accelerate_only = {k: options.pop(k) for k in ACCELERATE_OPTIONS if k in options}
+    if accelerate_only and accelerator is None:
+        raise TypeError(f"{', '.join(sorted(accelerate_only))}: only with accelerator=")
     wiring = {k: options.pop(k) for k in list(options) if k in WIRING}
     config = config_from_options(every=every, allowed_extra=WIRING + ("optimizer", "accelerator"), **options)
-    if optimizer is not None and accelerator is not None:
-        raise ValueError("give optimizer= or accelerator=, not both (the accelerator knows its optimizers)")
     if accelerator is not None:
         from .integrations.accelerate import watch_accelerated
 
-        return watch_accelerated(model, accelerator, config, log_dir=log_dir, **wiring)
+        return watch_accelerated(model, accelerator, config, log_dir=log_dir, optimizer=optimizer,
+                                 **accelerate_only, **wiring)
     probe = Probe(model, config, log_dir=log_dir, **wiring)
     if optimizer is not None:
         probe.attach_optimizer(optimizer)

@@ -11,7 +11,20 @@ the TensorBoard run). The counter advances on *real* optimizer updates only:
   global step.
 
 Writes go through the accelerator's TensorBoard tracker's writer when one is initialised
-(flushed, never closed by the probe), otherwise into an own writer in ``log_dir``.
+(flushed, never closed by the probe), otherwise into an own writer in ``log_dir``. Every other
+tracker given to ``Accelerator(log_with=...)`` and initialised by ``init_trackers`` (W&B,
+MLflow, trackio, Comet, ...) gets the per-layer values and the across-layer median/q25/q75
+through its public ``GeneralTracker.log`` (:class:`AcceleratorTrackersSink`), called on the
+training thread (MLflow's fluent API keeps its active run per thread). W&B gets the probe's
+own step axis (``attn_probe/step``, as :class:`~attn_probe.sinks.wandb.WandbSink`) instead of
+``step=``, because W&B drops a log whose step is below the last one it saw, which would drop
+the user's or the probe's values when their counters differ. ``trackers=False`` turns this
+off, a list of tracker names narrows it, ``trackers_per_head=True`` adds per-head values.
+
+Optimizer: ``watch(model, accelerator=acc, optimizer=opt)`` hooks ``opt`` (the inner torch
+optimizer of an ``AcceleratedOptimizer``, its public ``optimizer`` attribute). Without
+``optimizer=``, the prepared optimizers are found in ``accelerator._optimizers``: Accelerate
+has no public accessor for them, so this private attribute is read only as that fallback.
 
 Resume: ``watch(model, accelerator=acc, start_step=G)``. The trajectory drops its rows at steps
 ``>= G``, and :class:`~attn_probe.sinks.tensorboard.TensorBoardSink` writes TensorBoard's
@@ -22,6 +35,7 @@ logged losses too) and each step shows once. The same logic serves every resume 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,7 +45,7 @@ from ..config import ProbeConfig
 from ..counting import EngineSteps
 from ..probe import Probe
 
-__all__ = ["watch_accelerated", "tensorboard_tracker_writer"]
+__all__ = ["AcceleratorTrackersSink", "watch_accelerated", "tensorboard_tracker_writer"]
 
 
 def tensorboard_tracker_writer(accelerator: Any) -> Any:
@@ -44,41 +58,129 @@ def tensorboard_tracker_writer(accelerator: Any) -> Any:
     return None
 
 
+def _tracker_name(tracker: Any) -> str:
+    return str(getattr(tracker, "name", type(tracker).__name__)).lower()
+
+
+def other_trackers(accelerator: Any, which: bool | Sequence[str] = True) -> list[Any]:
+    """The accelerator's initialised trackers other than TensorBoard (the probe writes that itself)."""
+    if which is False:
+        return []
+    names = None if which is True else {str(n).lower() for n in which}
+    return [t for t in getattr(accelerator, "trackers", None) or []
+            if _tracker_name(t) != "tensorboard" and (names is None or _tracker_name(t) in names)]
+
+
+class AcceleratorTrackersSink:
+    """Send each snapshot to Accelerate trackers through their public ``GeneralTracker.log``.
+
+    No ``background`` attribute: the probe calls it on the training thread, where the
+    trackers' runs live. W&B trackers get the probe's own step axis (``attn_probe/step``);
+    the others get ``step=`` the snapshot's step. A failing tracker does not stop the others;
+    the errors are raised together afterwards (the probe isolates the sink).
+    """
+
+    def __init__(self, trackers: Sequence[Any], *, per_head: bool = False) -> None:
+        self.trackers = list(trackers)
+        self.per_head = bool(per_head)
+        self._axis_defined: set[int] = set()
+
+    def start(self, run: Any) -> None:
+        pass
+
+    def _define_wandb_axis(self, tracker: Any) -> None:
+        from ..sinks.trackers import STEP_KEY
+        from ..tags import PREFIX
+
+        if id(tracker) in self._axis_defined:
+            return
+        run = tracker.tracker  # GeneralTracker's public handle on the library's run
+        run.define_metric(STEP_KEY)
+        run.define_metric(f"{PREFIX}/*", step_metric=STEP_KEY)
+        self._axis_defined.add(id(tracker))
+
+    def log(self, snapshot: Any) -> None:
+        from ..sinks.trackers import STEP_KEY, tracker_metrics
+
+        values = tracker_metrics(snapshot, per_head=self.per_head)
+        if not values:
+            return
+        errors = []
+        for tracker in self.trackers:
+            try:
+                if _tracker_name(tracker) == "wandb":
+                    self._define_wandb_axis(tracker)
+                    tracker.log({**values, STEP_KEY: int(snapshot.step)})
+                else:
+                    tracker.log(dict(values), step=int(snapshot.step))
+            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
+                errors.append(f"{_tracker_name(tracker)}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("accelerator tracker failed: " + "; ".join(errors))
+
+    def finish(self) -> None:
+        pass  # the runs belong to the accelerator (accelerator.end_training())
+
+
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer.optimizer (public)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"cannot hook optimizer of type {type(inner).__name__}")
+    return inner
+
+
 def watch_accelerated(
     model: nn.Module,
     accelerator: Any,
     config: ProbeConfig | None = None,
     *,
     log_dir: str | None = None,
+    optimizer: Any = None,
+    trackers: bool | Sequence[str] = True,
+    trackers_per_head: bool = False,
     **options: Any,
 ) -> Probe:
     """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0.
 
-    ``options`` are :class:`~attn_probe.config.ProbeConfig` fields and the probe's wiring
-    arguments (``sinks``, ``is_main_process``...).
+    ``optimizer`` is the optimizer to count (prepared or not); without it, the accelerator's
+    prepared optimizers (read from the private ``accelerator._optimizers``, for want of a
+    public accessor). ``trackers``/``trackers_per_head`` choose what the accelerator's
+    non-TensorBoard trackers get. ``options`` are :class:`~attn_probe.config.ProbeConfig`
+    fields and the probe's wiring arguments (``sinks``, ``is_main_process``...).
     """
+    if not isinstance(trackers, bool):
+        trackers = tuple(trackers)
+        if not all(isinstance(t, str) for t in trackers):
+            raise TypeError(f"trackers must be True, False or tracker names, got {trackers!r}")
     writer = tensorboard_tracker_writer(accelerator) if log_dir is None else None
     options.setdefault("is_main_process", bool(accelerator.is_main_process))
     engine_wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
-    optimizers = list(getattr(accelerator, "_optimizers", []))
+    if optimizer is not None:
+        optimizers = [_inner_optimizer(optimizer)]
+    else:
+        optimizers = list(getattr(accelerator, "_optimizers", None) or [])  # no public accessor
     if engine_wrapper is None and not optimizers:
         raise ValueError(
             "attn_probe.watch(accelerator=...) found no prepared optimizer: call it after "
             "accelerator.prepare(model, optimizer, ...)"
         )
+    if options["is_main_process"]:
+        others = other_trackers(accelerator, trackers)
+        if others:
+            options["sinks"] = [*(options.get("sinks") or []),
+                                AcceleratorTrackersSink(others, per_head=trackers_per_head)]
     probe = Probe(model, config, log_dir=log_dir, writer=writer, **options)
     try:
         if engine_wrapper is not None:
             probe.add_hook_handle(EngineSteps(engine_wrapper.engine, probe))
         else:
-            for acc_opt in optimizers:
-                inner = getattr(acc_opt, "optimizer", acc_opt)
-                if not isinstance(inner, torch.optim.Optimizer):
-                    raise TypeError(f"cannot hook optimizer of type {type(inner).__name__}")
-                probe.attach_optimizer(inner)
-                break  # one counter: several optimizers step together once per update
+            # one counter: several optimizers step together once per update
+            probe.attach_optimizer(_inner_optimizer(optimizers[0]))
     except Exception:
         probe.close(final_snapshot=False)
         raise
+    from ..watching import announce
+
+    announce(probe, every=probe.config.every, unit="optimizer steps")
     probe.snapshot(probe.step)
     return probe

@@ -1,0 +1,125 @@
+"""``watch(model, accelerator=acc)`` sends the probe's values to the accelerator's trackers.
+
+A real ``Accelerator(log_with=["wandb", "tensorboard"])`` (W&B offline, read back from the
+``.wandb`` file): W&B gets the per-layer values and median/q25/q75 at the probe's steps on the
+probe's own step axis, equal to the JSONL, beside the user's loss logged with
+``accelerator.log`` under a counter that runs far ahead of the probe's; TensorBoard (written
+by the probe itself) holds each probe tag once per step. ``optimizer=`` picks the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tracker_servers import SEQ, VOCAB, expected_metrics, tiny_bert, wandb_history
+
+import attn_probe
+from attn_probe.sinks.trackers import STEP_KEY
+
+UPDATES = 5
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                       "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
+                       "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
+                       "WANDB_CACHE_DIR": str(tmp_path / "wbcache")}.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "wb").mkdir()
+    yield tmp_path / "wb"
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+def same(a, b) -> bool:
+    a, b = float(a), float(b)
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_accelerator_wandb_tracker_gets_the_probe_values(tmp_path, fresh_accelerate_state, wandb_offline):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, log_with=["wandb", "tensorboard"], project_dir=str(tmp_path / "proj"))
+    acc.init_trackers("acc-run", init_kwargs={"wandb": {"dir": str(wandb_offline), "mode": "offline"}})
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = acc.prepare(model, opt)
+    probe = attn_probe.watch(model, accelerator=acc, optimizer=opt, every=2)
+    assert probe.log_dir is not None
+    logged = []
+    for i in range(UPDATES):
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        user_step = 1000 + 10 * i  # the user's counter runs far ahead of the probe's step
+        acc.log({"loss": loss.item()}, step=user_step)
+        logged.append((user_step, loss.item()))
+    assert probe.step == UPDATES
+    probe.close()
+    acc.end_training()
+
+    want = expected_metrics(probe.log_dir)
+    assert sorted(want) == [0, 2, 4, 5]
+    history = wandb_history(wandb_offline)
+    got: dict[int, dict[str, float]] = {}
+    for row in history:
+        if STEP_KEY in row:
+            step = int(row[STEP_KEY])
+            assert step not in got, f"probe step {step} in two rows"
+            got[step] = {k: v for k, v in row.items() if k.startswith("attn_probe/") and k != STEP_KEY}
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert sorted(got[step]) == sorted(want[step])
+        assert all(same(got[step][k], v) for k, v in want[step].items()), step
+    assert any(k.endswith("/symmetry/median") for k in got[0]) and not any("/head_" in k for k in got[0])
+    # the user's losses all survive (W&B drops a log whose step= is below the last one it saw)
+    assert sorted((row["_step"], row["loss"]) for row in history if "loss" in row) == pytest.approx(logged)
+
+    # TensorBoard: the probe wrote into the tracker's run, each tag once per step
+    ea = EventAccumulator(str(probe.log_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == [0, 2, 4, 5]
+    assert [e.step for e in ea.Scalars("loss")] == [s for s, _ in logged]
+
+
+def test_accelerate_optimizer_argument_and_tracker_options(tmp_path, fresh_accelerate_state):
+    from accelerate import Accelerator
+
+    from attn_probe.integrations.accelerate import other_trackers
+
+    acc = Accelerator(cpu=True)
+    model = tiny_bert()
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, raw)
+    assert other_trackers(acc) == []
+    with pytest.raises(TypeError, match="only with accelerator="):
+        attn_probe.watch(model, optimizer=opt, trackers=False, log_dir=str(tmp_path / "x"))
+    for n, given in enumerate((opt, raw)):  # the AcceleratedOptimizer or the torch optimizer inside it
+        probe = attn_probe.watch(model, accelerator=acc, optimizer=given, every=1, log_dir=str(tmp_path / f"r{n}"),
+                                 trackers=False)
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+        assert probe.step == 1
+        probe.close()
