@@ -95,8 +95,9 @@ def test_server_serves_scalars_and_layout(server):
     assert [step for _, step, _ in points] == [0, 2, 4]
 
     layout = get_json(base, "/data/plugin/custom_scalars/layout")
-    (category,) = layout["category"]
-    assert category["title"] == "attn_probe/self"
+    categories = {c["title"]: c for c in layout["category"]}
+    assert set(categories) == {"attn_probe/self", "attn_probe/self/norms"}  # the scores, the norms
+    category = categories["attn_probe/self"]
     charts = {c["title"]: c for c in category["chart"]}
     margin = charts["symmetry: median across layers (q25-q75)"]["margin"]["series"][0]
     assert (margin["value"], margin["lower"], margin["upper"]) == (
