@@ -48,9 +48,6 @@ for kind in ("encoder", "decoder"):
     # attn_probe.symmetric_init_(model)   # try it: start every head with W_k = W_q
 
     run_dir = f"{cfg.out_dir}/{cfg.name}/{kind}"
-    # The Trainer's own TensorBoard run (loss, learning rate) goes to run_dir: transformers reads
-    # TENSORBOARD_LOGGING_DIR when the Trainer is built. The probe writes into the same run.
-    os.environ["TENSORBOARD_LOGGING_DIR"] = run_dir
     args = TrainingArguments(
         output_dir=f"{run_dir}/trainer", max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
         learning_rate=cfg.lr, warmup_steps=cfg.warmup, weight_decay=cfg.weight_decay, data_seed=cfg.seed,
@@ -65,9 +62,9 @@ for kind in ("encoder", "decoder"):
         #    (demo.make_collator(kind, tokenizer, "paper-mlm") gives the paper's released code's decoder batches).
         data_collator=demo.make_collator(kind, tokenizer),
     )
-    # 4. The one line that watches W_qk: scores into the Trainer's TensorBoard run (beside the loss)
-    #    and the lossless attn_probe.jsonl next to them.
-    probe = attn_probe.attach(trainer, every=cfg.every)
+    # 4. The one line that watches W_qk: scores and the Trainer's own TensorBoard logs (loss,
+    #    learning rate) in one run, run_dir, with the lossless attn_probe.jsonl next to them.
+    probe = attn_probe.attach(trainer, every=cfg.every, log_dir=run_dir)
     trainer.train()
     run_dirs[kind] = probe.run_log_dir
 

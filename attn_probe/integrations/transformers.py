@@ -151,7 +151,14 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     def _choose_log_dir(self, args: Any, state: Any, handler: Any) -> str:
         """The run directory: ``log_dir=``, else the saved one on resume, else the Trainer's TensorBoard run."""
         if self.log_dir is not None:
-            return os.path.expanduser(self.log_dir)
+            chosen = os.path.expanduser(self.log_dir)
+            if os.getenv("TENSORBOARD_LOGGING_DIR") is None:
+                # with attach() this runs before the TensorBoardCallback opens its writer: make the
+                # Trainer's loss go to the same run (no public setter exists)
+                for cb in _tensorboard_callbacks(handler):
+                    if getattr(cb, "tb_writer", None) is None:
+                        cb.logging_dir = chosen
+            return chosen
         saved = _saved_run_dir(state) if state.global_step > 0 else None
         if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
             # continue the run of the checkpoint: the trajectory stays one run; tell a
