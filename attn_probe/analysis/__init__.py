@@ -16,10 +16,17 @@ __all__ = ["cli_errors", "add_runs_argument"]
 
 
 def add_runs_argument(parser: argparse.ArgumentParser) -> None:
-    """The ``RUN_DIR...`` positional shared by ``export``, ``plot`` and ``summary``."""
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+    """The ``RUN_DIR...`` positional shared by ``export``, ``plot`` and ``summary``.
+
+    Each argument is a path or ``NAME=PATH`` (the runs at or below ``PATH`` are named ``NAME``),
+    parsed into a :class:`~attn_probe.analysis.trajectory.NamedRun`.
+    """
+    from .trajectory import parse_run_argument
+
+    parser.add_argument("runs", nargs="+", metavar="[NAME=]RUN_DIR", type=parse_run_argument,
                         help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
-                             "or tables written by export")
+                             "or tables written by export; NAME=RUN_DIR names the run (default: the "
+                             "directory's name, or a Trainer's output_dir name for its runs/<time>_<host>)")
 
 
 @contextmanager

@@ -40,6 +40,7 @@ __all__ = [
     "TrajectoryError",
     "TrajectoryWarning",
     "export_trajectory",
+    "NamedRun",
     "find_runs",
     "load_trajectory",
     "read_table",
@@ -117,9 +118,78 @@ def _run_dirs_below(root: Path) -> list[Path]:
     return found
 
 
-def _unique_names(paths: list[Path]) -> list[str]:
-    """Directory names, lengthened with parent directories until they are unique."""
-    parts = [p.resolve().parts for p in paths]
+#: a Trainer's default TensorBoard run directory: ``<Mon DD_HH-MM-SS>_<host>`` (SummaryWriter's
+#: default, possibly with the ``_N`` of :func:`attn_probe.logdir.unique_log_dir`) under ``runs/``
+_TRAINER_RUN = re.compile(r"^[^\W\d_]+\d{2}_\d{2}-\d{2}-\d{2}_.+$")
+
+
+class NamedRun(os.PathLike):
+    """A run path with the name the user gave it (``NAME=PATH`` on the command line).
+
+    A path everywhere (``os.fspath``); :func:`find_runs` names the runs at or below it
+    ``NAME`` (``NAME/sub`` for nested runs), like a ``{name: path}`` mapping.
+    """
+
+    def __init__(self, name: str, path: PathLike) -> None:
+        self.name = str(name)
+        self.path = os.fspath(path)
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NamedRun) and (self.name, self.path) == (other.name, other.path)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.path))
+
+    def __repr__(self) -> str:
+        return f"NamedRun({self.name!r}, {self.path!r})"
+
+
+def parse_run_argument(text: str) -> str | NamedRun:
+    """``NAME=PATH`` as a :class:`NamedRun`; anything else (an existing path included) as is.
+
+    An argument that exists as a path stays a path even if it contains ``=``; ``NAME`` may
+    not contain a path separator.
+    """
+    if "=" in text and not os.path.exists(text):
+        name, path = text.split("=", 1)
+        if name and path and "/" not in name and os.sep not in name:
+            return NamedRun(name, path)
+    return text
+
+
+def trainer_output_dir(run_dir: Path) -> Path | None:
+    """``output_dir`` when ``run_dir`` is a Trainer's default ``output_dir/runs/<time>_<host>``."""
+    d = run_dir.resolve()
+    if d.parent.name == "runs" and _TRAINER_RUN.match(d.name) and d.parent.parent.name:
+        return d.parent.parent
+    return None
+
+
+def _name_parts(paths: list[Path]) -> list[tuple[str, ...]]:
+    """Path components to name each run by (the name is the last one, or more on a clash).
+
+    A Trainer's default run directory is named after its ``output_dir``; several of them
+    under one ``output_dir`` keep their directory's name after it (``out/Nov23_...``).
+    """
+    outputs = [trainer_output_dir(p) for p in paths]
+    parts = []
+    for p, out in zip(paths, outputs, strict=True):
+        if out is None:
+            parts.append(p.resolve().parts)
+        elif outputs.count(out) > 1:
+            parts.append((*out.parts[:-1], f"{out.name}/{p.resolve().name}"))
+        else:
+            parts.append(out.parts)
+    return parts
+
+
+def _unique_names(paths: list[Path], taken: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Run names (see :func:`_name_parts`), lengthened with parent directories until they are
+    unique; names still shared, or already ``taken`` by a named run, get ``#2``, ``#3``..."""
+    parts = _name_parts(paths)
     depth = [1] * len(paths)
     while True:
         names = ["/".join(pt[-k:]) for pt, k in zip(parts, depth, strict=True)]
@@ -129,30 +199,42 @@ def _unique_names(paths: list[Path]) -> list[str]:
             break
         for i in grow:
             depth[i] += 1
-    seen: dict[str, int] = {}
+    seen: dict[str, int] = {n: 1 for n in taken}
     out = []
     for n in names:
         seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+        name = n if seen[n] == 1 else f"{n}#{seen[n]}"
+        while name != n and name in seen:
+            seen[n] += 1
+            name = f"{n}#{seen[n]}"
+        seen.setdefault(name, 1)
+        out.append(name)
     return out
 
 
 def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
     """``(name, directory)`` of every run directory at or below the given paths.
 
-    The name is the directory's name, lengthened with its parents where two runs would
-    otherwise share it; a mapping ``{name: path}`` names runs explicitly (nested runs
-    become ``name/sub``). Raises ``FileNotFoundError`` for a missing path and
-    :class:`TrajectoryError` when no run directory is found at all.
+    The name is the directory's name; a Trainer's default run directory
+    (``output_dir/runs/<time>_<host>``) is named after ``output_dir``. Names are lengthened
+    with parent directories where two runs would otherwise share one. A mapping
+    ``{name: path}`` or a :class:`NamedRun` (``NAME=PATH`` on the command line) names runs
+    explicitly: the run at or below the path is ``name``, several runs below it ``name/sub``.
+    Raises ``FileNotFoundError`` for a missing path and :class:`TrajectoryError` when no run
+    directory is found at all or a name is given twice.
     """
     if isinstance(runs, Mapping):
         items: list[tuple[str | None, Path]] = [(str(k), Path(v)) for k, v in runs.items()]
     elif isinstance(runs, (str, os.PathLike)):
-        items = [(None, Path(runs))]
+        items = [(runs.name if isinstance(runs, NamedRun) else None, Path(runs))]
     else:
-        items = [(None, Path(r)) for r in runs]
+        items = [(r.name if isinstance(r, NamedRun) else None, Path(r)) for r in runs]
     if not items:
         raise TrajectoryError("no run directory given")
+    given = [k for k, _ in items if k is not None]
+    twice = sorted({k for k in given if given.count(k) > 1})
+    if twice:
+        raise TrajectoryError(f"run name given twice: {', '.join(twice)}")
     named: list[tuple[str, Path]] = []
     unnamed: list[Path] = []
     seen: set[Path] = set()
@@ -175,14 +257,16 @@ def find_runs(runs: RunsLike) -> list[tuple[str, Path]]:
                 unnamed.append(d)
             else:
                 rel = d.relative_to(root).as_posix()
-                named.append((key if rel == "." else f"{key}/{rel}", d))
+                # the one run below a named path (a Trainer's output_dir) takes the name itself
+                named.append((key if rel == "." or len(dirs) == 1 else f"{key}/{rel}", d))
     if not named and not unnamed:
-        given = ", ".join(str(p) for _, p in items)
+        given_paths = ", ".join(str(p) for _, p in items)
         raise TrajectoryError(
-            f"no probe data in {given}: no {TRAJECTORY_FILENAME} and no TensorBoard event "
+            f"no probe data in {given_paths}: no {TRAJECTORY_FILENAME} and no TensorBoard event "
             "files at or below it"
         )
-    return named + list(zip(_unique_names(unnamed), unnamed, strict=True))
+    taken = {n for n, _ in named}
+    return named + list(zip(_unique_names(unnamed, taken), unnamed, strict=True))
 
 
 # --------------------------------------------------------------------------- readers
