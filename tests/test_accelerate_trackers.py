@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tracker_servers import SEQ, VOCAB, expected_metrics, tiny_bert, wandb_history
+from tracker_servers import SEQ, VOCAB, expected_metrics, tiny_bert, wandb_history, wandb_offline_env
 
 import attn_probe
 from attn_probe.sinks.trackers import STEP_KEY
@@ -35,18 +35,7 @@ def fresh_accelerate_state():
 
 @pytest.fixture
 def wandb_offline(monkeypatch, tmp_path):
-    pytest.importorskip("wandb")
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                       "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
-                       "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
-                       "WANDB_CACHE_DIR": str(tmp_path / "wbcache")}.items():
-        monkeypatch.setenv(key, value)
-    (tmp_path / "wb").mkdir()
-    yield tmp_path / "wb"
-    import wandb
-
-    if wandb.run is not None:
-        wandb.run.finish()
+    yield from wandb_offline_env(monkeypatch, tmp_path)
 
 
 def same(a, b) -> bool:
@@ -129,18 +118,15 @@ def test_accelerator_mlflow_tracker_gets_the_probe_values(tmp_path, monkeypatch,
     pytest.importorskip("mlflow")
     import uuid
 
-    import mlflow
     from accelerate import Accelerator
     from mlflow import MlflowClient
-    from tracker_servers import MlflowServer
+    from tracker_servers import MlflowServer, use_mlflow_server
 
     (tmp_path / "mlflow").mkdir()
     server = MlflowServer(tmp_path / "mlflow")
     try:
         experiment = f"acc-{uuid.uuid4().hex[:8]}"
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
-        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        mlflow.set_tracking_uri(server.uri)
+        use_mlflow_server(monkeypatch, server.uri)
         acc = Accelerator(cpu=True, log_with=["mlflow"], project_dir=str(tmp_path / "proj"))
         acc.init_trackers(experiment)
         model = tiny_bert()

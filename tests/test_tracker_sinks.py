@@ -22,8 +22,10 @@ from tracker_servers import (
     tiny_bert,
     trackio_rows,
     train_steps,
+    use_mlflow_server,
     wandb_history,
     wandb_metric_definitions,
+    wandb_offline_env,
 )
 
 import attn_probe
@@ -128,8 +130,7 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.fixture
 def mlflow_env(monkeypatch, mlflow_server):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    use_mlflow_server(monkeypatch, mlflow_server.uri)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
     return mlflow_server.uri
@@ -191,18 +192,7 @@ def test_mlflow_sink_logs_into_the_users_run_and_leaves_it_open(tmp_path, mlflow
 # --------------------------------------------------------------------------- W&B
 @pytest.fixture
 def wandb_offline(monkeypatch, tmp_path):
-    pytest.importorskip("wandb")
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                       "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
-                       "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
-                       "WANDB_CACHE_DIR": str(tmp_path / "wbcache")}.items():
-        monkeypatch.setenv(key, value)
-    (tmp_path / "wb").mkdir()
-    yield tmp_path / "wb"
-    import wandb
-
-    if wandb.run is not None:  # a failed test must not leave a run behind for the next one
-        wandb.run.finish()
+    yield from wandb_offline_env(monkeypatch, tmp_path)
 
 
 def probe_rows(history: list[dict]) -> dict[int, dict[str, float]]:

@@ -15,7 +15,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-from tracker_servers import MlflowServer, expected_metrics, wandb_history
+from tracker_servers import (
+    MlflowServer,
+    expected_metrics,
+    use_mlflow_server,
+    wandb_history,
+    wandb_offline_env,
+)
 from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
@@ -81,12 +87,10 @@ def test_trainer_reporting_to_mlflow_gets_the_probe_values_in_its_run(tmp_path, 
     from mlflow import MlflowClient
 
     experiment = f"trainer-{how}-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    use_mlflow_server(monkeypatch, mlflow_server.uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", experiment)
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    mlflow.set_tracking_uri(mlflow_server.uri)
 
     trainer = build(tmp_path, ["mlflow"], how)
     trainer.train()
@@ -116,19 +120,7 @@ def test_trainer_reporting_to_mlflow_gets_the_probe_values_in_its_run(tmp_path, 
 # --------------------------------------------------------------------------- W&B
 @pytest.fixture
 def wandb_offline(monkeypatch, tmp_path):
-    pytest.importorskip("wandb")
-    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                       "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
-                       "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
-                       "WANDB_CACHE_DIR": str(tmp_path / "wbcache"), "WANDB_PROJECT": "attn-probe-trainer",
-                       "WANDB_LOG_MODEL": "false", "WANDB_WATCH": "false"}.items():
-        monkeypatch.setenv(key, value)
-    (tmp_path / "wb").mkdir()
-    yield tmp_path / "wb"
-    import wandb
-
-    if wandb.run is not None:
-        wandb.run.finish()
+    yield from wandb_offline_env(monkeypatch, tmp_path, WANDB_PROJECT="attn-probe-trainer", WANDB_LOG_MODEL="false", WANDB_WATCH="false")
 
 
 def test_trainer_reporting_to_wandb_gets_the_probe_values_in_its_run(tmp_path, wandb_offline):

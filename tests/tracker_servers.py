@@ -236,3 +236,45 @@ def trackio_rows(trackio_dir: str | Path, project: str) -> list[tuple[str, int, 
     with sqlite3.connect(db) as con:
         rows = con.execute("SELECT run_name, step, metrics FROM metrics ORDER BY id").fetchall()
     return [(name, int(step), json.loads(metrics)) for name, step, metrics in rows]
+
+
+# --------------------------------------------------------------------------- isolation between tests
+def wandb_offline_env(monkeypatch: Any, tmp_path: Path, **extra: str) -> Any:
+    """Offline W&B in ``tmp_path/wb`` for one test: a generator for a pytest fixture.
+
+    ``wandb.teardown()`` before and after: W&B keeps a process-wide singleton whose settings
+    (``WANDB_DIR`` among them) are read once, so without it a later test's run is written into
+    an earlier test's directory.
+    """
+    import pytest
+
+    pytest.importorskip("wandb")
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+           "WANDB_DIR": str(tmp_path / "wb"), "WANDB_DISABLE_GIT": "true",
+           "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wbconfig"),
+           "WANDB_CACHE_DIR": str(tmp_path / "wbcache"), **extra}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "wb").mkdir()
+    yield tmp_path / "wb"
+    if wandb.run is not None:  # a failed test must not leave a run behind for the next one
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def use_mlflow_server(monkeypatch: Any, uri: str) -> None:
+    """Point MLflow at ``uri`` for one test: the environment *and* the process-wide URI.
+
+    ``mlflow.set_tracking_uri`` outranks ``MLFLOW_TRACKING_URI`` and outlives the test: every
+    MLflow test calls this, so none inherits a URI of a server that is gone.
+    """
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    mlflow.set_tracking_uri(uri)
