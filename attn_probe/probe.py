@@ -18,10 +18,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -47,7 +45,7 @@ from .metrics import table_entries
 from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
 from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
-from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats
+from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats, safe_warn
 from .sinks.tensorboard import writer_log_dir
 from .tags import layer_stats
 
@@ -105,19 +103,9 @@ def main_process_only(method: F) -> F:
 
 
 def _warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """Warn without ever raising.
-
-    Under ``python -W error`` (or a ``filterwarnings("error")``) ``warnings.warn`` raises the
-    warning as an exception; the probe's isolation must not depend on the warnings filter, so
-    the message then goes to stderr instead.
-    """
-    try:
-        warnings.warn(message, category, stacklevel=3)
-    except Exception:  # noqa: BLE001 - a warning must never stop training
-        try:
-            print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001
-            pass
+    """Warn without ever raising (:func:`attn_probe.sinks.dispatch.safe_warn`): the probe's
+    isolation must not depend on the warnings filter (``python -W error``)."""
+    safe_warn(message, category, stacklevel=3)
 
 
 def _report_failure(probe: Probe, what: str, exc: BaseException) -> None:

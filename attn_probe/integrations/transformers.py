@@ -275,12 +275,9 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 # ------------------------------------------------------------------------------------ helpers
 def _warn(message: str) -> None:
     """A RuntimeWarning that cannot raise (``python -W error`` turns warnings into exceptions)."""
-    import warnings
+    from ..sinks.dispatch import safe_warn
 
-    try:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    except Exception:  # noqa: BLE001 - the probe must not stop training over a warning
-        print(message, file=sys.stderr)
+    safe_warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _flush(probe: Probe) -> None:
@@ -339,24 +336,6 @@ def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]
     return [cb for cb in handler.callbacks if isinstance(cb, tuple(wanted))]
 
 
-def snapshot_values(snapshot: Any, *, per_head: bool = False) -> dict[str, float]:
-    """``{tag: value}`` of a snapshot for trackers: per-layer values and across-layer stats.
-
-    Keys are TensorBoard's tags (:func:`attn_probe.tags.scalar_tag`: letters, digits, ``_``
-    and ``/``, valid for W&B, MLflow and trackio); a metric's median key ends in
-    ``{metric}/median``. Per-head values only with ``per_head`` (trackers have per-step budgets).
-    """
-    from ..tags import scalar_tag
-
-    values: dict[str, float] = {}
-    for r in snapshot.records:
-        if r.head is None or per_head:
-            values[scalar_tag(r.group, r.metric, layer=r.layer, head=r.head)] = float(r.value)
-    for (group, metric, stat), value in snapshot.stats.items():
-        values[scalar_tag(group, metric, stat=stat)] = float(value)
-    return values
-
-
 class TrainerTrackersSink:
     """Send each snapshot to the Trainer's tracker callbacks through their own ``on_log``.
 
@@ -380,7 +359,9 @@ class TrainerTrackersSink:
 
         from transformers import TrainerControl
 
-        values = snapshot_values(snapshot, per_head=self.per_head)
+        from ..sinks.trackers import tracker_metrics
+
+        values = tracker_metrics(snapshot, per_head=self.per_head)
         state = copy.copy(self.state)
         state.global_step = snapshot.step
         errors = []
