@@ -34,17 +34,6 @@ def expected_steps(schedule, updates):
     return fired if fired[-1] == updates else fired + [updates]  # close() adds the final state
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def test_accelerate_gradient_accumulation_and_tracker(tmp_path, fresh_accelerate_state):
     from accelerate import Accelerator
 

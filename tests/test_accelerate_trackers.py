@@ -23,17 +23,6 @@ UPDATES = 5
 
 
 @pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
 def wandb_offline(monkeypatch, tmp_path):
     yield from wandb_offline_env(monkeypatch, tmp_path)
 

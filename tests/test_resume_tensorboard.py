@@ -52,17 +52,6 @@ def check_each_step_once_with_resumed_values(log_dir, want_steps, resume_step):
     return ea
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def accelerate_run(project_dir, seed, first_update, last_update, **watch_kw):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
