@@ -425,24 +425,12 @@ def acquire_default(base: str | os.PathLike | None = None, *, fresh: bool = True
     lock when the run ends. Raises :class:`LogDirError` when nothing can be written.
     """
     base = os.fspath(base) if base is not None else default_log_dir()
-    if fresh:
-        while True:
-            lock = LogDirLock(unique_log_dir(base))
-            try:
-                lock.acquire()
-            except LogDirInUseError:  # a user-named writer took the new directory meanwhile
-                continue
-            try:
-                check_log_dir(lock.log_dir)
-            except BaseException:
-                lock.release()
-                raise
-            return lock
-    for cand in _candidates(base):
+    names = iter(lambda: unique_log_dir(base), None) if fresh else _candidates(base)
+    for cand in names:
         lock = LogDirLock(cand)
         try:
             lock.acquire()
-        except LogDirInUseError:
+        except LogDirInUseError:  # another writer holds it (or took a fresh name meanwhile)
             continue
         try:
             check_log_dir(lock.log_dir)
