@@ -42,6 +42,7 @@ __all__ = [
     "Products",
     "check_metrics",
     "score_factors",
+    "score_factor_stack",
     "table_entries",
     "table_rows",
 ]
@@ -156,12 +157,24 @@ class Products:
     def sigma_max_sq(self) -> Tensor:
         """``sigma_max(M)^2`` of the rescaled ``M``, ``(n, G)`` in the compute dtype; NaN if not finite.
 
-        The largest eigenvalue of a symmetric matrix with the same non-zero spectrum as
-        ``M M^T``: ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``) when
-        ``r < d``, else ``M^T M`` (``d x d``, ``M`` explicit). Exact (LAPACK/cuSOLVER), no
-        iteration, nothing carried between calls.
+        The largest eigenvalue of a symmetric PSD matrix with the same non-zero spectrum as
+        ``M M^T``. Problems of size ``m = min(r, d)`` up to :func:`lanczos_threshold` are
+        solved exactly: ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``) when
+        ``r < d``, else ``M^T M`` (``d x d``). Larger ones use :func:`lanczos_lambda_max`
+        on the operator ``v -> A^T G_B A v`` (Gram path) or ``v -> M^T M v`` (``M`` formed):
+        a fixed number of steps from a fixed start vector, nothing carried between calls.
         """
         r, d = self.a.shape[-2:]
+        if min(r, d) > lanczos_threshold(self.a.device):
+            if self.explicit:
+                m = self.matrix
+                return lanczos_lambda_max(lambda v: _mtv(m, _mv(m, v)), (*self.shape, d), m)
+            a, gb = self.a, self.gram_b[:, None]
+            return lanczos_lambda_max(lambda v: _mtv(a, _mv(gb, _mv(a, v))), (*self.shape, d), a)
+        if r < d and not host_eigensolver(self.a.device):  # no eigh: it would wait for the device
+            gb_ga = self.gram_b[:, None] @ self.gram_a  # same spectrum as F^T G_B F
+            c0, finite = _finite_or_zero(gb_ga)
+            return torch.where(finite, _lambda_max_by_squaring(c0).to(c0.dtype).clamp_min(0), float("nan"))
         if r < d:
             s, u = _eigh(self.gram_a)
             f = u * s.clamp_min(0).sqrt()[..., None, :]  # G_A = F F^T
@@ -208,10 +221,134 @@ def _eigh(c: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _lambda_max(c: Tensor) -> Tensor:
-    """Largest eigenvalue (clamped at 0) of each symmetric PSD ``c[..., :, :]``; NaN if not finite."""
+    """Largest eigenvalue (clamped at 0) of each symmetric PSD ``c[..., :, :]``; NaN if not finite.
+
+    ``eigvalsh`` on CPU; elsewhere :func:`_lambda_max_by_squaring`, which needs no host
+    synchronisation (a dense eigensolver checks its error flag on the host).
+    """
     c0, finite = _finite_or_zero(c)
-    lam = torch.linalg.eigvalsh((c0 + c0.mT) * 0.5)[..., -1].clamp_min(0)
-    return torch.where(finite, lam, float("nan"))
+    c0 = (c0 + c0.mT) * 0.5
+    if host_eigensolver(c.device):
+        lam = torch.linalg.eigvalsh(c0)[..., -1]
+    else:
+        lam = _lambda_max_by_squaring(c0).to(c.dtype)
+    return torch.where(finite, lam.clamp_min(0), float("nan"))
+
+
+#: squarings in :func:`_lambda_max_by_squaring`: relative error at most ``1 / (e 2^s)``
+SQUARINGS = 32
+
+
+def _lambda_max_by_squaring(c: Tensor, squarings: int = SQUARINGS) -> Tensor:
+    """Largest eigenvalue of PSD ``c`` from ``P = c^(2^s)``: ``tr(c P) / tr(P)``, float64.
+
+    ``c`` may also be a product of two PSD matrices (``G_B G_A``: real, non-negative
+    eigenvalues, diagonalisable), whose traces behave alike.
+
+    With eigenvalues ``l_i`` the ratio is ``sum l_i w_i / sum w_i``, ``w_i = (l_i / l_1)^(2^s)``,
+    so it lies within ``l_1 / (e 2^s)`` below ``l_1`` whatever the gap. Each square is divided
+    by its trace (no overflow); only matrix products, so nothing waits for the device.
+    """
+    p = c.to(torch.float64)
+    p = p / _trace(p).clamp_min(torch.finfo(torch.float64).tiny)[..., None, None]
+    for _ in range(squarings):
+        p = p @ p
+        p = p / _trace(p).clamp_min(torch.finfo(torch.float64).tiny)[..., None, None]
+    top = _trace(c.to(torch.float64) @ p)
+    return torch.where(_trace(p) > 0, top / _trace(p).clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+
+
+def _trace(x: Tensor) -> Tensor:
+    return x.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+
+#: Lanczos steps for problems up to 2048 (more, as ``m^(1/3)``, beyond: the relative gap at
+#: the top of a random-like spectrum shrinks as ``m^(-2/3)``); see docs/scores.md
+LANCZOS_STEPS = 48
+
+
+def host_eigensolver(device: torch.device) -> bool:
+    """Whether dense eigensolvers (``eigh``/``eigvalsh``) are used on ``device``: on CPU only.
+
+    Elsewhere they check their error flag on the host, a synchronisation the core avoids
+    (:func:`_lambda_max_by_squaring` instead).
+    """
+    return device.type == "cpu"
+
+
+def lanczos_threshold(device: torch.device) -> int:
+    """Largest problem size solved exactly (``eigvalsh``) on ``device``; larger ones use Lanczos.
+
+    On CPU LAPACK's ``eigvalsh`` is cheaper up to a few hundred (measured, docs/performance.md);
+    on other devices a dense eigensolver is slow for small matrices and waits for the device.
+    """
+    return 384 if host_eigensolver(device) else 64
+
+
+def lanczos_steps(m: int) -> int:
+    """Lanczos steps for an ``m x m`` problem: :data:`LANCZOS_STEPS`, growing as ``m^(1/3)`` past 2048."""
+    return min(m, max(LANCZOS_STEPS, math.ceil(LANCZOS_STEPS * (m / 2048) ** (1 / 3))))
+
+
+_START: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _start_vector(m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The fixed, seeded unit start vector of length ``m`` (the same on every call and rank)."""
+    key = (m, dtype, device)
+    if key not in _START:
+        gen = torch.Generator().manual_seed(20250214)
+        v = torch.randn(m, generator=gen, dtype=torch.float64)
+        _START[key] = (v / v.norm()).to(device=device, dtype=dtype)
+    return _START[key]
+
+
+def _mv(x: Tensor, v: Tensor) -> Tensor:
+    """``x @ v`` for stacks ``x (..., p, q)``, ``v (..., q)`` (broadcast)."""
+    if x.device.type == "cpu":  # batched gemv is slow on CPU; a fused multiply-sum is memory speed
+        return (x * v[..., None, :]).sum(-1)
+    return (x @ v[..., None])[..., 0]
+
+
+def _mtv(x: Tensor, v: Tensor) -> Tensor:
+    """``x^T @ v`` for stacks ``x (..., p, q)``, ``v (..., p)`` (broadcast)."""
+    if x.device.type == "cpu":
+        return (x * v[..., :, None]).sum(-2)
+    return (x.mT @ v[..., None])[..., 0]
+
+
+def lanczos_lambda_max(op: Callable[[Tensor], Tensor], shape: tuple[int, ...], like: Tensor,
+                       steps: int | None = None) -> Tensor:
+    """Largest eigenvalue of each symmetric PSD operator in a batch, ``shape[:-1]``, by Lanczos.
+
+    ``op`` maps vectors ``(*shape)`` to ``(*shape)``. A fixed number of steps
+    (:func:`lanczos_steps`) from a fixed start vector, with full reorthogonalisation (twice),
+    then the largest Ritz value of ``H = V^T op(V)`` (``steps x steps``). A Krylov space that
+    closes early (rank-deficient operator) gives zero vectors, which add zero Ritz values.
+    Non-finite operators give NaN. No host synchronisation except the final small
+    ``eigvalsh`` (replaced by :func:`_lambda_max_by_squaring` off CPU).
+    """
+    *batch, m = shape
+    k = lanczos_steps(m) if steps is None else min(steps, m)
+    dtype, device = like.dtype, like.device
+    basis = like.new_zeros((*batch, k, m))
+    images = like.new_zeros((*batch, k, m))
+    v = _start_vector(m, dtype, device).expand(*batch, m)
+    first = None
+    for j in range(k):
+        basis[..., j, :] = v
+        w = op(v)
+        images[..., j, :] = w
+        if first is None:
+            first = w.norm(dim=-1, keepdim=True)  # |op(v0)|: the scale breakdown is judged against
+        seen = basis[..., : j + 1, :]
+        for _ in range(2):  # "twice is enough" (Gram-Schmidt)
+            w = w - ((seen * w[..., None, :]).sum(-1)[..., None] * seen).sum(-2)
+        norm = w.norm(dim=-1, keepdim=True)
+        keep = norm > 1e3 * torch.finfo(dtype).eps * first
+        v = torch.where(keep, w / torch.where(keep, norm, 1.0), 0.0)
+    h = basis @ images.mT
+    return _lambda_max(h)
 
 
 def _undefined_as_nan(p: Products, value: Tensor) -> Tensor:
@@ -255,8 +392,9 @@ def qk_bound(p: Products) -> Tensor:
     logits that survives rotary embeddings. A NaN head makes the layer value NaN.
     """
     heads = p.parts
-    if heads is not None:  # a layer: max over the unsummed heads
-        return qk_bound(heads).amax().reshape(1, 1).expand(p.shape)
+    if heads is not None:  # a layer (G = 1): max over its unsummed heads
+        n = p.shape[0]
+        return qk_bound(heads).reshape(n, -1).amax(-1, keepdim=True).expand(p.shape)
     sa, sb = p.factor_sigma_max
     return sa * sb
 
@@ -301,8 +439,9 @@ def check_metrics(metrics: Sequence[str] | str | None) -> tuple[str, ...]:
     return names
 
 
-def _metric_table(p: Products, metrics: tuple[str, ...]) -> Tensor:
-    return torch.stack([METRICS[m](p).reshape(-1).to(torch.float64) for m in metrics])
+def _metric_table(p: Products, metrics: tuple[str, ...], layers: int) -> Tensor:
+    """``(layers, len(metrics), columns)`` of the metrics of ``p`` (its ``(n, G)`` split per layer)."""
+    return torch.stack([METRICS[m](p).reshape(layers, -1).to(torch.float64) for m in metrics], 1)
 
 
 def score_factors(
@@ -321,27 +460,55 @@ def score_factors(
     column 0 the layer matrix, then one column per head. Grouped query heads are summed
     before the layer product (``M = sum_g (sum_{h in g} Q_h)^T K_g``), so a grouped-query
     layer costs ``num_kv_heads`` heads. Computed in ``dtype`` under ``no_grad``; no host sync.
+    One layer of :func:`score_factor_stack`.
 
     Example:
         >>> q = torch.randn(4, 8, 32)
         >>> score_factors(q, q, ("symmetry",), per_head=True)  # W_q = W_k: all symmetric
         tensor([[1., 1., 1., 1., 1.]], dtype=torch.float64)
     """
-    num_heads, num_kv, head_dim, d = _check_factors(query, key)
+    _check_factors(query, key)
+    return score_factor_stack(query[None], key[None], metrics, per_head=per_head, num_std=num_std,
+                              dtype=dtype)[0]
+
+
+def score_factor_stack(
+    queries: Tensor,
+    keys: Tensor,
+    metrics: Sequence[str] | None = None,
+    *,
+    per_head: bool = False,
+    num_std: float = 2.0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """:func:`score_factors` of ``L`` layers of one shape at once: ``(L, len(metrics), 1 + H * per_head)``.
+
+    ``queries``: ``(L, num_heads, head_dim, d)``, ``keys``: ``(L, num_kv_heads, head_dim, d)``.
+    Each layer's values equal its :func:`score_factors` up to rounding (the same operations,
+    batched); the batch saves the per-layer launches and Python work of small layers.
+    """
+    if not isinstance(queries, Tensor) or not isinstance(keys, Tensor) or queries.ndim != 4 or keys.ndim != 4:
+        raise ValueError("stacked factors must be shaped (layers, heads, head_dim, d)")
+    if queries.shape[0] != keys.shape[0] or queries.shape[0] == 0:
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)}: need the same, "
+                         "non-zero number of layers")
+    num_heads, num_kv, head_dim, d = _check_factors(queries[0], keys[0])
     num_std = _check_num_std(num_std)
     names = check_metrics(metrics)
-    group = num_heads // num_kv
+    n_layers, group = queries.shape[0], num_heads // num_kv
     with torch.no_grad():
-        q = query.detach().to(dtype)
-        k = key.detach().to(dtype)
-        q_grouped = q.reshape(num_kv, group, head_dim, d).sum(1) if group > 1 else q
-        heads = _Lazy(lambda: Products(q.reshape(num_kv, group, head_dim, d), k, num_std, dtype))
-        layer = Products(q_grouped.reshape(1, 1, num_kv * head_dim, d), k.reshape(1, num_kv * head_dim, d),
-                         num_std, dtype, parts=heads.get)
-        columns = [_metric_table(layer, names)]
+        # contiguous: a strided view (fused projections) and a stacked copy then round alike
+        q = queries.detach().to(dtype).contiguous()
+        k = keys.detach().to(dtype).contiguous()
+        q_grouped = q.reshape(n_layers, num_kv, group, head_dim, d).sum(2) if group > 1 else q
+        heads = _Lazy(lambda: Products(q.reshape(n_layers * num_kv, group, head_dim, d),
+                                       k.reshape(n_layers * num_kv, head_dim, d), num_std, dtype))
+        layer = Products(q_grouped.reshape(n_layers, 1, num_kv * head_dim, d),
+                         k.reshape(n_layers, num_kv * head_dim, d), num_std, dtype, parts=heads.get)
+        columns = [_metric_table(layer, names, n_layers)]
         if per_head:
-            columns.append(_metric_table(heads.get(), names))
-        return torch.cat(columns, 1)
+            columns.append(_metric_table(heads.get(), names, n_layers))
+        return torch.cat(columns, 2)
 
 
 class _Lazy:

@@ -17,15 +17,16 @@ one: the value-output circuit ``W_o^h W_v^h``, opt-in::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from .extraction import AttentionLayer
-from .metrics import DEFAULT_METRICS, check_metrics, score_factors
+from .metrics import DEFAULT_METRICS, check_metrics, score_factor_stack, score_factors
 
-__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs"]
+__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "score_layers"]
 
 Tensor = torch.Tensor
 ParamGetter = Callable[[str], Tensor]
@@ -71,9 +72,19 @@ class QKPair:
     def score(self, layer: AttentionLayer, query: Tensor, key: Tensor, *,
               per_head: bool, num_std: float) -> Tensor:
         # stays on the weights' device: the probe moves every layer's values in one transfer
-        core = getattr(self, "core_metrics", None) or tuple(m[len(self.prefix):] for m in self.metrics)
-        return score_factors(query, key, core, per_head=per_head, num_std=num_std,
-                             dtype=getattr(self, "dtype", torch.float32))
+        return score_factors(query, key, self._core_metrics(), per_head=per_head, num_std=num_std,
+                             dtype=self._dtype())
+
+    def score_stack(self, queries: Tensor, keys: Tensor, *, per_head: bool, num_std: float) -> Tensor:
+        """:meth:`score` of ``L`` stacked layers of one shape: ``(L, len(metrics), 1 + H * per_head)``."""
+        return score_factor_stack(queries, keys, self._core_metrics(), per_head=per_head, num_std=num_std,
+                                  dtype=self._dtype())
+
+    def _core_metrics(self) -> tuple[str, ...]:
+        return getattr(self, "core_metrics", None) or tuple(m[len(self.prefix):] for m in self.metrics)
+
+    def _dtype(self) -> torch.dtype:
+        return getattr(self, "dtype", torch.float32)
 
 
 class OVPair(QKPair):
@@ -129,3 +140,54 @@ def pair_metric_names(pairs: Sequence[ScorePair]) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"two score pairs write the same metric name: {names}")
     return names
+
+
+#: bytes a stack of layers may take in :func:`score_layers` (factors in the compute dtype, their
+#: rescaled copies and a ``d x d`` product per layer); larger groups are scored in chunks
+STACK_BYTES = 256 << 20
+
+
+def _scores_as_stack(pair: ScorePair) -> bool:
+    """Whether ``pair`` scores through the core unchanged, so that stacking gives its own numbers."""
+    return isinstance(pair, QKPair) and type(pair).score is QKPair.score
+
+
+def score_layers(pair: ScorePair, layers: Sequence[AttentionLayer], factors: Sequence[tuple[Tensor, Tensor]],
+                 *, per_head: bool, num_std: float) -> list[Tensor]:
+    """``pair.score`` of each layer, in order; layers of one shape are scored as stacks.
+
+    For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
+    ``score``), the layers whose factors share shape, dtype and device go through
+    :func:`attn_probe.metrics.score_factor_stack` in chunks of at most :data:`STACK_BYTES`;
+    any other pair is called layer by layer. Results stay on the weights' device.
+    """
+    if not _scores_as_stack(pair) or len(layers) < 2:
+        return [pair.score(layer, a, b, per_head=per_head, num_std=num_std)
+                for layer, (a, b) in zip(layers, factors, strict=True)]
+    assert isinstance(pair, QKPair)
+    dtype = pair._dtype()
+    groups: dict[tuple, list[int]] = {}
+    for i, (a, b) in enumerate(factors):
+        groups.setdefault((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, b.device), []).append(i)
+    out: list[Tensor | None] = [None] * len(layers)
+    item = torch.empty((), dtype=dtype).element_size()
+    for (q_shape, k_shape, *_), indices in groups.items():
+        d = q_shape[-1]
+        per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
+        size = max(1, STACK_BYTES // per_layer)
+        for start in range(0, len(indices), size):
+            chunk = indices[start: start + size]
+            if len(chunk) == 1:
+                i = chunk[0]
+                out[i] = pair.score(layers[i], *factors[i], per_head=per_head, num_std=num_std)
+                continue
+            a0, b0 = factors[chunk[0]]
+            queries = torch.empty((len(chunk), *q_shape), dtype=dtype, device=a0.device)
+            keys = torch.empty((len(chunk), *k_shape), dtype=dtype, device=b0.device)
+            for j, i in enumerate(chunk):  # copy_ converts: one copy, in the compute dtype
+                queries[j].copy_(factors[i][0])
+                keys[j].copy_(factors[i][1])
+            table = pair.score_stack(queries, keys, per_head=per_head, num_std=num_std)
+            for j, i in enumerate(chunk):
+                out[i] = table[j]
+    return out  # type: ignore[return-value]

@@ -42,7 +42,7 @@ from .extraction import AttentionLayer, find_attention, unwrap
 from .images import HeatmapImages, render_heatmap
 from .logdir import LogDirError, LogDirInUseError, LogDirLock, acquire_default, check_log_dir, default_log_dir
 from .metrics import table_entries
-from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
+from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names, score_layers
 from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats, safe_warn
@@ -523,22 +523,38 @@ class Probe:
         except Exception as exc:  # noqa: BLE001 - re-raised after the walk
             want_images, error = False, exc
         layers = list(self.layers)
+        # Unsharded weights stay valid after the walk: score layers of one shape as stacks
+        # afterwards. Gathered ones are freed at the next layer: score each in the walk.
+        deferred: list[tuple[AttentionLayer, list[tuple[Tensor, Tensor]]]] | None = (
+            [] if sharding_kind(self.model) == "local" else None)
         walk = iter_layer_params(self.model, layers, param_names=self._param_names, agreement=self._agreement,
                                  check=self._check_extraction, stop=lambda: error is not None, outcome=outcome)
         for layer, get in walk:
             if not self.is_main_process or error is not None:
                 continue  # keep exhausting the iterator: other ranks wait in its collectives
             try:
-                values = []
+                factors = []
                 for pair in self.pairs:
                     a, b = pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
-                    values.append(pair.score(layer, a.detach(), b.detach(), per_head=self.config.per_head,
-                                             num_std=self.config.num_std))
-                scored.append((layer, values))
+                    factors.append((a.detach(), b.detach()))
+                if deferred is not None:
+                    deferred.append((layer, factors))
+                else:
+                    scored.append((layer, [score_layers(pair, [layer], [f], per_head=self.config.per_head,
+                                                        num_std=self.config.num_std)[0]
+                                           for pair, f in zip(self.pairs, factors, strict=True)]))
                 if want_images:
                     assert self.images is not None
                     images[(layer.group, layer.layer)] = self.images.measure(layer, get)
             except Exception as exc:  # noqa: BLE001 - re-raised after the walk
+                error = exc
+        if error is None and deferred:
+            try:
+                by_pair = [score_layers(pair, [lay for lay, _ in deferred], [f[i] for _, f in deferred],
+                                        per_head=self.config.per_head, num_std=self.config.num_std)
+                           for i, pair in enumerate(self.pairs)]
+                scored = [(lay, [values[j] for values in by_pair]) for j, (lay, _) in enumerate(deferred)]
+            except Exception as exc:  # noqa: BLE001 - raised below
                 error = exc
         if error is not None:
             raise error
