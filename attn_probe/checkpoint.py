@@ -1,11 +1,12 @@
 """Score a saved Hugging Face checkpoint directory without loading the model.
 
 The model is built on the ``meta`` device (no memory, no initialisation) only to learn its
-attention layout with :func:`attn_probe.find_attention`; then exactly the query/key tensors
-of one layer at a time are read from ``model.safetensors`` (single or sharded through
-``model.safetensors.index.json``) or, for legacy checkpoints, from ``pytorch_model.bin``
-(``torch.load(weights_only=True, mmap=True)``, never an unrestricted pickle). Peak memory
-is about one layer's ``W_q`` and ``W_k``.
+attention layout with :func:`attn_probe.find_attention`; then exactly the tensors the score
+pairs declare (the query/key weights by default; with ``pairs=("qk", "ov")`` also the
+value/output weights) of one layer at a time are read from ``model.safetensors`` (single or
+sharded through ``model.safetensors.index.json``) or, for legacy checkpoints, from
+``pytorch_model.bin`` (``torch.load(weights_only=True, mmap=True)``, never an unrestricted
+pickle). Peak memory is about one layer's ``W_q`` and ``W_k`` (and ``W_v``, ``W_o``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,17 @@ import torch
 
 from .extraction import AttentionLayer, UnsupportedModelError, find_attention
 from .extraction.base import ParamGetter
-from .metrics import check_metrics
-from .scoring import Row, row_metrics, score_layer
+from .pairs import ScorePair, pair_metric_names
+from .scoring import (
+    PairsLike,
+    Row,
+    check_model_pairs,
+    pair_label,
+    pairs_param_names,
+    resolve_pairs,
+    row_metrics,
+    score_layer_pairs,
+)
 from .tags import layer_stats
 
 __all__ = [
@@ -236,12 +246,16 @@ def open_checkpoint(
     *,
     groups: Iterable[str] | None = None,
     layers: Iterable[int] | None = None,
+    pairs: Sequence[ScorePair] | None = None,
 ) -> tuple[list[AttentionLayer], Callable[[AttentionLayer], ParamGetter]]:
     """The attention layers of a saved checkpoint directory, and a reader of one layer's tensors.
 
     The model is built on the meta device only to find its layers; ``tensors_of(layer)``
-    reads exactly ``layer.param_names`` from the weight files and returns a getter for
-    :meth:`~attn_probe.extraction.AttentionLayer.factors` / ``qk_matrix``. Raises
+    reads exactly ``layer.param_names`` (with ``pairs``: every parameter the pairs declare)
+    from the weight files and returns a getter for
+    :meth:`~attn_probe.extraction.AttentionLayer.factors` / ``qk_matrix`` (or the pairs'
+    ``factors``). With ``pairs``, every pair checks every layer first (the OV pair rejects an
+    architecture whose W_v/W_o layout it does not know), before any tensor is read. Raises
     :class:`CheckpointError` for unusable input.
     """
     directory = Path(path).expanduser()
@@ -260,10 +274,16 @@ def open_checkpoint(
         ) from exc
     if not found:
         raise CheckpointError(f"{directory}: no attention layer matches the requested groups/layers")
+    if pairs is not None:
+        try:
+            check_model_pairs(pairs, found, getattr(config, "model_type", None))
+        except UnsupportedModelError as exc:
+            raise CheckpointError(f"{directory}: {exc}") from None
     resolve = _key_resolver(weights.keys(), str(getattr(skeleton, "base_model_prefix", "") or ""))
 
     def tensors_of(layer: AttentionLayer) -> ParamGetter:
-        tensors = {name: weights.get(resolve(name)) for name in layer.param_names}
+        names = pairs_param_names(pairs, layer) if pairs is not None else layer.param_names
+        tensors = {name: weights.get(resolve(name)) for name in names}
         return tensors.__getitem__
 
     return found, tensors_of
@@ -279,14 +299,17 @@ def score_checkpoint(
     layers: Iterable[int] | None = None,
     progress: bool | None = None,
     metrics: Iterable[str] | None = None,
+    pairs: PairsLike | None = None,
 ) -> list[Row]:
-    """The metrics of every attention layer of a saved checkpoint directory (default: symmetry, directionality).
+    """The metrics of every attention layer of a saved checkpoint directory (default: the six W_qk metrics).
 
     ``path`` holds ``config.json`` and ``model.safetensors`` (or shards listed in
     ``model.safetensors.index.json``, or ``pytorch_model.bin``). Rows are those of
-    :func:`attn_probe.score_model` on the same model; only one layer's query/key tensors
-    are in memory at a time. ``progress`` shows a tqdm bar on stderr (default: when stderr
-    is a terminal). Raises :class:`CheckpointError` for unusable input.
+    :func:`attn_probe.score_model` on the same model, with the same ``metrics`` and ``pairs``
+    (``pairs=("qk", "ov")`` adds the ``ov_`` metrics of ``W_o^h W_v^h``); only one layer's
+    tensors are in memory at a time. ``progress`` shows a tqdm bar on stderr (default: when
+    stderr is a terminal). Raises :class:`CheckpointError` for unusable input, including an
+    architecture a pair cannot read (checked before any tensor is read).
 
     Example:
         >>> rows = score_checkpoint("path/to/bert-base-uncased")  # doctest: +SKIP
@@ -295,23 +318,26 @@ def score_checkpoint(
     num_std = float(num_std)
     if not math.isfinite(num_std):
         raise CheckpointError(f"num_std must be finite, got {num_std}")
-    try:
-        names = check_metrics(tuple(metrics) if metrics is not None else None)
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
-    found, tensors_of = open_checkpoint(path, groups=groups, layers=layers)
+    chosen = _pairs_or_error(pairs, metrics, dtype)
+    found, tensors_of = open_checkpoint(path, groups=groups, layers=layers, pairs=chosen)
     rows: list[Row] = []
     with torch.no_grad():
         for layer in _progress(found, progress):
             get = tensors_of(layer)
             try:
-                query, key = layer.factors(get)
+                rows += score_layer_pairs(layer, get, chosen, per_head=per_head, num_std=num_std)
             except (ValueError, RuntimeError) as exc:
                 raise CheckpointError(f"{Path(path).expanduser()}: {layer.name}: {_one_line(exc)}") from None
-            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype,
-                                metrics=names)
-            del get, query, key
+            del get
     return rows
+
+
+def _pairs_or_error(pairs: PairsLike | None, metrics: Iterable[str] | None,
+                    dtype: torch.dtype = torch.float32) -> list[ScorePair]:
+    try:
+        return resolve_pairs(pairs, metrics, dtype=dtype)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
@@ -363,12 +389,15 @@ def write_checkpoint_trajectory(
     num_std: float = 2.0,
     metrics: Iterable[str] | None = None,
     progress: bool | None = None,
+    pairs: PairsLike | None = None,
 ) -> list[Row]:
     """Score each checkpoint and write a run (``attn_probe.jsonl`` + TensorBoard events) at its step.
 
     The run reads back like a live one (:func:`attn_probe.load_trajectory`, ``attn-probe
-    plot|summary``). One layer of one checkpoint is in memory at a time. Returns every row,
-    each with its ``step``.
+    plot|summary``). ``metrics`` and ``pairs`` as for :func:`score_checkpoint` (with
+    ``pairs=("qk", "ov")`` the run also holds the ``ov_`` metrics, as a live run with
+    ``pairs=[QKPair(), OVPair()]`` does). One layer of one checkpoint is in memory at a time.
+    Returns every row, each with its ``step``.
     """
     import time
 
@@ -380,6 +409,10 @@ def write_checkpoint_trajectory(
     if any(step is None for step, _ in checkpoints):
         raise CheckpointError("every checkpoint needs a step to write a trajectory (name it checkpoint-N or "
                               "pass --step N)")
+    chosen = _pairs_or_error(pairs, metrics)
+    names = pair_metric_names(chosen)
+    if checkpoints and any(callable(getattr(p, "check", None)) for p in chosen):
+        open_checkpoint(checkpoints[0][1], pairs=chosen)  # an unreadable architecture fails before the run exists
     run_dir = Path(run_dir).expanduser()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -387,16 +420,16 @@ def write_checkpoint_trajectory(
         raise CheckpointError(f"{run_dir}: cannot create the run directory ({_one_line(exc)})") from None
     if (run_dir / "attn_probe.jsonl").exists():
         raise CheckpointError(f"{run_dir}: already holds a trajectory; give a new directory")
-    names = check_metrics(tuple(metrics) if metrics is not None else None)
     all_rows: list[Row] = []
     sinks: list[Any] = []
     try:
         for i, (step, path) in enumerate(checkpoints):
-            rows = score_checkpoint(path, per_head=per_head, num_std=num_std, metrics=names, progress=progress)
+            rows = score_checkpoint(path, per_head=per_head, num_std=num_std, pairs=chosen, progress=progress)
             if not sinks:
                 groups = list(dict.fromkeys(r["group"] for r in rows))
                 run = RunInfo(
                     config={"integration": "attn-probe score --trajectory", "metrics": list(names),
+                            "pairs": [pair_label(p) for p in chosen],
                             "per_head": per_head, "num_std": num_std,
                             "checkpoints": [str(p) for _, p in checkpoints]},
                     model={"checkpoint": str(path)}, groups=groups, metrics=list(names), per_head=per_head,

@@ -30,13 +30,16 @@ import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .extraction import AttentionLayer
 from .extraction.architectures import unwrap
+
+if TYPE_CHECKING:
+    from .scoring import PairsLike
 
 Tensor = torch.Tensor
 Row = dict[str, Any]
@@ -641,21 +644,42 @@ def gather_scores(
     num_std: float = 2.0,
     dtype: torch.dtype = torch.float32,
     metrics: Iterable[str] | None = None,
+    pairs: PairsLike | None = None,
 ) -> list[Row] | None:
     """Score every layer of a (possibly sharded) model; rows on rank 0, ``None`` elsewhere.
 
-    Call on every rank. Gathers one layer at a time (:func:`iter_layer_factors`), scores on
-    rank 0 with :func:`attn_probe.scoring.score_layer`, and logs-and-skips a layer whose
-    scoring fails, so that every rank keeps entering the same collectives.
+    Call on every rank. ``metrics`` and ``pairs`` as for :func:`attn_probe.score_model`
+    (``pairs=("qk", "ov")`` also scores ``W_o^h W_v^h``): the walk gathers, one layer at a
+    time (:func:`iter_layer_params`), exactly the parameters the pairs declare, dry-runs
+    their extraction before each gather, scores on rank 0 with
+    :func:`attn_probe.scoring.score_layer_pairs`, and logs-and-skips a layer whose scoring
+    fails, so that every rank keeps entering the same collectives. An architecture a pair
+    cannot read raises :class:`~attn_probe.extraction.UnsupportedModelError` on every rank
+    before any collective (the check is the same local computation on every rank).
     """
-    from .scoring import score_layer
+    from .scoring import check_model_pairs, pair_factors, pairs_param_names, resolve_pairs, score_layer_pairs
+
+    layers = list(layers)
+    chosen = resolve_pairs(pairs, metrics, dtype=dtype)
+    check_model_pairs(chosen, layers, getattr(getattr(unwrap(model), "config", None), "model_type", None))
+
+    # the walk yields layers renamed without wrapper segments; the pairs read the parameters under
+    # the names they declared for the original layer (a pair may derive them from layer.name)
+    originals = {id(layer.module): layer for layer in layers if layer.module is not None}
+
+    def source(layer: AttentionLayer) -> AttentionLayer:
+        return originals.get(id(layer.module), layer)
+
+    def check(layer: AttentionLayer, get: ParamGetter) -> None:
+        for pair in chosen:
+            pair_factors(pair, source(layer), get)
 
     main = is_main_process()
     rows: list[Row] = []
-    for layer, query, key in iter_layer_factors(model, layers):
+    walk = iter_layer_params(model, layers, param_names=lambda layer: pairs_param_names(chosen, layer), check=check)
+    for layer, get in walk:
         try:
-            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype,
-                                metrics=metrics)
+            rows += score_layer_pairs(layer, get, chosen, per_head=per_head, num_std=num_std, source=source(layer))
         except Exception as exc:
             logger.warning(
                 "attn_probe: scoring %s failed (%s: %s); layer skipped", layer.name, type(exc).__name__, exc

@@ -1,17 +1,30 @@
-"""Score every attention layer of a model: extraction + the scoring core, one row per layer/head."""
+"""Score every attention layer of a model: extraction + the scoring core, one row per layer/head.
+
+Which weight pairs are scored is chosen with ``pairs=`` (:func:`resolve_pairs`): by default the
+query-key pair alone; ``pairs=("qk", "ov")`` adds the value-output circuit (``ov_`` metrics).
+Every pair scores through :meth:`~attn_probe.pairs.ScorePair.score`, i.e. the one core
+:func:`attn_probe.metrics.score_factors`, as in the live probe.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .extraction import AttentionLayer, find_attention
-from .metrics import check_metrics, score_factors, table_rows
+from .extraction import AttentionLayer, UnsupportedModelError, find_attention
+from .extraction.architectures import unwrap
+from .extraction.base import ParamGetter
+from .metrics import METRICS, check_metrics, score_factors, table_rows
+from .pairs import OVPair, QKPair, ScorePair, check_pairs, pair_metric_names
 
 Row = dict[str, Any]
+PairsLike = str | ScorePair | Sequence["str | ScorePair"]
+
+#: the pairs ``pairs=`` may name (``--pair NAME`` on ``attn-probe score``): W_q W_k^T and W_o^h W_v^h
+PAIR_NAMES: dict[str, type[QKPair]] = {"qk": QKPair, "ov": OVPair}
 
 #: keys of a row that are not metrics
 ROW_KEYS = ("group", "layer", "name", "head", "step")
@@ -23,6 +36,129 @@ def row_metrics(rows: Iterable[Row]) -> list[str]:
     for row in rows:
         names.update((k, None) for k in row if k not in ROW_KEYS)
     return list(names)
+
+
+def resolve_pairs(
+    pairs: PairsLike | None = None,
+    metrics: Iterable[str] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> list[ScorePair]:
+    """The score pairs of a post-hoc call, validated.
+
+    ``pairs`` is ``None`` (the W_qk pair alone, the default everywhere), or names from
+    :data:`PAIR_NAMES` (``"qk"``, ``"ov"``, a single string or a sequence) and/or
+    :class:`~attn_probe.pairs.ScorePair` objects, scored in the order given. ``metrics``
+    (core names, no prefix) narrows the *named* pairs: ``pairs=("qk", "ov"),
+    metrics=["spectral_norm"]`` gives ``spectral_norm`` and ``ov_spectral_norm``; a pair
+    object keeps its own ``metrics`` and ``dtype``. Named pairs compute in ``dtype``.
+    ``ValueError`` for an unknown or repeated name, a metric name written twice, or
+    ``metrics`` given with pair objects only; ``TypeError`` for something that is not a pair.
+    """
+    metrics = (metrics,) if isinstance(metrics, str) else (tuple(metrics) if metrics is not None else None)
+    core = _core_metrics(metrics)
+    if pairs is None:
+        pairs = ("qk",)
+    elif isinstance(pairs, str) or _is_pair(pairs):
+        pairs = (pairs,)
+    items = list(pairs)
+    if not items:
+        raise ValueError(f"pairs must name at least one pair (known: {', '.join(PAIR_NAMES)})")
+    named = [p for p in items if isinstance(p, str)]
+    if len(set(named)) != len(named):
+        raise ValueError(f"pairs repeat a name: {named}")
+    if metrics is not None and not named:
+        raise ValueError("metrics= narrows the pairs named by string; a pair object carries its own metrics")
+    out: list[ScorePair] = []
+    for item in items:
+        if isinstance(item, str):
+            cls = PAIR_NAMES.get(item)
+            if cls is None:
+                raise ValueError(f"unknown pair {item!r}; known: {', '.join(PAIR_NAMES)}")
+            out.append(cls(core, dtype=dtype))
+        elif _is_pair(item):
+            out.append(item)
+        else:
+            raise TypeError(f"pairs must hold pair names ({', '.join(PAIR_NAMES)}) or score pairs "
+                            f"(attn_probe.pairs.ScorePair), got {item!r}")
+    pair_metric_names(out)  # ValueError if two pairs write the same metric name
+    return out
+
+
+def _is_pair(value: Any) -> bool:
+    return not isinstance(value, str) and hasattr(value, "metrics") and callable(getattr(value, "score", None))
+
+
+def _core_metrics(metrics: tuple[str, ...] | None) -> tuple[str, ...]:
+    """Validated core metric names; a pair-prefixed name (``ov_symmetry``) is rejected with the right spelling."""
+    for name in metrics or ():
+        for pair, cls in PAIR_NAMES.items():
+            if cls.prefix and name.startswith(cls.prefix) and name[len(cls.prefix):] in METRICS:
+                bare = name[len(cls.prefix):]
+                raise ValueError(f"metric {name!r}: metrics are named without the pair's prefix; ask for "
+                                 f"pair {pair!r} and metric {bare!r} (--pair {pair} --metric {bare})")
+    return check_metrics(metrics)
+
+
+def pair_label(pair: ScorePair) -> str:
+    """``"qk"``/``"ov"`` for the named pairs, else the pair's class name (run headers)."""
+    for name, cls in PAIR_NAMES.items():
+        if type(pair) is cls:
+            return name
+    return type(pair).__name__
+
+
+def check_model_pairs(pairs: Sequence[ScorePair], layers: Sequence[AttentionLayer],
+                      model_type: str | None = None) -> None:
+    """Every pair can read every layer, before any weight is read; the error names ``model_type``."""
+    try:
+        check_pairs(pairs, layers)
+    except UnsupportedModelError as exc:
+        if not model_type:
+            raise
+        raise UnsupportedModelError(f"model type {model_type!r}: {exc}") from exc
+
+
+def pairs_param_names(pairs: Sequence[ScorePair], layer: AttentionLayer) -> tuple[str, ...]:
+    """The parameters ``pairs`` read from ``layer``, each once, in order."""
+    names: dict[str, None] = {}
+    for pair in pairs:
+        wanted = pair.param_names(layer) if hasattr(pair, "param_names") else layer.param_names
+        names.update(dict.fromkeys(wanted))
+    return tuple(names)
+
+
+def pair_factors(pair: ScorePair, layer: AttentionLayer, get: ParamGetter) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors ``(A, B)`` of ``pair`` on ``layer`` (the W_qk split for a pair without ``factors``)."""
+    return pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
+
+
+def score_layer_pairs(
+    layer: AttentionLayer,
+    get: ParamGetter,
+    pairs: Sequence[ScorePair],
+    *,
+    per_head: bool = False,
+    num_std: float = 2.0,
+    source: AttentionLayer | None = None,
+) -> list[Row]:
+    """Rows for one layer scored by every pair (layer row first, then one per head).
+
+    ``get(name)`` returns the full parameter tensors the pairs declare
+    (:func:`pairs_param_names`). Each pair scores through its own ``score`` (the one core);
+    the tables are joined, so a row holds every pair's metrics, and moved to the host in one
+    transfer. ``source`` is the layer record the pairs read from when it differs from the one
+    that labels the rows (the distributed walk renames layers without wrapper segments).
+    """
+    tables = []
+    source = source if source is not None else layer
+    for pair in pairs:
+        a, b = pair_factors(pair, source, get)
+        table = pair.score(source, a.detach(), b.detach(), per_head=per_head, num_std=num_std)
+        tables.append(table.reshape(len(pair.metrics), -1).to(torch.float64))
+    device = tables[0].device
+    joined = torch.cat([t.to(device) for t in tables]) if len(tables) > 1 else tables[0]
+    return table_rows(layer, pair_metric_names(pairs), joined.cpu().tolist())
 
 
 def score_layer(
@@ -53,13 +189,22 @@ def score_model(
     layers: Iterable[AttentionLayer] | None = None,
     dtype: torch.dtype = torch.float32,
     metrics: Iterable[str] | None = None,
+    pairs: PairsLike | None = None,
     **find_kwargs: Any,
 ) -> list[Row]:
     """The metrics of every attention layer (and head, if ``per_head``).
 
     Each row has ``group``, ``layer``, ``name``, ``head`` (``None`` for the layer-level
-    matrix ``M = sum_h W_q^h W_k^h^T``) and one key per metric, by default ``symmetry`` and
-    ``directionality``; ``metrics=`` chooses them (:data:`attn_probe.metrics.METRICS`).
+    matrix ``M = sum_h W_q^h W_k^h^T``) and one key per metric, by default the six of
+    :data:`attn_probe.metrics.DEFAULT_METRICS`; ``metrics=`` chooses them
+    (:data:`attn_probe.metrics.METRICS`).
+
+    ``pairs`` chooses the weight pairs (:func:`resolve_pairs`): default the W_qk pair alone;
+    ``pairs=("qk", "ov")`` adds the value-output circuit ``W_o^h W_v^h``, whose metrics are
+    prefixed ``ov_`` (``ov_symmetry``, ``ov_spectral_norm``, ...); ``pairs="ov"`` scores it
+    alone. An architecture whose W_v/W_o layout is unknown raises
+    :class:`~attn_probe.extraction.UnsupportedModelError` naming the model type before
+    anything is scored.
 
     Example:
         >>> from transformers import BertConfig, BertModel
@@ -69,12 +214,12 @@ def score_model(
         >>> [(r["group"], r["layer"]) for r in rows]
         [('self', 0), ('self', 1)]
     """
-    names = check_metrics(tuple(metrics) if metrics is not None else None)
+    chosen = resolve_pairs(pairs, metrics, dtype=dtype)
     found = list(layers) if layers is not None else find_attention(model, **find_kwargs)
+    config = getattr(unwrap(model), "config", None)
+    check_model_pairs(chosen, found, getattr(config, "model_type", None))
     rows: list[Row] = []
     with torch.no_grad():
         for layer in found:
-            query, key = layer.factors()
-            rows += score_layer(layer, query, key, per_head=per_head, num_std=num_std, dtype=dtype,
-                                metrics=names)
+            rows += score_layer_pairs(layer, layer.params.__getitem__, chosen, per_head=per_head, num_std=num_std)
     return rows

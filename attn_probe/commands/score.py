@@ -1,8 +1,10 @@
-"""``attn-probe score PATH... [--per-head] [--json] [--metric NAME] [--trajectory RUN_DIR] [--step N]``.
+"""``attn-probe score PATH... [--per-head] [--json] [--metric NAME] [--pair qk|ov] [--trajectory RUN_DIR] [--step N]``.
 
 Scores saved checkpoints: one folder, several, or a Trainer output directory (every
 ``checkpoint-N`` in it). With ``--trajectory`` the scores are written as a run, at each
 checkpoint's step, that ``attn-probe plot|summary|export`` read like a live run.
+``--pair`` chooses the weight pairs as ``--metric`` chooses the metrics: ``qk`` (W_q W_k^T,
+the default) and/or ``ov`` (W_o^h W_v^h, metrics prefixed ``ov_``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step", type=int, metavar="N",
                         help="the step of a single checkpoint folder not named checkpoint-N")
-    parser.add_argument("--per-head", action="store_true", help="also score every head's W_q^h W_k^hT")
+    parser.add_argument("--per-head", action="store_true", help="also score every head's matrix (W_q^h W_k^hT, ...)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON array")
     parser.add_argument(
         "--metric", action="append", dest="metrics", metavar="NAME",
-        help="metric to compute; repeatable; default symmetry and directionality "
+        help="metric to compute, named without a pair prefix; repeatable; default all six "
              "(see docs/scores.md for the list)",
+    )
+    parser.add_argument(
+        "--pair", action="append", dest="pairs", choices=("qk", "ov"), metavar="{qk,ov}",
+        help="weight pair to score; repeatable: qk is W_q W_k^T (the default), ov the value-output "
+             "circuit W_o^h W_v^h (metrics prefixed ov_); --pair qk --pair ov scores both",
     )
     parser.add_argument(
         "--num-std", type=_finite_float, default=2.0, metavar="X",
@@ -117,6 +124,9 @@ def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any
 
     from ..cli import CommandError
 
+    if args.pairs is not None and args.pairs != ["qk"]:
+        raise CommandError(f"a GGUF file ({gguf[0]}) is scored for W_qk only: where W_v/W_o live and how W_o "
+                           "splits per head is not read from GGUF files (drop --pair ov)")
     if len(args.paths) != 1 or args.trajectory is not None or args.step is not None:
         raise CommandError(f"a GGUF file ({gguf[0]}) is scored on its own, without --trajectory or --step")
     try:
@@ -141,17 +151,17 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
         many = len(checkpoints) > 1 or args.trajectory is not None
         if args.trajectory is not None:
             rows = write_checkpoint_trajectory(checkpoints, args.trajectory, per_head=args.per_head,
-                                               num_std=args.num_std, metrics=args.metrics,
+                                               num_std=args.num_std, metrics=args.metrics, pairs=args.pairs,
                                                progress=sys.stderr.isatty())
             print(f"wrote {len(checkpoints)} step(s) to {args.trajectory}", file=sys.stderr)
         elif many:
             rows = []
             for step, path in checkpoints:
                 rows += [{**r, "step": step} for r in score_checkpoint(
-                    path, per_head=args.per_head, num_std=args.num_std, metrics=args.metrics)]
+                    path, per_head=args.per_head, num_std=args.num_std, metrics=args.metrics, pairs=args.pairs)]
         else:
             rows = score_checkpoint(checkpoints[0][1], per_head=args.per_head, num_std=args.num_std,
-                                    metrics=args.metrics)
+                                    metrics=args.metrics, pairs=args.pairs)
     except CheckpointError as exc:
         raise CommandError(str(exc)) from None
     return rows, many, checkpoints
