@@ -57,7 +57,8 @@ class ProbeConfig:
     * ``groups`` / ``layers``: restrict to these attention groups / layer indices;
     * ``num_std``: directionality threshold, ``mean + num_std * std``;
     * ``images_every``, ``image_size``, ``image_mode``: W_qk heatmap images in TensorBoard;
-    * ``pairs``: score pairs (:mod:`attn_probe.pairs`); default the W_qk pair with ``metrics``;
+    * ``pairs``: score pairs (:mod:`attn_probe.pairs`) or their names (``"qk"``, ``"ov"``, which
+      get ``metrics``); default the W_qk pair with ``metrics``;
     * ``start_step``: the counter's first value (resume);
     * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...);
     * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
@@ -96,7 +97,11 @@ class ProbeConfig:
         if self.image_mode not in IMAGE_MODES:
             raise ValueError(f"image_mode must be 'downsample' or 'block', got {self.image_mode!r}")
         if self.pairs is not None:
-            pairs = tuple(self.pairs)
+            pairs = (self.pairs,) if isinstance(self.pairs, str) else tuple(self.pairs)
+            if any(isinstance(p, str) for p in pairs):  # "qk", "ov": named pairs with ``metrics``
+                from .scoring import resolve_pairs
+
+                pairs = tuple(resolve_pairs(pairs, self.metrics))
             for p in pairs:
                 if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
                     raise TypeError(f"pairs must hold score pairs (attn_probe.pairs.ScorePair), got {p!r}")

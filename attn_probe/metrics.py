@@ -17,10 +17,13 @@ thin) or add a new cached property there. The metric name is the JSONL ``metric`
 the TensorBoard tag segment and the row key, unchanged everywhere.
 
 No host transfer happens here: results stay on the factors' device until a caller moves
-many layers' tables to the host in one transfer. The norm metrics call
-``torch.linalg.eigh``/``eigvalsh``, whose status check reads the solver's error flag on the
-host, so on CUDA each call is expected to wait for the device (from the PyTorch sources; not
-measured on a GPU here); the two scores make no such call.
+many layers' tables to the host in one transfer. :func:`score_factor_stack` scores many layers
+of one shape at once (the live probe's path). ``sigma_max`` comes from a dense eigensolver
+for problems up to :func:`lanczos_threshold` and from a fixed-step Lanczos iteration above it.
+Off CPU nothing calls ``eigh``/``eigvalsh`` (they read their error flag on the host, which
+waits for the device): largest eigenvalues come from repeated squaring
+(:func:`_lambda_max_by_squaring`), matrix products only. The one exception is the first use
+of a Lanczos size, which copies its fixed start vector to the device (cached afterwards).
 """
 
 from __future__ import annotations

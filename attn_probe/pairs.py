@@ -104,15 +104,18 @@ class OVPair(QKPair):
 
     def __init__(self, metrics: Sequence[str] | None = None, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(metrics, dtype=dtype)
-        self._layouts: dict[tuple[str, int], object] = {}
+        self._layouts: dict[int, tuple[object, object]] = {}
 
     def layout(self, layer: AttentionLayer):  # -> extraction.ov.OVLayout
-        key = (layer.name, id(layer.module))
-        if key not in self._layouts:
+        # keyed by the module alone: the distributed walk hands out the same layer renamed
+        # without wrapper segments, and its parameters were gathered under the first names.
+        # The module is kept with its layout, so a recycled id() cannot match another module.
+        entry = self._layouts.get(id(layer.module))
+        if entry is None or entry[0] is not layer.module:
             from .extraction.ov import ov_layout
 
-            self._layouts[key] = ov_layout(layer)
-        return self._layouts[key]
+            entry = self._layouts[id(layer.module)] = (layer.module, ov_layout(layer))
+        return entry[1]
 
     def check(self, layers: Sequence[AttentionLayer]) -> None:
         """Raise :class:`~attn_probe.extraction.UnsupportedModelError` unless every layer is readable."""

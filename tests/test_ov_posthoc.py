@@ -284,3 +284,23 @@ def test_gather_scores_reads_the_ov_weights_of_wrapped_layers():
     assert [r["name"] for r in got] == [r["name"] for r in want]  # names as in a single, unwrapped model
     for g, w in zip(got, want, strict=True):
         assert g == pytest.approx(w, rel=1e-12, abs=1e-12)
+
+
+def test_live_probe_with_named_pairs_reads_the_ov_weights_of_wrapped_layers(tmp_path):
+    """``watch(pairs=("qk", "ov"))`` by name; layers renamed by the walk still find W_v/W_o."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = perturbed("llama-gqa")
+    want = attn_probe.score_model(model, per_head=True, pairs=("qk", "ov"))
+    for i, block in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(block)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), per_head=True, pairs=("qk", "ov"),
+                             metrics=("symmetry", "spectral_norm"))
+    snap = probe.snapshot(1)
+    probe.close(final_snapshot=False)
+    got = {(r.layer, r.head, r.metric): r.value for r in snap.records}
+    assert {m for _, _, m in got} == {"symmetry", "spectral_norm", "ov_symmetry", "ov_spectral_norm"}
+    for row in want:
+        for metric in ("symmetry", "spectral_norm", "ov_symmetry", "ov_spectral_norm"):
+            value = got[(row["layer"], row["head"], metric)]
+            assert abs(value - row[metric]) <= 1e-6 * max(1.0, abs(row[metric])), (row["layer"], row["head"], metric)
