@@ -17,6 +17,7 @@ one: the value-output circuit ``W_o^h W_v^h``, opt-in::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -26,7 +27,7 @@ import torch
 from .extraction import AttentionLayer
 from .metrics import DEFAULT_METRICS, check_metrics, score_factor_stack, score_factors
 
-__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "score_layers"]
+__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "score_layers", "stack_layers", "score_stacks", "Stack"]
 
 Tensor = torch.Tensor
 ParamGetter = Callable[[str], Tensor]
@@ -155,6 +156,77 @@ def _scores_as_stack(pair: ScorePair) -> bool:
     return isinstance(pair, QKPair) and type(pair).score is QKPair.score
 
 
+@dataclasses.dataclass
+class Stack:
+    """Factors of the layers ``indices`` ready to score: stacked ``(L, ...)``, or one layer's own."""
+
+    indices: list[int]
+    queries: Tensor
+    keys: Tensor
+    stacked: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.queries.nbytes + self.keys.nbytes
+
+
+def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, copy: bool = False) -> list[Stack]:
+    """Group layers for :func:`score_stacks`: one stack per shape, dtype and device, in chunks.
+
+    For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
+    ``score``), layers of one shape are stacked in the compute dtype in chunks of at most
+    :data:`STACK_BYTES`; a chunk of one layer and any other pair's layers stay single.
+    ``copy=True`` copies single layers too (``clone``), so that the result no longer reads the
+    weights (the asynchronous mode scores it while training goes on).
+    """
+    def single(i: int) -> Stack:
+        a, b = factors[i]
+        return Stack([i], a.clone() if copy else a, b.clone() if copy else b, stacked=False)
+
+    if not _scores_as_stack(pair) or len(factors) < 2:
+        return [single(i) for i in range(len(factors))]
+    assert isinstance(pair, QKPair)
+    dtype = pair._dtype()
+    groups: dict[tuple, list[int]] = {}
+    for i, (a, b) in enumerate(factors):
+        groups.setdefault((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, b.device), []).append(i)
+    stacks: list[Stack] = []
+    item = torch.empty((), dtype=dtype).element_size()
+    for (q_shape, k_shape, *_), indices in groups.items():
+        d = q_shape[-1]
+        per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
+        size = max(1, STACK_BYTES // per_layer)
+        for start in range(0, len(indices), size):
+            chunk = indices[start: start + size]
+            if len(chunk) == 1:
+                stacks.append(single(chunk[0]))
+                continue
+            a0, b0 = factors[chunk[0]]
+            queries = torch.empty((len(chunk), *q_shape), dtype=dtype, device=a0.device)
+            keys = torch.empty((len(chunk), *k_shape), dtype=dtype, device=b0.device)
+            for j, i in enumerate(chunk):  # copy_ converts: one copy, in the compute dtype
+                queries[j].copy_(factors[i][0])
+                keys[j].copy_(factors[i][1])
+            stacks.append(Stack(chunk, queries, keys, stacked=True))
+    return stacks
+
+
+def score_stacks(pair: ScorePair, layers: Sequence[AttentionLayer], stacks: Sequence[Stack], *,
+                 per_head: bool, num_std: float) -> list[Tensor]:
+    """``pair.score`` of each of ``layers`` (in order) from its :func:`stack_layers` stacks."""
+    out: list[Tensor | None] = [None] * len(layers)
+    for stack in stacks:
+        if not stack.stacked:
+            i = stack.indices[0]
+            out[i] = pair.score(layers[i], stack.queries, stack.keys, per_head=per_head, num_std=num_std)
+            continue
+        assert isinstance(pair, QKPair)
+        table = pair.score_stack(stack.queries, stack.keys, per_head=per_head, num_std=num_std)
+        for j, i in enumerate(stack.indices):
+            out[i] = table[j]
+    return out  # type: ignore[return-value]
+
+
 def score_layers(pair: ScorePair, layers: Sequence[AttentionLayer], factors: Sequence[tuple[Tensor, Tensor]],
                  *, per_head: bool, num_std: float) -> list[Tensor]:
     """``pair.score`` of each layer, in order; layers of one shape are scored as stacks.
@@ -164,33 +236,4 @@ def score_layers(pair: ScorePair, layers: Sequence[AttentionLayer], factors: Seq
     :func:`attn_probe.metrics.score_factor_stack` in chunks of at most :data:`STACK_BYTES`;
     any other pair is called layer by layer. Results stay on the weights' device.
     """
-    if not _scores_as_stack(pair) or len(layers) < 2:
-        return [pair.score(layer, a, b, per_head=per_head, num_std=num_std)
-                for layer, (a, b) in zip(layers, factors, strict=True)]
-    assert isinstance(pair, QKPair)
-    dtype = pair._dtype()
-    groups: dict[tuple, list[int]] = {}
-    for i, (a, b) in enumerate(factors):
-        groups.setdefault((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, b.device), []).append(i)
-    out: list[Tensor | None] = [None] * len(layers)
-    item = torch.empty((), dtype=dtype).element_size()
-    for (q_shape, k_shape, *_), indices in groups.items():
-        d = q_shape[-1]
-        per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
-        size = max(1, STACK_BYTES // per_layer)
-        for start in range(0, len(indices), size):
-            chunk = indices[start: start + size]
-            if len(chunk) == 1:
-                i = chunk[0]
-                out[i] = pair.score(layers[i], *factors[i], per_head=per_head, num_std=num_std)
-                continue
-            a0, b0 = factors[chunk[0]]
-            queries = torch.empty((len(chunk), *q_shape), dtype=dtype, device=a0.device)
-            keys = torch.empty((len(chunk), *k_shape), dtype=dtype, device=b0.device)
-            for j, i in enumerate(chunk):  # copy_ converts: one copy, in the compute dtype
-                queries[j].copy_(factors[i][0])
-                keys[j].copy_(factors[i][1])
-            table = pair.score_stack(queries, keys, per_head=per_head, num_std=num_std)
-            for j, i in enumerate(chunk):
-                out[i] = table[j]
-    return out  # type: ignore[return-value]
+    return score_stacks(pair, layers, stack_layers(pair, factors), per_head=per_head, num_std=num_std)

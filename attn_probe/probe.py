@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .asynchronous import DEFAULT_ASYNC_BYTES, AsyncScorer
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .distributed import (
@@ -42,7 +43,16 @@ from .extraction import AttentionLayer, find_attention, unwrap
 from .images import HeatmapImages, render_heatmap
 from .logdir import LogDirError, LogDirInUseError, LogDirLock, acquire_default, check_log_dir, default_log_dir
 from .metrics import table_entries
-from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names, score_layers
+from .pairs import (
+    QKPair,
+    ScorePair,
+    Stack,
+    check_pairs,
+    pair_metric_names,
+    score_layers,
+    score_stacks,
+    stack_layers,
+)
 from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
 from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats, safe_warn
@@ -65,7 +75,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: keyword arguments of :class:`Probe` that wire it up rather than configure the measurement
 WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale",
-          "background", "sink_queue", "sink_timeout")
+          "background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
 
 # LogDirError, LogDirInUseError, default_log_dir: attn_probe.logdir, re-exported here
 # (``attn_probe.probe.LogDirError`` is the documented name).
@@ -216,6 +226,8 @@ class Probe:
         background: bool = True,
         sink_queue: int = DEFAULT_QUEUE_SIZE,
         sink_timeout: float = DEFAULT_TIMEOUT,
+        async_scoring: bool = False,
+        async_max_bytes: int = DEFAULT_ASYNC_BYTES,
         **options: Any,
     ) -> None:
         self.config = cfg = config_from_options(config, allowed_extra=WIRING, **options)
@@ -243,6 +255,16 @@ class Probe:
         self.disabled = False
         self._deterministic = is_deterministic(cfg.schedule) and is_deterministic(cfg.image_schedule)
         self._agreement: Agreement | None = self._make_agreement(model)  # collective on a sharded run
+        if not isinstance(async_scoring, bool):
+            raise TypeError(f"async_scoring must be True or False, got {async_scoring!r}")
+        #: the asynchronous mode's worker (unsharded models; docs/live-probe.md)
+        self._async: AsyncScorer | None = AsyncScorer(async_max_bytes) if async_scoring else None
+        self._async_timeout = sink_timeout
+        self._warned_async_size = False
+        if self._async is not None and self._agreement is not None:
+            self._async = None
+            _warn("attn_probe: async_scoring applies to unsharded models; this sharded run is scored on the "
+                  "training thread, in program order with its gathers.")
         try:
             self._identities = self._record_identities()
         except Exception:  # noqa: BLE001 - unresolvable names: snapshots will say so; no surgery check
@@ -477,6 +499,7 @@ class Probe:
         seconds (default: the probe's ``sink_timeout``). Returns ``False`` if a sink was still
         busy then; ``True`` at once on other ranks and after :meth:`close`. Never raises.
         """
+        self._deliver(wait=True)
         dispatcher = self._dispatcher
         if dispatcher is None:
             return True
@@ -503,8 +526,11 @@ class Probe:
         for pair in self.pairs:
             pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
 
-    def _measure(self, step: int, want_images: bool | None = None) -> Snapshot | None:
+    def _measure(self, step: int, want_images: bool | None = None, asynchronous: bool = False) -> Snapshot | None:
         """Walk all layers (every rank); score and assemble on the main process.
+
+        ``asynchronous`` (unsharded models): copy the factors and score them on the worker of
+        :class:`~attn_probe.asynchronous.AsyncScorer`, returning ``None`` at once.
 
         Local errors (the model-surgery check, the image schedule, extraction, scoring) are
         kept and re-raised after the walk; under sharding they make this rank vote "stop" at
@@ -548,22 +574,71 @@ class Probe:
                     images[(layer.group, layer.layer)] = self.images.measure(layer, get)
             except Exception as exc:  # noqa: BLE001 - re-raised after the walk
                 error = exc
-        if error is None and deferred:
-            try:
-                by_pair = [score_layers(pair, [lay for lay, _ in deferred], [f[i] for _, f in deferred],
-                                        per_head=self.config.per_head, num_std=self.config.num_std)
-                           for i, pair in enumerate(self.pairs)]
-                scored = [(lay, [values[j] for values in by_pair]) for j, (lay, _) in enumerate(deferred)]
-            except Exception as exc:  # noqa: BLE001 - raised below
-                error = exc
         if error is not None:
             raise error
         if not self.is_main_process or not layers:
             return None
-        if not outcome.complete or len(scored) != len(layers):
+        if not outcome.complete or len(deferred if deferred is not None else scored) != len(layers):
             raise RuntimeError(f"incomplete snapshot at step {step} ({'; '.join(outcome.reasons)}); "
                                "not logged")
-        return self._assemble(step, scored, images)
+        if deferred is None:
+            return self._assemble(step, scored, images)
+        scored_layers = [lay for lay, _ in deferred]
+        per_pair = [[f[i] for _, f in deferred] for i in range(len(self.pairs))]
+        if asynchronous and self._async_fits(per_pair):
+            assert self._async is not None
+            devices = {t.device for fs in per_pair for ab in fs for t in ab}
+            with self._async.copying(devices):  # copies: the worker never reads the live weights
+                stacks = [stack_layers(pair, fs, copy=True) for pair, fs in zip(self.pairs, per_pair, strict=True)]
+            self._async.submit(lambda: self._assemble(step, self._score(scored_layers, stacks), images), devices)
+            return None
+        stacks = [stack_layers(pair, fs) for pair, fs in zip(self.pairs, per_pair, strict=True)]
+        return self._assemble(step, self._score(scored_layers, stacks), images)
+
+    def _score(self, layers: list[AttentionLayer], stacks: list[list[Stack]]) -> list[tuple[AttentionLayer, list[Tensor]]]:
+        """Per layer, every pair's values (device tensors), from the pairs' stacks."""
+        by_pair = [score_stacks(pair, layers, pair_stacks, per_head=self.config.per_head, num_std=self.config.num_std)
+                   for pair, pair_stacks in zip(self.pairs, stacks, strict=True)]
+        return [(layer, [values[j] for values in by_pair]) for j, layer in enumerate(layers)]
+
+    def _async_fits(self, per_pair: list[list[tuple[Tensor, Tensor]]]) -> bool:
+        """Whether an asynchronous snapshot's copies stay within ``async_max_bytes`` (else: warned once)."""
+        assert self._async is not None
+        total = 0
+        for pair, factors in zip(self.pairs, per_pair, strict=True):
+            dtype = getattr(pair, "dtype", None)
+            for a, b in factors:
+                item = max(a.element_size(), torch.empty((), dtype=dtype).element_size() if dtype else 0)
+                total += (a.numel() + b.numel()) * item
+        if total <= self._async.max_bytes:
+            return True
+        if not self._warned_async_size:
+            self._warned_async_size = True
+            _warn(f"attn_probe: an asynchronous snapshot would copy {total / 2**20:.0f} MiB of weights, more than "
+                  f"async_max_bytes ({self._async.max_bytes / 2**20:.0f} MiB); snapshots are scored on the "
+                  "training thread instead. Raise async_max_bytes to copy them. This warning is shown once.")
+        return False
+
+    def _deliver(self, wait: bool = False) -> None:
+        """Hand a finished asynchronous snapshot to the sinks (training thread); never raises.
+
+        ``wait`` first waits for a running one (up to ``sink_timeout``).
+        """
+        scorer = self._async
+        if scorer is None or not scorer.pending():
+            return
+        try:
+            done, snap, error = scorer.take(wait=wait, timeout=self._async_timeout)
+            if wait and not done:
+                _warn(f"attn_probe: an asynchronous snapshot was still being scored after {self._async_timeout} s; "
+                      "it is not logged.")
+                return
+            if error is not None:
+                _report_failure(self, "an asynchronous snapshot", error)
+            elif snap is not None:
+                self._write(snap)
+        except Exception as exc:  # noqa: BLE001 - never raises
+            _report_failure(self, "delivering an asynchronous snapshot", exc)
 
     def _assemble(self, step: int, scored: list[tuple[AttentionLayer, list[Tensor]]],
                   images: dict[tuple[str, int], np.ndarray]) -> Snapshot:
@@ -626,14 +701,26 @@ class Probe:
             except Exception as exc:  # noqa: BLE001 - still take part in the agreement
                 step, error = self.step, exc
             return self._agreed_snapshot(step, True, None, error)
+        self._deliver()
         step = self.step if step is None else int(step)
         if self.last_snapshot_step is not None and step <= self.last_snapshot_step:
             return None
+        if self._async is not None and self._async.pending():  # the previous one is still scored
+            self._async.skipped += 1
+            if self._async.skipped == 1:
+                _warn(f"attn_probe: snapshot at step {step} skipped: the previous one is still being scored "
+                      "(async_scoring). Later skips are counted in probe.skipped_snapshots, not reported.")
+            return None
         self.last_snapshot_step = step
-        snap = self._measure(step)
+        snap = self._measure(step, asynchronous=self._async is not None)
         if snap is not None:
             self._write(snap)
         return snap
+
+    @property
+    def skipped_snapshots(self) -> int:
+        """Snapshots skipped because the previous asynchronous one was still being scored."""
+        return self._async.skipped if self._async is not None else 0
 
     def due(self, step: int) -> bool:
         """Whether the schedule (or the image schedule) fires at ``step``."""
@@ -660,6 +747,7 @@ class Probe:
         if self._agreement is None:
             if error is not None:
                 raise error
+            self._deliver()
             if self.due(self.step):
                 self.snapshot(self.step)
             return
@@ -704,9 +792,11 @@ class Probe:
             counter = self._forward_counter
             if counter is not None and counter.final_step is not None:
                 self.step = max(self.step, counter.final_step)
+            self._deliver(wait=True)  # asynchronous mode: the snapshot in flight first
             moved = self.last_snapshot_step is None or self.step > self.last_snapshot_step
             if final_snapshot and not self.disabled and (moved or self._agreement is not None):
                 self.snapshot(self.step)  # sharded: always, the agreement skips a stale step everywhere
+                self._deliver(wait=True)
         except Exception as exc:  # noqa: BLE001 - close() must not stop the user's script
             _report_failure(self, "close", exc)
         finally:

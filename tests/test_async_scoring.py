@@ -1,0 +1,172 @@
+"""The asynchronous scoring mode (``async_scoring=True``): same numbers as the synchronous mode,
+scored from copies taken at the snapshot, one in flight, failures isolated, nothing lost at close."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+import attn_probe
+from attn_probe import pairs as pairs_module
+from attn_probe.pairs import QKPair
+
+
+def llama(layers=4):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+
+
+def jsonl(log_dir):
+    out = {}
+    with open(f"{log_dir}/attn_probe.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if "metric" in rec:
+                out[(rec["step"], rec["group"], rec["layer"], rec.get("head"), rec["metric"])] = rec["value"]
+    return out
+
+
+def train_step(model, opt, gen):
+    ids = torch.randint(0, 40, (2, 8), generator=gen)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class Gate:
+    """Holds the worker inside ``score_stacks`` until released (a slow scoring, deterministically)."""
+
+    def __init__(self, monkeypatch):
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = pairs_module.score_stacks
+
+        def gated(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                self.entered.set()
+                assert self.release.wait(30)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr("attn_probe.probe.score_stacks", gated)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_async_equals_sync_over_a_training_run(tmp_path, per_head):
+    runs = {}
+    for mode in (False, True):
+        model = llama()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        gen = torch.Generator().manual_seed(1)
+        probe = attn_probe.watch(model, log_dir=str(tmp_path / str(mode)), every=2, optimizer=opt,
+                                 per_head=per_head, async_scoring=mode)
+        for _ in range(7):
+            train_step(model, opt, gen)
+            probe.flush()  # no skips: every step of the synchronous run is compared
+        probe.close()
+        runs[mode] = jsonl(tmp_path / str(mode))
+    sync, asyn = runs[False], runs[True]
+    assert {k[0] for k in sync} == {0, 2, 4, 6, 7}
+    assert set(asyn) == set(sync)
+    for key, value in asyn.items():
+        assert abs(value - sync[key]) <= 1e-6 * max(1.0, abs(sync[key])), key
+
+
+def test_scores_the_weights_of_the_snapshot_not_later_ones(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    want = {(r["layer"], m): r[m] for r in attn_probe.score_model(model) for m in ("symmetry", "spectral_norm")}
+    gate = Gate(monkeypatch)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1000, async_scoring=True)
+    assert gate.entered.wait(30)  # the attach snapshot (step 0) is being scored from its copies
+    with torch.no_grad():  # training moves on meanwhile: the weights change under the worker
+        for p in model.parameters():
+            p.mul_(-3.0).add_(1.0)
+    gate.release.set()
+    probe.close(final_snapshot=False)
+    got = jsonl(tmp_path / "run")
+    for (layer, metric), value in want.items():
+        assert got[(0, "self", layer, None, metric)] == pytest.approx(value, rel=1e-6, abs=1e-6), (layer, metric)
+
+
+def test_a_snapshot_due_while_one_is_scored_is_skipped_and_counted(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    gate = Gate(monkeypatch)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, async_scoring=True)
+    assert gate.entered.wait(30)
+    with pytest.warns(RuntimeWarning, match="still being scored"):
+        probe.on_update()  # step 1: due, skipped
+    probe.on_update()  # step 2: skipped, counted without a warning
+    assert probe.skipped_snapshots == 2
+    gate.release.set()
+    assert probe.flush()
+    probe.on_update()  # step 3: scored
+    probe.close(final_snapshot=False)
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [0, 3]
+
+
+def test_a_failing_asynchronous_snapshot_is_reported_and_the_next_one_logs(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    real = pairs_module.score_stacks
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("attn_probe.probe.score_stacks", flaky)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, async_scoring=True)
+    probe.flush()
+    with pytest.warns(RuntimeWarning, match="device lost"):
+        probe.on_update()  # step 1 fails on the worker
+        probe.flush()
+    probe.on_update()
+    probe.close()
+    assert probe.failures == 1
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [0, 2]
+
+
+def test_close_waits_for_the_snapshot_in_flight_and_takes_the_final_one(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    gate = Gate(monkeypatch)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1000, async_scoring=True)
+    assert gate.entered.wait(30)
+    probe.on_update(5)
+    threading.Timer(0.3, gate.release.set).start()
+    probe.close()  # waits for step 0, then the final snapshot at 5
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [0, 5]
+
+
+def test_over_the_copy_budget_it_scores_synchronously_with_one_warning(tmp_path):
+    model = llama(layers=2)
+    with pytest.warns(RuntimeWarning, match="async_max_bytes"):
+        probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, async_scoring=True,
+                                 async_max_bytes=1000)
+    assert not probe._async.pending()  # scored on the training thread
+    snap = probe.snapshot(1)
+    assert snap is not None and snap.records
+    probe.close()
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [0, 1]
+
+
+def test_pairs_that_score_themselves_get_copies_too(tmp_path, monkeypatch):
+    seen = []
+
+    class Own(QKPair):
+        prefix = "own_"
+
+        def score(self, layer, query, key, *, per_head, num_std):
+            seen.append(query.data_ptr())
+            return super().score(layer, query, key, per_head=per_head, num_std=num_std)
+
+    model = llama(layers=2)
+    weights = {p.data_ptr() for p in model.parameters()}
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), async_scoring=True,
+                             pairs=[QKPair(("symmetry",)), Own(("symmetry",))])
+    probe.close()
+    assert seen and not weights & set(seen)
