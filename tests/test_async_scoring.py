@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import threading
-import warnings
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
 from attn_probe import pairs as pairs_module
