@@ -15,3 +15,18 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One local MLflow tracking server (SQLite store, free localhost port) for the whole session.
+
+    Tests keep apart by experiment names and run ids of their own; each points MLflow at it with
+    ``tracker_servers.use_mlflow_server``.
+    """
+    pytest.importorskip("mlflow")
+    from tracker_servers import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    yield server
+    server.stop()

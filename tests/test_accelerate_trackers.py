@@ -103,50 +103,44 @@ def test_accelerate_optimizer_argument_and_tracker_options(tmp_path, fresh_accel
         probe.close()
 
 
-def test_accelerator_mlflow_tracker_gets_the_probe_values(tmp_path, monkeypatch, fresh_accelerate_state):
-    pytest.importorskip("mlflow")
+def test_accelerator_mlflow_tracker_gets_the_probe_values(tmp_path, monkeypatch, fresh_accelerate_state, mlflow_server):
     import uuid
 
     from accelerate import Accelerator
     from mlflow import MlflowClient
-    from tracker_servers import MlflowServer, use_mlflow_server
+    from tracker_servers import use_mlflow_server
 
-    (tmp_path / "mlflow").mkdir()
-    server = MlflowServer(tmp_path / "mlflow")
-    try:
-        experiment = f"acc-{uuid.uuid4().hex[:8]}"
-        use_mlflow_server(monkeypatch, server.uri)
-        acc = Accelerator(cpu=True, log_with=["mlflow"], project_dir=str(tmp_path / "proj"))
-        acc.init_trackers(experiment)
-        model = tiny_bert()
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        model, opt = acc.prepare(model, opt)
-        probe = attn_probe.watch(model, accelerator=acc, every=2, log_dir=str(tmp_path / "probe"))
-        for i in range(UPDATES):
-            ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
-            loss = model(input_ids=ids, labels=ids).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            acc.log({"loss": loss.item()}, step=i + 1)
-        probe.close()
-        acc.end_training()
+    experiment = f"acc-{uuid.uuid4().hex[:8]}"
+    use_mlflow_server(monkeypatch, mlflow_server.uri)
+    acc = Accelerator(cpu=True, log_with=["mlflow"], project_dir=str(tmp_path / "proj"))
+    acc.init_trackers(experiment)
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = acc.prepare(model, opt)
+    probe = attn_probe.watch(model, accelerator=acc, every=2, log_dir=str(tmp_path / "probe"))
+    for i in range(UPDATES):
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        acc.log({"loss": loss.item()}, step=i + 1)
+    probe.close()
+    acc.end_training()
 
-        client = MlflowClient(server.uri)
-        runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-        assert len(runs) == 1
-        run_id = runs[0].info.run_id
-        got: dict[int, dict[str, float]] = {}
-        for key in client.get_run(run_id).data.metrics:
-            if key.startswith("attn_probe/"):
-                for m in client.get_metric_history(run_id, key):
-                    assert key not in got.get(m.step, {}), f"{key} logged twice at step {m.step}"
-                    got.setdefault(m.step, {})[key] = m.value
-        want = expected_metrics(tmp_path / "probe")
-        assert sorted(got) == sorted(want) == [0, 2, 4, 5]
-        for step in want:
-            assert sorted(got[step]) == sorted(want[step])
-            assert all(same(got[step][k], v) for k, v in want[step].items()), step
-        assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, UPDATES + 1))
-    finally:
-        server.stop()
+    client = MlflowClient(mlflow_server.uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1
+    run_id = runs[0].info.run_id
+    got: dict[int, dict[str, float]] = {}
+    for key in client.get_run(run_id).data.metrics:
+        if key.startswith("attn_probe/"):
+            for m in client.get_metric_history(run_id, key):
+                assert key not in got.get(m.step, {}), f"{key} logged twice at step {m.step}"
+                got.setdefault(m.step, {})[key] = m.value
+    want = expected_metrics(tmp_path / "probe")
+    assert sorted(got) == sorted(want) == [0, 2, 4, 5]
+    for step in want:
+        assert sorted(got[step]) == sorted(want[step])
+        assert all(same(got[step][k], v) for k, v in want[step].items()), step
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, UPDATES + 1))

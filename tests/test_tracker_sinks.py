@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from tracker_servers import (
-    MlflowServer,
     expected_metrics,
     tiny_bert,
     trackio_rows,
@@ -120,14 +119,6 @@ def test_tracker_libraries_are_imported_only_when_a_sink_starts():
 
 
 # --------------------------------------------------------------------------- MLflow
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    pytest.importorskip("mlflow")
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    yield server
-    server.stop()
-
-
 @pytest.fixture
 def mlflow_env(monkeypatch, mlflow_server):
     use_mlflow_server(monkeypatch, mlflow_server.uri)

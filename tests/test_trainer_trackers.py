@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from tracker_servers import (
-    MlflowServer,
     expected_metrics,
     use_mlflow_server,
     wandb_history,
@@ -73,14 +72,6 @@ def build(out: Path, report_to: list[str], how: str) -> Trainer:
 
 
 # --------------------------------------------------------------------------- MLflow
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    pytest.importorskip("mlflow")
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize("how", ["attach", "callbacks"])
 def test_trainer_reporting_to_mlflow_gets_the_probe_values_in_its_run(tmp_path, monkeypatch, mlflow_server, how):
     import mlflow

@@ -225,6 +225,42 @@ def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def wandb_resumed_history(run_dir: str | Path, run_id: str, files: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """The history rows of W&B run ``run_id`` from all its offline run files under ``run_dir``.
+
+    Offline, each ``wandb.init`` of a resumed run writes a file of its own
+    (``offline-run-<time>-<id>[-N]/run-<id>.wandb``); ``wandb sync`` merges them into the one run.
+    Expects ``files`` files, each finished (its ``exit`` record written).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = sorted((p for p in Path(run_dir).rglob(f"run-{run_id}.wandb") if "latest-run" not in p.parts),
+                       key=lambda p: (p.stat().st_mtime, str(p)))
+        done = []
+        for path in paths:
+            try:
+                records = wandb_records(path)
+            except Exception:  # noqa: BLE001 - a record still being written
+                records = []
+            if records and records[-1].WhichOneof("record_type") == "exit":
+                done.append(records)
+        if len(paths) == files and len(done) == files:
+            break
+        if len(paths) > files:
+            raise AssertionError(f"expected {files} .wandb files under {run_dir}, found {paths}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(done)} of {files} finished W&B run files under {run_dir} after "
+                                 f"{timeout:.0f} s: {paths}")
+        time.sleep(0.1)
+    rows = []
+    for records in done:
+        for record in records:
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
 def wandb_metric_definitions(run_dir: str | Path) -> list[Any]:
     return [r.metric for r in finished_wandb_records(run_dir) if r.WhichOneof("record_type") == "metric"]
 

@@ -45,7 +45,7 @@ from ..config import ProbeConfig
 from ..counting import EngineSteps
 from ..probe import Probe
 
-__all__ = ["AcceleratorTrackersSink", "watch_accelerated", "tensorboard_tracker_writer"]
+__all__ = ["AcceleratorTrackersSink", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
 
 
 def tensorboard_tracker_writer(accelerator: Any) -> Any:
@@ -78,15 +78,32 @@ class AcceleratorTrackersSink:
     trackers' runs live. W&B trackers get the probe's own step axis (``attn_probe/step``);
     the others get ``step=`` the snapshot's step. A failing tracker does not stop the others;
     the errors are raised together afterwards (the probe isolates the sink).
+
+    Resume (``watch(..., start_step=G)``): at ``start()`` each tracker's run is identified
+    (through ``GeneralTracker.tracker``: the W&B run, MLflow's active run, the trackio run; any
+    other tracker by its name) and the snapshots it already holds are not sent to it again:
+    MLflow and W&B online are read back, the others come from the probe's record in its run
+    directory (:mod:`attn_probe.sinks.trackers`).
     """
 
     def __init__(self, trackers: Sequence[Any], *, per_head: bool = False) -> None:
         self.trackers = list(trackers)
         self.per_head = bool(per_head)
         self._axis_defined: set[int] = set()
+        self.run_dir: str | None = None
+        #: per tracker (by id), which snapshots it gets (``None``: all)
+        self.guards: dict[int, Any] = {}
+
+    def bind_run_dir(self, run_dir: str | None) -> None:
+        self.run_dir = run_dir
 
     def start(self, run: Any) -> None:
-        pass
+        from ..sinks.trackers import make_guard
+
+        resume_step = getattr(run, "resume_step", None)
+        for tracker in self.trackers:
+            self.guards[id(tracker)] = make_guard(lambda t=tracker: accelerate_tracker_run(t), self.run_dir,
+                                                  resume_step)
 
     def _define_wandb_axis(self, tracker: Any) -> None:
         from ..sinks.trackers import STEP_KEY
@@ -102,24 +119,50 @@ class AcceleratorTrackersSink:
     def log(self, snapshot: Any) -> None:
         from ..sinks.trackers import STEP_KEY, tracker_metrics
 
+        step = int(snapshot.step)
         values = tracker_metrics(snapshot, per_head=self.per_head)
         if not values:
             return
         errors = []
         for tracker in self.trackers:
+            guard = self.guards.get(id(tracker))
+            if guard is not None and not guard.wants(step):
+                continue  # this tracker run holds the step from before the resume
             try:
                 if _tracker_name(tracker) == "wandb":
                     self._define_wandb_axis(tracker)
-                    tracker.log({**values, STEP_KEY: int(snapshot.step)})
+                    tracker.log({**values, STEP_KEY: step})
                 else:
-                    tracker.log(dict(values), step=int(snapshot.step))
+                    tracker.log(dict(values), step=step)
             except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
                 errors.append(f"{_tracker_name(tracker)}: {type(exc).__name__}: {exc}")
+                continue
+            if guard is not None:
+                guard.sent(step)
         if errors:
             raise RuntimeError("accelerator tracker failed: " + "; ".join(errors))
 
     def finish(self) -> None:
         pass  # the runs belong to the accelerator (accelerator.end_training())
+
+
+def accelerate_tracker_run(tracker: Any) -> Any:
+    """The :class:`~attn_probe.sinks.trackers.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
+    from ..sinks.trackers import TrackerRun, mlflow_run, trackio_run, wandb_run
+
+    name = _tracker_name(tracker)
+    run = getattr(tracker, "tracker", None)
+    if name == "wandb" and run is not None:
+        return wandb_run(run, label=f"the accelerator's W&B run {run.id}")
+    if name == "mlflow" and run is not None:
+        import mlflow
+
+        run_id = run.info.run_id
+        client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+        return mlflow_run(client, run_id, label=f"the accelerator's MLflow run {run_id}")
+    if name == "trackio" and run is not None:
+        return trackio_run(run, label=f"the accelerator's trackio run {getattr(run, 'name', None)!r}")
+    return TrackerRun(f"accelerate:{name}", None, f"the accelerator's {name} tracker")
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -198,7 +198,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
             trackers = _reporting_callbacks(handler, self.trackers)
             if trackers:
-                sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head))
+                sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head,
+                                                 begin_kwargs={"model": model, **kwargs}))
         from ..logdir import LogDirInUseError, unique_log_dir
 
         def build(where: str | None) -> Probe:
@@ -343,16 +344,49 @@ class TrainerTrackersSink:
     ``train/global_step`` axis, MLflow's step, ...) in the Trainer's own run. Nothing goes
     through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
     TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
+
+    Resume: before the first snapshot goes to a callback, the sink learns which tracker run it
+    logs into (the W&B run id, the active MLflow run, the current trackio run; an integration
+    it does not know by its class name) and, on a resumed run, the last probe step that run
+    already holds (:class:`~attn_probe.sinks.trackers.ResendGuard`: MLflow is read back, the
+    others come from the probe's record); the snapshots up to that step are not sent to it
+    again. A callback that has not set itself up yet (with :func:`attach` the probe's
+    ``on_train_begin`` runs first) gets the ``on_train_begin`` it was about to get, with the
+    Trainer's arguments (``begin_kwargs``: the model, ...), so that its run exists; its own
+    ``on_train_begin`` then finds it set up, as it would after its own first ``on_log``.
     """
 
-    def __init__(self, callbacks: Sequence[Any], args: Any, state: Any, *, per_head: bool = False) -> None:
+    def __init__(self, callbacks: Sequence[Any], args: Any, state: Any, *, per_head: bool = False,
+                 begin_kwargs: dict[str, Any] | None = None) -> None:
         self.callbacks = list(callbacks)
         self.args = args
         self.state = state
         self.per_head = per_head
+        self.begin_kwargs = dict(begin_kwargs or {})
+        self.run_dir: str | None = None
+        self.resume_step: int | None = None
+        #: per callback (by id), its guard once known (``None``: send everything)
+        self.guards: dict[int, Any] = {}
+
+    def bind_run_dir(self, run_dir: str | None) -> None:
+        self.run_dir = run_dir
 
     def start(self, run: Any) -> None:
-        pass
+        self.resume_step = getattr(run, "resume_step", None)
+
+    def _guard(self, cb: Any) -> Any:
+        """The callback's :class:`~attn_probe.sinks.trackers.ResendGuard`, made at its first snapshot."""
+        if id(cb) in self.guards:
+            return self.guards[id(cb)]
+        from transformers import TrainerControl
+
+        from ..sinks.trackers import make_guard
+
+        if getattr(cb, "_initialized", None) is False and not getattr(self.state, "is_hyper_param_search", False):
+            cb.on_train_begin(self.args, self.state, TrainerControl(), **self.begin_kwargs)
+        guard = make_guard(lambda: trainer_tracker_run(cb), self.run_dir, self.resume_step)
+        self.guards[id(cb)] = guard
+        return guard
 
     def log(self, snapshot: Any) -> None:
         import copy
@@ -361,20 +395,63 @@ class TrainerTrackersSink:
 
         from ..sinks.trackers import tracker_metrics
 
+        step = int(snapshot.step)
         values = tracker_metrics(snapshot, per_head=self.per_head)
         state = copy.copy(self.state)
-        state.global_step = snapshot.step
+        state.global_step = step
         errors = []
         for cb in self.callbacks:
             try:
+                guard = self._guard(cb)
+                if guard is not None and not guard.wants(step):
+                    continue  # this tracker run holds the step from before the resume
                 cb.on_log(self.args, state, TrainerControl(), logs=dict(values))
+                if guard is not None:
+                    guard.sent(step)
             except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
                 errors.append(f"{type(cb).__name__}: {type(exc).__name__}: {exc}")
         if errors:
             raise RuntimeError("tracker callback failed: " + "; ".join(errors))
 
     def finish(self) -> None:
-        pass
+        self.begin_kwargs = {}  # the model, optimizer and loaders: held no longer than needed
+
+
+def trainer_tracker_run(cb: Any) -> Any:
+    """The :class:`~attn_probe.sinks.trackers.TrackerRun` a Trainer integration callback logs into.
+
+    W&B: the current run (recorded by its id; the Trainer's W&B values have no probe step key
+    to read back); MLflow: the active run (read back); trackio: the current run (recorded);
+    any other integration: its class name (recorded).
+    """
+    import transformers.integrations as integrations
+
+    from ..sinks.trackers import TrackerRun, mlflow_run, trackio_run, wandb_run
+
+    def kind(class_name: str) -> bool:
+        cls = getattr(integrations, class_name, None)
+        return isinstance(cls, type) and isinstance(cb, cls)
+
+    name = type(cb).__name__
+    if kind("WandbCallback"):
+        run = getattr(sys.modules.get("wandb"), "run", None)
+        if run is not None:
+            return wandb_run(run, step_key=None, label=f"the Trainer's W&B run {run.id}")
+    elif kind("MLflowCallback"):
+        mlflow = sys.modules.get("mlflow")
+        active = mlflow.active_run() if mlflow is not None else None
+        if active is not None:
+            run_id = active.info.run_id
+            client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
+            return mlflow_run(client, run_id, label=f"the Trainer's MLflow run {run_id}")
+    elif kind("TrackioCallback"):
+        from ..sinks.trackio import _current_run
+
+        trackio = sys.modules.get("trackio")
+        run = _current_run(trackio) if trackio is not None else None
+        if run is not None:
+            return trackio_run(run, label=f"the Trainer's trackio run {getattr(run, 'name', None)!r}")
+    return TrackerRun(f"trainer:{name}", None, f"the Trainer's {name}")
 
 
 def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> AttnProbeCallback:

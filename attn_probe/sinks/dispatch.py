@@ -36,6 +36,12 @@ inline (for debugging, and for tests that want files written when ``log`` return
 Background deliveries run in a copy of the caller's :mod:`contextvars` context taken at
 submission, so libraries that keep their current run in a ``ContextVar`` (trackio) see it.
 
+**The run directory.** Before starting the sinks, ``start`` calls ``sink.bind_run_dir(path)``
+on every sink that has that method (the tracker sinks keep their record of the steps each
+tracker run got there, :mod:`attn_probe.sinks.trackers`): ``path`` is the ``run_dir`` given
+to the dispatcher, else the directory of the probe's trajectory sink (``attn_probe.jsonl``),
+else ``None``.
+
 **Never raises.** ``log``, ``flush`` and ``close`` catch everything; warnings go through
 :func:`safe_warn`, which falls back to stderr when the warnings filter turns them into
 exceptions (``python -W error``). ``start`` is the exception: it runs at attach time on the
@@ -310,6 +316,16 @@ class _Lane:
                       f"{'s' if s.dropped != 1 else ''} (queue of {self.capacity}).")
 
 
+def _trajectory_dir(sinks: Sequence[Any]) -> str | None:
+    """The directory of the probe's ``attn_probe.jsonl`` (its trajectory sink), if one is among ``sinks``."""
+    from .trajectory import TrajectorySink
+
+    for sink in sinks:
+        if isinstance(sink, TrajectorySink) and isinstance(sink.path, str):
+            return os.path.dirname(sink.path) or "."
+    return None
+
+
 #: dispatchers not closed yet, flushed by the interpreter-exit hook
 _OPEN: weakref.WeakSet[SinkDispatcher] = weakref.WeakSet()
 _OPEN_GUARD = threading.Lock()
@@ -337,12 +353,13 @@ class SinkDispatcher:
     """
 
     def __init__(self, sinks: Iterable[Any], *, background: bool = True, queue_size: int = DEFAULT_QUEUE_SIZE,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, run_dir: str | None = None) -> None:
         if int(queue_size) < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size!r}")
         self.sinks = list(sinks)
         self.background = bool(background)
         self.timeout = float(timeout)
+        self.run_dir = run_dir
         self._lanes = [_Lane(s, background=self.background, queue_size=queue_size) for s in self.sinks]
         self._pid = os.getpid()
         self._closed = False
@@ -355,6 +372,14 @@ class SinkDispatcher:
     def start(self, run: RunInfo) -> None:
         """``sink.start(run)`` for each sink, on this thread; on an exception the sinks already
         started are finished and the exception propagates (attach-time errors must surface)."""
+        run_dir = self.run_dir if self.run_dir is not None else _trajectory_dir(self.sinks)
+        for lane in self._lanes:
+            bind = getattr(lane.sink, "bind_run_dir", None)
+            if callable(bind):
+                try:
+                    bind(run_dir)
+                except Exception:  # noqa: BLE001 - the sink then works without a run directory
+                    pass
         started: list[_Lane] = []
         try:
             for lane in self._lanes:

@@ -6,6 +6,11 @@ probe's step) and the user's own metrics are never affected. Logging goes throug
 :meth:`MlflowSink.finish` waits for every pending batch, so all values are stored when it
 returns (and a failed batch raises there).
 
+Resume: on a resumed probe run, the snapshots the MLflow run already holds (read back from the
+run's metric history through ``MlflowClient``, else the probe's record) are not sent again; see
+:mod:`attn_probe.sinks.trackers`. With asynchronous logging a step is recorded as sent once its
+batches are stored (at the next :meth:`MlflowSink.flush`).
+
 This is a network sink (see :mod:`attn_probe.sinks.trackers`): over HTTP, MLflow retries a
 dead server for minutes. ``mlflow`` is imported in :meth:`MlflowSink.start`
 (``pip install 'attn-probe[mlflow]'``).
@@ -17,7 +22,7 @@ import os
 from typing import Any
 
 from . import RunInfo, Snapshot
-from .trackers import TrackerSink
+from .trackers import TrackerRun, TrackerSink, mlflow_run
 
 __all__ = ["MlflowSink"]
 
@@ -61,6 +66,7 @@ class MlflowSink(TrackerSink):
         self.client: Any = None
         self.run_id: str | None = None
         self._pending: list[Any] = []
+        self._unconfirmed: int | None = None  # the last step sent, not yet known to be stored
 
     def _open(self, run_info: RunInfo) -> None:
         mlflow = self._import()
@@ -78,6 +84,10 @@ class MlflowSink(TrackerSink):
             self.run_id, self.owns_run = run.info.run_id, True
         self.run = self.run_id
         self._pending = []
+        self._unconfirmed = None
+
+    def _tracker_run(self) -> TrackerRun:
+        return mlflow_run(self.client, str(self.run_id))
 
     def _experiment_id(self) -> str:
         name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
@@ -99,11 +109,20 @@ class MlflowSink(TrackerSink):
         if len(self._pending) >= MAX_PENDING:
             self.flush()  # bounds memory; the batches sent earlier are normally stored by now
 
+    def _sent(self, step: int) -> None:
+        if self.synchronous:
+            super()._sent(step)
+        else:
+            self._unconfirmed = step  # recorded once its batches are stored (flush)
+
     def flush(self) -> None:
         """Wait until every batch sent so far is stored; raises if one failed."""
         pending, self._pending = self._pending, []
+        step, self._unconfirmed = self._unconfirmed, None
         for op in pending:
             op.wait()
+        if step is not None:
+            super()._sent(step)
 
     def _close(self) -> None:
         try:

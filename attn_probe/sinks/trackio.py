@@ -7,6 +7,11 @@ user's own metrics.
 ``trackio.init`` finishes the run that is current in the process, so the sink never creates a
 run while one is active: it uses that run (when its project matches) or asks for ``run=``.
 
+Resume: on a resumed probe run, the snapshots the trackio run already holds are not sent
+again; trackio offers no cheap read-back, so the probe's record in its run directory says which
+(keyed by the run's project and id, which ``trackio.init(..., resume="allow")`` keeps); see
+:mod:`attn_probe.sinks.trackers`.
+
 This is a network sink when trackio logs to a Space or a server (see
 :mod:`attn_probe.sinks.trackers`). ``trackio`` is imported in :meth:`TrackioSink.start`
 (``pip install 'attn-probe[trackio]'``).
@@ -17,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import RunInfo, Snapshot
-from .trackers import TrackerSink
+from .trackers import TrackerRun, TrackerSink, trackio_run
 
 __all__ = ["TrackioSink"]
 
@@ -74,6 +79,9 @@ class TrackioSink(TrackerSink):
         kwargs.setdefault("config", {"attn_probe": {"config": run_info.config, "model": run_info.model}})
         self.run = trackio.init(project=self.project, name=self.name, **kwargs)
         self.owns_run = True
+
+    def _tracker_run(self) -> TrackerRun:
+        return trackio_run(self.run)
 
     def _send(self, snapshot: Snapshot, values: dict[str, float]) -> None:
         self.run.log(values, step=int(snapshot.step))

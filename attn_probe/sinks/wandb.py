@@ -16,6 +16,12 @@ use a counter that advances at least as often as the probe's snapshots (the opti
 give your metrics a step metric of their own; a log at a ``step=`` the sink has already
 committed past is dropped by W&B. ``finish()`` writes the waiting snapshot into a new row.
 
+Resume: on a resumed probe run, the snapshots the W&B run already holds are not sent again
+(:mod:`attn_probe.sinks.trackers`): online, the last ``attn_probe/step`` is read back from
+``run.summary``; offline (whose resumed run starts with an empty summary) the probe's record
+in its run directory, keyed by ``run.id``, says it. A step is recorded when its row is handed
+to ``run.log``.
+
 This is a network sink (see :mod:`attn_probe.sinks.trackers`); ``wandb`` is imported in
 :meth:`WandbSink.start` (``pip install 'attn-probe[wandb]'``).
 """
@@ -26,7 +32,7 @@ from typing import Any
 
 from ..tags import PREFIX
 from . import RunInfo, Snapshot
-from .trackers import STEP_KEY, TrackerSink
+from .trackers import STEP_KEY, TrackerRun, TrackerSink, wandb_run
 
 __all__ = ["WandbSink"]
 
@@ -74,6 +80,14 @@ class WandbSink(TrackerSink):
                                    allow_val_change=True)
         self._row, self._held = None, None
 
+    def _tracker_run(self) -> TrackerRun:
+        return wandb_run(self.run)
+
+    def _sent(self, step: int) -> None:
+        if self.owns_run:
+            super()._sent(step)
+        # in the user's run the step is recorded when _write hands its row to run.log
+
     def _send(self, snapshot: Snapshot, values: dict[str, float]) -> None:
         payload = {**values, STEP_KEY: int(snapshot.step)}
         if self.owns_run:
@@ -95,6 +109,7 @@ class WandbSink(TrackerSink):
         if first is not None:
             run.log(first, commit=False)
             self._row = run.step
+            TrackerSink._sent(self, int(first[STEP_KEY]))
 
     def _close(self) -> None:
         run = self.run
