@@ -51,7 +51,8 @@ class RandomMLM(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> tuple[float, float]:
+def run_once(args: argparse.Namespace, every: int | None, workdir: str, async_scoring: bool = False
+             ) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process, all threads) of ``trainer.train()``."""
     from transformers import Trainer, TrainingArguments
 
@@ -63,7 +64,8 @@ def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> tuple
         warmup_steps=20, weight_decay=0.01, report_to="none", logging_steps=50, save_strategy="no",
         use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0,
     )
-    callbacks = [] if every is None else [attn_probe.AttnProbeCallback(every=every, log_dir=os.path.join(workdir, "tb"))]
+    callbacks = [] if every is None else [attn_probe.AttnProbeCallback(
+        every=every, log_dir=os.path.join(workdir, "tb"), **({"async_scoring": True} if async_scoring else {}))]
     trainer = Trainer(model=model, args=targs, train_dataset=RandomMLM(args.steps * args.batch, args.seq, args.vocab),
                       callbacks=callbacks)
     start, cpu = time.perf_counter(), time.process_time()
@@ -72,18 +74,26 @@ def run_once(args: argparse.Namespace, every: int | None, workdir: str) -> tuple
 
 
 def snapshot_cost(args: argparse.Namespace, n: int = 30, **options) -> float:
+    """Mean seconds one ``snapshot()`` call takes on the calling (training) thread.
+
+    With ``async_scoring=True`` that is the walk and the copies; the scoring finishes on the
+    worker before the next call (``flush()``, outside the timing).
+    """
     from attn_probe.probe import Probe
 
     model = build(args)
     with tempfile.TemporaryDirectory() as d:
         probe = Probe(model, log_dir=d, every=None, **options)
         probe.snapshot(0)  # warm-up
-        start = time.perf_counter()
+        probe.flush()
+        elapsed = 0.0
         for step in range(1, n + 1):
+            start = time.perf_counter()
             probe.snapshot(step)
-        elapsed = (time.perf_counter() - start) / n
+            elapsed += time.perf_counter() - start
+            probe.flush()
         probe.close(final_snapshot=False)
-    return elapsed
+    return elapsed / n
 
 
 def main() -> None:
@@ -97,7 +107,8 @@ def main() -> None:
                    help="torch.set_num_threads (default 1: on a shared machine OpenMP spinning with more "
                    "threads than free cores makes steps 10x slower and the timings meaningless; 0 = torch default)")
     p.add_argument("--variants", default="baseline,every=100,every=20,every=1",
-                   help="comma-separated subset of baseline, every=100, every=20, every=1 (baseline always runs)")
+                   help="comma-separated subset of baseline, every=100, every=20, every=1, and every=N+async "
+                   "(async_scoring=True); baseline always runs")
     p.add_argument("--json", action="store_true", help="print the raw timings as JSON too")
     args = p.parse_args()
     if args.threads > 0:
@@ -105,6 +116,7 @@ def main() -> None:
 
     p_variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     known = {"baseline": None, "every=100": 100, "every=20": 20, "every=1": 1}
+    known.update({f"{k}+async": v for k, v in list(known.items()) if v is not None})
     unknown = [v for v in p_variants if v not in known]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {', '.join(known)}")
@@ -115,12 +127,13 @@ def main() -> None:
         run_once(args, None, os.path.join(root, "warmup"))  # imports, allocator, caches
         for rep in range(args.repeats):
             for name, every in variants.items():  # alternate so drifting load hits all variants
-                t, c = run_once(args, every, os.path.join(root, f"{name}-{rep}"))
+                t, c = run_once(args, every, os.path.join(root, f"{name}-{rep}"), name.endswith("+async"))
                 times[name].append(t)
                 cpu[name].append(c)
                 print(f"rep {rep} {name:>10}: {t:7.2f} s wall, {c:7.2f} s CPU", flush=True)
     snap = snapshot_cost(args)
     snap_two = snapshot_cost(args, metrics=("symmetry", "directionality"))
+    snap_async = snapshot_cost(args, async_scoring=True)
     base = statistics.median(times["baseline"])
     base_cpu = statistics.median(cpu["baseline"])
     print(f"\nBERT-mini MLM, {args.steps} steps, batch {args.batch} x seq {args.seq}, "
@@ -137,8 +150,10 @@ def main() -> None:
           f"= {snap / step_time:.3f} training steps; at every=100 that is {snap / step_time / 100:.4%} extra, "
           f"at every=20 {snap / step_time / 20:.4%}")
     print(f"one snapshot with symmetry and directionality only: {snap_two * 1e3:.2f} ms")
+    print(f"one snapshot with async_scoring=True, on the training thread (walk + copies): {snap_async * 1e3:.2f} ms")
     if args.json:
         print(json.dumps({"wall": times, "cpu": cpu, "snapshot_s": snap, "snapshot_two_metrics_s": snap_two,
+                          "snapshot_async_training_thread_s": snap_async,
                           "args": vars(args)}))
 
 

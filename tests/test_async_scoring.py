@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
 import attn_probe
 from attn_probe import pairs as pairs_module
@@ -169,3 +169,21 @@ def test_pairs_that_score_themselves_get_copies_too(tmp_path, monkeypatch):
                              pairs=[QKPair(("symmetry",)), Own(("symmetry",))])
     probe.close()
     assert seen and not weights & set(seen)
+def test_async_mode_in_a_real_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from attn_probe.integrations.transformers import AttnProbeCallback
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=48, max_position_embeddings=16))
+    data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=8,
+                             report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)
+    cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no failure (a skip may happen on a slow machine)
+        warnings.filterwarnings("ignore", message=".*still being scored.*")
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    steps = {k[0] for k in jsonl(tmp_path / "tb")}
+    assert 8 in steps and steps <= {0, 2, 4, 6, 8}

@@ -38,7 +38,9 @@ from ..schedules import ScheduleLike
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
 #: options of the callback itself (wiring), beside the ProbeConfig fields
-CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head", "background", "sink_queue", "sink_timeout")
+#: options of the probe's machinery (not of what it measures) the callback passes through
+PROBE_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
+CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head", *PROBE_OPTIONS)
 
 
 def _find_callback_handler() -> Any:
@@ -110,7 +112,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
-        self.sink_options = {k: options.pop(k) for k in ("background", "sink_queue", "sink_timeout") if k in options}
+        self.sink_options = {k: options.pop(k) for k in PROBE_OPTIONS if k in options}
         self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
             trackers = tuple(trackers)
