@@ -146,9 +146,12 @@ def pair_metric_names(pairs: Sequence[ScorePair]) -> list[str]:
     return names
 
 
-#: bytes a stack of layers may take in :func:`score_layers` (factors in the compute dtype, their
-#: rescaled copies and a ``d x d`` product per layer); larger groups are scored in chunks
+#: bytes a stack of layers may take in :func:`stack_layers` (factors in the compute dtype, their
+#: rescaled copies and a ``d x d`` product per layer); larger groups are scored in chunks. On
+#: a GPU a stack saves kernel launches; on CPU a stack larger than the caches makes the
+#: element-wise passes memory-bound, so chunks stay cache-sized there (docs/performance.md)
 STACK_BYTES = 256 << 20
+CPU_STACK_BYTES = 8 << 20
 
 
 def _scores_as_stack(pair: ScorePair) -> bool:
@@ -175,7 +178,7 @@ def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, c
 
     For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
     ``score``), layers of one shape are stacked in the compute dtype in chunks of at most
-    :data:`STACK_BYTES`; a chunk of one layer and any other pair's layers stay single.
+    :data:`STACK_BYTES` (:data:`CPU_STACK_BYTES` on CPU); a chunk of one layer and any other pair's layers stay single.
     ``copy=True`` copies single layers too (``clone``), so that the result no longer reads the
     weights (the asynchronous mode scores it while training goes on).
     """
@@ -195,7 +198,8 @@ def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, c
     for (q_shape, k_shape, *_), indices in groups.items():
         d = q_shape[-1]
         per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
-        size = max(1, STACK_BYTES // per_layer)
+        budget = CPU_STACK_BYTES if factors[indices[0]][0].device.type == "cpu" else STACK_BYTES
+        size = max(1, budget // per_layer)
         for start in range(0, len(indices), size):
             chunk = indices[start: start + size]
             if len(chunk) == 1:
@@ -233,7 +237,8 @@ def score_layers(pair: ScorePair, layers: Sequence[AttentionLayer], factors: Seq
 
     For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
     ``score``), the layers whose factors share shape, dtype and device go through
-    :func:`attn_probe.metrics.score_factor_stack` in chunks of at most :data:`STACK_BYTES`;
+    :func:`attn_probe.metrics.score_factor_stack` in chunks of at most :data:`STACK_BYTES`
+    (:data:`CPU_STACK_BYTES` on CPU);
     any other pair is called layer by layer. Results stay on the weights' device.
     """
     return score_stacks(pair, layers, stack_layers(pair, factors), per_head=per_head, num_std=num_std)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_stability_metrics import reference  # every metric of an explicit float64 matrix
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
@@ -14,21 +15,6 @@ from attn_probe import metrics as core
 from attn_probe import pairs as pairs_module
 from attn_probe.metrics import DEFAULT_METRICS, is_magnitude, score_factor_stack, score_factors
 from attn_probe.pairs import QKPair
-from attn_probe.scores import directionality_score, symmetry_score
-
-
-def reference(m: torch.Tensor, qs, ks) -> dict[str, float]:
-    """Every metric of the explicit float64 matrix ``m`` (``torch.linalg.svdvals``)."""
-    sv = torch.linalg.svdvals(m)
-    return {
-        "symmetry": symmetry_score(m),
-        "directionality": directionality_score(m),
-        "spectral_norm": float(sv[0]),
-        "frobenius_norm": float(torch.linalg.norm(m)),
-        "stable_rank": float(sv.square().sum() / sv[0] ** 2),
-        "qk_bound": max(float(torch.linalg.svdvals(q)[0] * torch.linalg.svdvals(k)[0])
-                        for q, k in zip(qs, ks, strict=True)),
-    }
 
 
 def check_table(table, q, k, rel=1e-4, abs_=1e-4):
@@ -99,14 +85,15 @@ def test_live_snapshot_in_chunks_equals_score_model(tmp_path, monkeypatch):
     """Stacked in the probe (in chunks of two layers here) or one layer at a time: same values."""
     model = llama()
     rows = attn_probe.score_model(model, per_head=True)
-    monkeypatch.setattr(pairs_module, "STACK_BYTES", 1)  # one layer a chunk: the per-layer path
+    monkeypatch.setattr(pairs_module, "CPU_STACK_BYTES", 1)  # one layer a chunk: the per-layer path
     single = live_values(model, tmp_path, "single")
     q, k = attn_probe.find_attention(model)[0].factors()
     per_layer = (3 * (q.numel() + k.numel()) + q.shape[-1] ** 2) * 4
-    monkeypatch.setattr(pairs_module, "STACK_BYTES", 2 * per_layer)
+    monkeypatch.setattr(pairs_module, "CPU_STACK_BYTES", 2 * per_layer)
     chunked = live_values(model, tmp_path, "chunked")
-    monkeypatch.undo()
+    monkeypatch.setattr(pairs_module, "CPU_STACK_BYTES", pairs_module.STACK_BYTES)  # all six in one stack
     stacked = live_values(model, tmp_path, "stacked")
+    monkeypatch.undo()
     assert set(single) == set(chunked) == set(stacked)
     assert len(single) == 6 * 5 * len(DEFAULT_METRICS)
     for key, value in single.items():
