@@ -28,6 +28,7 @@ of a Lanczos size, which copies its fixed start vector to the device (cached aft
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
@@ -173,7 +174,8 @@ class Products:
                 m = self.matrix
                 return lanczos_lambda_max(lambda v: _mtv(m, _mv(m, v)), (*self.shape, d), m)
             a, gb = self.a, self.gram_b[:, None]
-            return lanczos_lambda_max(lambda v: _mtv(a, _mv(gb, _mv(a, v))), (*self.shape, d), a)
+            return lanczos_lambda_max(lambda v: _mtv(a, _mv(gb, _mv(a, v))), (*self.shape, d), a,
+                                      steps=lanczos_steps(r))  # rank <= r: the Krylov space too
         if r < d and not host_eigensolver(self.a.device):  # no eigh: it would wait for the device
             gb_ga = self.gram_b[:, None] @ self.gram_a  # same spectrum as F^T G_B F
             c0, finite = _finite_or_zero(gb_ga)
@@ -306,18 +308,40 @@ def _start_vector(m: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _START[key]
 
 
+#: on CPU, matrices with at least this many entries are multiplied one by one (BLAS ``mv``);
+#: smaller ones by a fused multiply-sum over the whole batch (batched ``bmm`` with one column
+#: is slow on CPU; measured in docs/performance.md)
+CPU_MV_ENTRIES = 16384
+
+
 def _mv(x: Tensor, v: Tensor) -> Tensor:
-    """``x @ v`` for stacks ``x (..., p, q)``, ``v (..., q)`` (broadcast)."""
-    if x.device.type == "cpu":  # batched gemv is slow on CPU; a fused multiply-sum is memory speed
+    """``x @ v`` for stacks ``x (..., p, q)``, ``v (..., q)`` (leading dims broadcast, same count)."""
+    if x.device.type != "cpu":
+        return (x @ v[..., None])[..., 0]
+    if x.shape[-2] * x.shape[-1] < CPU_MV_ENTRIES:
         return (x * v[..., None, :]).sum(-1)
-    return (x @ v[..., None])[..., 0]
+    return _each(x, v, lambda m, u: torch.mv(m, u), x.shape[-2])
 
 
 def _mtv(x: Tensor, v: Tensor) -> Tensor:
-    """``x^T @ v`` for stacks ``x (..., p, q)``, ``v (..., p)`` (broadcast)."""
-    if x.device.type == "cpu":
+    """``x^T @ v`` for stacks ``x (..., p, q)``, ``v (..., p)`` (leading dims broadcast, same count)."""
+    if x.device.type != "cpu":
+        return (x.mT @ v[..., None])[..., 0]
+    if x.shape[-2] * x.shape[-1] < CPU_MV_ENTRIES:
         return (x * v[..., :, None]).sum(-2)
-    return (x.mT @ v[..., None])[..., 0]
+    return _each(x, v, lambda m, u: torch.mv(m.T, u), x.shape[-1])
+
+
+def _each(x: Tensor, v: Tensor, op: Callable[[Tensor, Tensor], Tensor], size: int) -> Tensor:
+    """``op`` on every matrix of ``x`` with its vector of ``v``, broadcasting size-1 leading dims."""
+    xb, vb = x.shape[:-2], v.shape[:-1]
+    batch = torch.broadcast_shapes(xb, vb)
+    out = v.new_empty((*batch, size))
+    for idx in itertools.product(*(range(n) for n in batch)):
+        xi = x[tuple(i if n > 1 else 0 for i, n in zip(idx, xb, strict=True))]
+        vi = v[tuple(i if n > 1 else 0 for i, n in zip(idx, vb, strict=True))]
+        out[idx] = op(xi, vi)
+    return out
 
 
 def lanczos_lambda_max(op: Callable[[Tensor], Tensor], shape: tuple[int, ...], like: Tensor,

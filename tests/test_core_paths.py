@@ -227,3 +227,14 @@ def test_eigensolver_free_path_matches_references(shape, monkeypatch):
     nan_q = q.clone()
     nan_q[0, 0, 0] = float("nan")
     assert torch.isnan(score_factors(nan_q, k, ("spectral_norm", "qk_bound"))).all()
+
+
+@pytest.mark.parametrize("entries", [1, 10**9], ids=["one-by-one", "multiply-sum"])
+def test_batched_matrix_vector_products_broadcast_like_matmul(entries, monkeypatch):
+    monkeypatch.setattr(core, "CPU_MV_ENTRIES", entries)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, 5, 7, generator=gen, dtype=torch.float64)  # broadcast over the second dim
+    v = torch.randn(3, 2, 7, generator=gen, dtype=torch.float64)
+    u = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(core._mv(x, v), (x @ v[..., None])[..., 0])
+    torch.testing.assert_close(core._mtv(x, u), (x.mT @ u[..., None])[..., 0])
