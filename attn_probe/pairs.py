@@ -154,9 +154,14 @@ STACK_BYTES = 256 << 20
 CPU_STACK_BYTES = 8 << 20
 
 
+#: :meth:`QKPair.score` as defined here: a subclass, or a patch of the class, that replaces it
+#: is called layer by layer, never bypassed by a stack
+_CORE_SCORE = QKPair.score
+
+
 def _scores_as_stack(pair: ScorePair) -> bool:
     """Whether ``pair`` scores through the core unchanged, so that stacking gives its own numbers."""
-    return isinstance(pair, QKPair) and type(pair).score is QKPair.score
+    return isinstance(pair, QKPair) and type(pair).score is _CORE_SCORE
 
 
 @dataclasses.dataclass

@@ -238,3 +238,16 @@ def test_batched_matrix_vector_products_broadcast_like_matmul(entries, monkeypat
     u = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(core._mv(x, v), (x @ v[..., None])[..., 0])
     torch.testing.assert_close(core._mtv(x, u), (x.mT @ u[..., None])[..., 0])
+
+
+def test_a_patched_qkpair_score_is_called_not_bypassed_by_stacks(tmp_path, monkeypatch):
+    calls = []
+    original = QKPair.score
+
+    def patched(self, layer, *args, **kwargs):
+        calls.append(layer.layer)
+        return original(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(QKPair, "score", patched)
+    live_values(llama(layers=3), tmp_path, "run")
+    assert calls and calls == [0, 1, 2] * (len(calls) // 3)
