@@ -8,9 +8,11 @@ denormals and NaNs that skew timings), then times, median of ``--repeats``:
   with the default metrics and sinks (what a training step pays when a snapshot is due);
 * ``read_once``: ``torch._foreach_norm`` over every W_q/W_k tensor (reading them once);
 * their ratio;
+* with ``async_scoring=True``, what ``snapshot()`` costs the training thread (the walk and the
+  copies; the worker's scoring is waited for outside the timing);
 
 and, for the Trainer shape, the wall-time ratio of ``Trainer.train()`` with the probe at
-``--every`` against without (the BERT-mini shape of ``bench_overhead.py`` on CPU; the
+``--every`` against without, synchronous and with ``async_scoring=True`` (the BERT-mini shape of ``bench_overhead.py`` on CPU; the
 Llama-3.2-1B shape in bf16 on CUDA).
 
     python benchmarks/bench_snapshot.py                    # CPU: 32 layers d=256, 1 thread
@@ -104,10 +106,24 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
 
         snapshot = median_time(snap, device, repeats)
         probe.close(final_snapshot=False)
+    with tempfile.TemporaryDirectory() as d:  # async_scoring: what the training thread pays
+        probe = attn_probe.watch(model, log_dir=d, every=None, per_head=per_head, async_scoring=True,
+                                 async_max_bytes=1 << 40)
+        probe.flush()
+        times = []
+        for i in range(repeats + 1):
+            sync(device)
+            start = time.perf_counter()
+            probe.snapshot(i + 1)
+            times.append(time.perf_counter() - start)  # no sync: the worker runs on
+            probe.flush()
+        probe.close(final_snapshot=False)
+        async_thread = statistics.median(times[1:])
     qk_bytes = sum(t.numel() * t.element_size() for t in tensors)
     del model
     return {"shape": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "per_head": per_head, "snapshot_ms": snapshot * 1e3, "read_once_ms": read_once * 1e3,
+            "async_training_thread_ms": async_thread * 1e3,
             "ratio": snapshot / read_once, "qk_mb": qk_bytes / 2**20}
 
 
@@ -143,27 +159,29 @@ def trainer_ratio(device: torch.device, every: int, steps: int, repeats: int) ->
             ids = torch.randint(5, vocab, (seq,), generator=torch.Generator().manual_seed(i))
             return {"input_ids": ids, "labels": ids.clone()}
 
-    def run(with_probe: bool, workdir: str) -> float:
+    def run(with_probe: bool, workdir: str, async_scoring: bool = False) -> float:
         args = TrainingArguments(output_dir=workdir, max_steps=steps, per_device_train_batch_size=batch,
                                  learning_rate=5e-5, report_to="none", save_strategy="no", logging_steps=10**6,
                                  use_cpu=not cuda, bf16=cuda, disable_tqdm=True, seed=0)
         trainer = Trainer(model=model_factory(), args=args, train_dataset=Tokens())
         if with_probe:
-            attn_probe.attach(trainer, every=every, log_dir=os.path.join(workdir, "tb"))
+            attn_probe.attach(trainer, every=every, log_dir=os.path.join(workdir, "tb"), async_scoring=async_scoring)
         start = time.perf_counter()
         trainer.train()
         sync(device)
         return time.perf_counter() - start
 
-    base, probed = [], []
+    base, probed, asynchronous = [], [], []
     with tempfile.TemporaryDirectory() as root:
         run(False, os.path.join(root, "warm"))
-        for rep in range(repeats):  # alternate so that drifting load hits both
+        for rep in range(repeats):  # alternate so that drifting load hits all three
             base.append(run(False, os.path.join(root, f"b{rep}")))
             probed.append(run(True, os.path.join(root, f"p{rep}")))
+            asynchronous.append(run(True, os.path.join(root, f"a{rep}"), async_scoring=True))
     return {"trainer_shape": name, "every": every, "steps": steps, "base_s": statistics.median(base),
-            "probed_s": statistics.median(probed),
-            "wall_ratio": statistics.median(probed) / statistics.median(base)}
+            "probed_s": statistics.median(probed), "async_s": statistics.median(asynchronous),
+            "wall_ratio": statistics.median(probed) / statistics.median(base),
+            "async_wall_ratio": statistics.median(asynchronous) / statistics.median(base)}
 
 
 def main() -> None:
@@ -187,20 +205,23 @@ def main() -> None:
     print(f"{hardware}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.1f}")
     results: dict[str, Any] = {"hardware": hardware, "torch": torch.__version__, "shapes": []}
-    print("| shape | device | dtype | per head | snapshot ms | read-once ms | ratio | W_q+W_k MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | device | dtype | per head | snapshot ms | read-once ms | ratio | async: training thread ms "
+          "| W_q+W_k MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in shapes:
         for per_head in ([False, True] if args.per_head else [False]):
             r = time_shape(name, device, dtype, args.repeats, per_head)
             results["shapes"].append(r)
             print(f"| {r['shape']} | {r['device']} | {r['dtype']} | {per_head} | {r['snapshot_ms']:.2f} | "
-                  f"{r['read_once_ms']:.3f} | {r['ratio']:.1f}x | {r['qk_mb']:.1f} |", flush=True)
+                  f"{r['read_once_ms']:.3f} | {r['ratio']:.1f}x | {r['async_training_thread_ms']:.2f} | "
+                  f"{r['qk_mb']:.1f} |", flush=True)
     if args.trainer_steps > 0:
         every = args.every or (10 if device.type == "cuda" else 20)
         t = trainer_ratio(device, every, args.trainer_steps, args.trainer_repeats)
         results["trainer"] = t
         print(f"\nTrainer ({t['trainer_shape']}, {t['steps']} steps, every={every}): "
-              f"{t['base_s']:.2f} s without, {t['probed_s']:.2f} s with the probe: wall ratio {t['wall_ratio']:.3f}")
+              f"{t['base_s']:.2f} s without, {t['probed_s']:.2f} s with the probe: wall ratio {t['wall_ratio']:.3f}; "
+              f"async_scoring: {t['async_s']:.2f} s, wall ratio {t['async_wall_ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
