@@ -41,7 +41,9 @@ class AsyncScorer:
         #: snapshots skipped because the previous one was still being scored
         self.skipped = 0
         self._thread: threading.Thread | None = None
-        self._outcome: tuple[Any, BaseException | None] | None = None
+        #: the running job's outcome, filled by its thread: ``[result, error]`` (one list per job,
+        #: so that an abandoned job finishing late cannot overwrite a newer one's)
+        self._outcome: list[Any] = []
         self._streams: dict[torch.device, Any] = {}
 
     # -- state -------------------------------------------------------------------------------
@@ -58,17 +60,20 @@ class AsyncScorer:
 
         A finished job is handed out once; ``done`` is ``False`` while it runs or when none was submitted.
         """
-        thread = self._thread
+        thread, outcome = self._thread, self._outcome
         if thread is None:
             return False, None, None
         if wait:
             thread.join(timeout)
         if thread.is_alive():
             return False, None, None
-        outcome = self._outcome
-        self._thread, self._outcome = None, None
-        assert outcome is not None
-        return True, outcome[0], outcome[1]
+        self._thread, self._outcome = None, []
+        result, error = outcome if outcome else (None, RuntimeError("the scoring thread ended without a result"))
+        return True, result, error
+
+    def abandon(self) -> None:
+        """Forget the running job: its outcome is never handed out (the thread ends on its own)."""
+        self._thread, self._outcome = None, []
 
     # -- streams -----------------------------------------------------------------------------
     def _side_stream(self, device: torch.device) -> Any:
@@ -104,6 +109,8 @@ class AsyncScorer:
             raise RuntimeError("an asynchronous snapshot is still pending")
         cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
 
+        outcome: list[Any] = []
+
         def run() -> None:
             result: Any = None
             error: BaseException | None = None
@@ -114,8 +121,8 @@ class AsyncScorer:
                     result = job()
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread by take()
                 error = exc
-            self._outcome = (result, error)
+            outcome.extend((result, error))
 
-        self._outcome = None
+        self._outcome = outcome
         self._thread = threading.Thread(target=run, name="attn_probe-async-scoring", daemon=True)
         self._thread.start()

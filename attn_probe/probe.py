@@ -260,6 +260,7 @@ class Probe:
         #: the asynchronous mode's worker (unsharded models; docs/live-probe.md)
         self._async: AsyncScorer | None = AsyncScorer(async_max_bytes) if async_scoring else None
         self._async_timeout = sink_timeout
+        self._final = False  # close()'s final snapshot: never asynchronous
         self._warned_async_size = False
         if self._async is not None and self._agreement is not None:
             self._async = None
@@ -495,15 +496,17 @@ class Probe:
         """Wait until every snapshot taken so far is written by every sink (main process).
 
         With the default background writing, ``snapshot()`` returns before its values are
-        on disk; call this before reading the files while the probe is open. ``timeout`` in
-        seconds (default: the probe's ``sink_timeout``). Returns ``False`` if a sink was still
-        busy then; ``True`` at once on other ranks and after :meth:`close`. Never raises.
+        on disk; call this before reading the files while the probe is open. With
+        ``async_scoring`` it first waits for the snapshot being scored. ``timeout`` in seconds
+        for each wait (default: the probe's ``sink_timeout``). Returns ``False`` if a snapshot
+        was still being scored or a sink still busy then; ``True`` at once on other ranks and
+        after :meth:`close`. Never raises.
         """
-        self._deliver(wait=True)
+        scored = self._deliver(wait=True, timeout=timeout)
         dispatcher = self._dispatcher
         if dispatcher is None:
-            return True
-        return dispatcher.flush(timeout)
+            return scored
+        return dispatcher.flush(timeout) and scored
 
     def sink_stats(self) -> list[SinkStats]:
         """Per sink: snapshots delivered, lost to failures, dropped (queue full), and whether it fails now."""
@@ -619,26 +622,32 @@ class Probe:
                   "training thread instead. Raise async_max_bytes to copy them. This warning is shown once.")
         return False
 
-    def _deliver(self, wait: bool = False) -> None:
+    def _deliver(self, wait: bool = False, timeout: float | None = None, closing: bool = False) -> bool:
         """Hand a finished asynchronous snapshot to the sinks (training thread); never raises.
 
-        ``wait`` first waits for a running one (up to ``sink_timeout``).
+        ``wait`` first waits for a running one, up to ``timeout`` (default ``sink_timeout``).
+        Returns ``False`` if one is still being scored then: it stays pending (written when it
+        finishes) unless ``closing``, where it is abandoned, with a warning.
         """
         scorer = self._async
         if scorer is None or not scorer.pending():
-            return
+            return True
+        limit = self._async_timeout if timeout is None else timeout
         try:
-            done, snap, error = scorer.take(wait=wait, timeout=self._async_timeout)
-            if wait and not done:
-                _warn(f"attn_probe: an asynchronous snapshot was still being scored after {self._async_timeout} s; "
-                      "it is not logged.")
-                return
+            done, snap, error = scorer.take(wait=wait, timeout=limit)
+            if not done:
+                if closing:
+                    scorer.abandon()
+                    _warn(f"attn_probe: an asynchronous snapshot was still being scored after {limit} s at "
+                          "close(); it is not logged.")
+                return False
             if error is not None:
                 _report_failure(self, "an asynchronous snapshot", error)
             elif snap is not None:
                 self._write(snap)
         except Exception as exc:  # noqa: BLE001 - never raises
             _report_failure(self, "delivering an asynchronous snapshot", exc)
+        return True
 
     def _assemble(self, step: int, scored: list[tuple[AttentionLayer, list[Tensor]]],
                   images: dict[tuple[str, int], np.ndarray]) -> Snapshot:
@@ -705,14 +714,15 @@ class Probe:
         step = self.step if step is None else int(step)
         if self.last_snapshot_step is not None and step <= self.last_snapshot_step:
             return None
-        if self._async is not None and self._async.pending():  # the previous one is still scored
+        asynchronous = self._async is not None and not self._final
+        if asynchronous and self._async.pending():  # the previous one is still being scored
             self._async.skipped += 1
             if self._async.skipped == 1:
                 _warn(f"attn_probe: snapshot at step {step} skipped: the previous one is still being scored "
                       "(async_scoring). Later skips are counted in probe.skipped_snapshots, not reported.")
             return None
         self.last_snapshot_step = step
-        snap = self._measure(step, asynchronous=self._async is not None)
+        snap = self._measure(step, asynchronous=asynchronous)
         if snap is not None:
             self._write(snap)
         return snap
@@ -792,11 +802,11 @@ class Probe:
             counter = self._forward_counter
             if counter is not None and counter.final_step is not None:
                 self.step = max(self.step, counter.final_step)
-            self._deliver(wait=True)  # asynchronous mode: the snapshot in flight first
+            self._deliver(wait=True, closing=True)  # asynchronous mode: the snapshot in flight first
             moved = self.last_snapshot_step is None or self.step > self.last_snapshot_step
             if final_snapshot and not self.disabled and (moved or self._agreement is not None):
+                self._final = True  # scored on this thread, even in the asynchronous mode
                 self.snapshot(self.step)  # sharded: always, the agreement skips a stale step everywhere
-                self._deliver(wait=True)
         except Exception as exc:  # noqa: BLE001 - close() must not stop the user's script
             _report_failure(self, "close", exc)
         finally:

@@ -188,3 +188,28 @@ def test_async_mode_in_a_real_trainer(tmp_path):
         Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
     steps = {k[0] for k in jsonl(tmp_path / "tb")}
     assert 8 in steps and steps <= {0, 2, 4, 6, 8}
+
+
+def test_flush_reports_a_snapshot_still_being_scored(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    gate = Gate(monkeypatch)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1000, async_scoring=True)
+    assert gate.entered.wait(30)
+    assert probe.flush(timeout=0.2) is False  # step 0 is still being scored
+    gate.release.set()
+    assert probe.flush() is True
+    probe.close(final_snapshot=False)
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [0]
+
+
+def test_close_with_a_stuck_worker_abandons_it_and_still_takes_the_final_snapshot(tmp_path, monkeypatch):
+    model = llama(layers=2)
+    gate = Gate(monkeypatch)
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1000, async_scoring=True,
+                             sink_timeout=0.5)
+    assert gate.entered.wait(30)
+    probe.on_update(5)
+    with pytest.warns(RuntimeWarning, match="still being scored after 0.5 s at close"):
+        probe.close()  # step 0 never finishes in time: abandoned; step 5 scored on this thread
+    gate.release.set()
+    assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [5]
