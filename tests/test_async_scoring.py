@@ -213,3 +213,48 @@ def test_close_with_a_stuck_worker_abandons_it_and_still_takes_the_final_snapsho
         probe.close()  # step 0 never finishes in time: abandoned; step 5 scored on this thread
     gate.release.set()
     assert sorted({k[0] for k in jsonl(tmp_path / "run")}) == [5]
+
+
+def test_trainer_final_snapshot_reaches_the_sinks_before_train_end_while_one_is_in_flight(tmp_path, monkeypatch):
+    """The tracker callbacks end their runs in on_train_end: the final snapshot must be out by then."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from attn_probe.integrations.transformers import AttnProbeCallback
+
+    class Steps:  # a sink on the training thread that records what reached it
+        def __init__(self):
+            self.steps = []
+
+        def start(self, run):
+            pass
+
+        def log(self, snapshot):
+            self.steps.append(snapshot.step)
+
+        def finish(self):
+            pass
+
+    sink = Steps()
+    seen_at_train_end = []
+
+    class AtTrainEnd(TrainerCallback):  # runs before the probe's callback, like a tracker's
+        def on_train_end(self, args, state, control, **kwargs):
+            seen_at_train_end.extend(sink.steps)
+
+    real = pairs_module.score_stacks
+
+    def slow(*args, **kwargs):  # the snapshot of step 2 is still scored when step 4 ends
+        if threading.current_thread() is not threading.main_thread():
+            threading.Event().wait(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("attn_probe.probe.score_stacks", slow)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=48, max_position_embeddings=16))
+    data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                             report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)
+    cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True, sinks=[sink])
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[AtTrainEnd(), cb]).train()
+    assert 3 in seen_at_train_end, seen_at_train_end

@@ -258,8 +258,10 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         if probe is None:
             return
         step = int(state.global_step)
-        probe.on_update(step)
         last = bool(getattr(control, "should_training_stop", False)) or (self._max_steps > 0 and step >= self._max_steps)
+        if last:  # async_scoring: the snapshot still being scored first, or the final one would be skipped
+            _flush(probe)
+        probe.on_update(step)
         if last:
             # the final snapshot now: the tracker callbacks end their runs in on_train_end,
             # which they receive before this callback does
