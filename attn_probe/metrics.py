@@ -18,8 +18,9 @@ the TensorBoard tag segment and the row key, unchanged everywhere.
 
 No host transfer happens here: results stay on the factors' device until a caller moves
 many layers' tables to the host in one transfer. :func:`score_factor_stack` scores many layers
-of one shape at once (the live probe's path). ``sigma_max`` comes from a dense eigensolver
-for problems up to :func:`lanczos_threshold` and from a fixed-step Lanczos iteration above it.
+of one shape at once (the live probe's path). ``sigma_max`` is exact for problems up to
+:func:`lanczos_threshold` (a dense eigensolver on CPU, repeated squaring elsewhere) and comes
+from a fixed-step Lanczos iteration above it.
 Off CPU nothing calls ``eigh``/``eigvalsh`` (they read their error flag on the host, which
 waits for the device): largest eigenvalues come from repeated squaring
 (:func:`_lambda_max_by_squaring`), matrix products only. The one exception is the first use
@@ -163,8 +164,9 @@ class Products:
 
         The largest eigenvalue of a symmetric PSD matrix with the same non-zero spectrum as
         ``M M^T``. Problems of size ``m = min(r, d)`` up to :func:`lanczos_threshold` are
-        solved exactly: ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``) when
-        ``r < d``, else ``M^T M`` (``d x d``). Larger ones use :func:`lanczos_lambda_max`
+        solved exactly: on CPU ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``)
+        when ``r < d``, else ``M^T M`` (``d x d``); elsewhere ``G_B G_A`` or ``M^T M`` by
+        repeated squaring. Larger ones use :func:`lanczos_lambda_max`
         on the operator ``v -> A^T G_B A v`` (Gram path) or ``v -> M^T M v`` (``M`` formed):
         a fixed number of steps from a fixed start vector, nothing carried between calls.
         """
@@ -240,7 +242,7 @@ def _lambda_max(c: Tensor) -> Tensor:
     return torch.where(finite, lam.clamp_min(0), float("nan"))
 
 
-#: squarings in :func:`_lambda_max_by_squaring`: relative error at most ``1 / (e 2^s)``
+#: squarings in :func:`_lambda_max_by_squaring`: relative error at most about ``ln(n) / 2^s``
 SQUARINGS = 32
 
 
@@ -251,7 +253,7 @@ def _lambda_max_by_squaring(c: Tensor, squarings: int = SQUARINGS) -> Tensor:
     eigenvalues, diagonalisable), whose traces behave alike.
 
     With eigenvalues ``l_i`` the ratio is ``sum l_i w_i / sum w_i``, ``w_i = (l_i / l_1)^(2^s)``,
-    so it lies within ``l_1 / (e 2^s)`` below ``l_1`` whatever the gap. Each square is divided
+    so it lies within about ``l_1 ln(n) / 2^s`` below ``l_1`` (``n`` the size) whatever the gap. Each square is divided
     by its trace (no overflow); only matrix products, so nothing waits for the device.
     """
     p = c.to(torch.float64)
@@ -282,9 +284,9 @@ def host_eigensolver(device: torch.device) -> bool:
 
 
 def lanczos_threshold(device: torch.device) -> int:
-    """Largest problem size solved exactly (``eigvalsh``) on ``device``; larger ones use Lanczos.
+    """Largest problem size solved exactly on ``device``; larger ones use Lanczos.
 
-    On CPU LAPACK's ``eigvalsh`` is cheaper up to a few hundred (measured, docs/performance.md);
+    Exactly: ``eigvalsh`` on CPU, repeated squaring elsewhere. On CPU LAPACK's ``eigvalsh`` is cheaper up to a few hundred (measured, docs/performance.md);
     on other devices a dense eigensolver is slow for small matrices and waits for the device.
     """
     return 384 if host_eigensolver(device) else 64

@@ -3,10 +3,13 @@
 A :class:`Probe` holds a validated :class:`~attn_probe.config.ProbeConfig`, the attention
 layers found at attach time, a step counter and its sinks. At a snapshot it walks every
 layer through :func:`attn_probe.distributed.iter_layer_params` (on every rank, same order,
-exhausted), gathering the parameters its score pairs and scheduled quantities declare; each
-pair scores the layer through the one core (:func:`attn_probe.metrics.score_factors`, on the
-weights' own device, no host sync); every layer's table moves to the host in one transfer
-per snapshot, and the sinks get plain numbers, on the main process only.
+exhausted), gathering the parameters its score pairs and scheduled quantities declare. The
+pairs score through the one core on the weights' own device, with no host sync: unsharded
+layers after the walk, layers of one shape as stacks (:func:`attn_probe.pairs.stack_layers`,
+:func:`attn_probe.metrics.score_factor_stack`), gathered layers one at a time as they come;
+with ``async_scoring`` the stacks are copied and scored on a worker thread
+(:mod:`attn_probe.asynchronous`). The tables move to the host in one transfer per device and
+snapshot, and the sinks get plain numbers, on the main process only.
 
 What counts steps lives in :mod:`attn_probe.counting`; :func:`attn_probe.watch` (in
 :mod:`attn_probe.watching`) attaches a probe to a loop. This module imports neither
@@ -698,8 +701,10 @@ class Probe:
         """Measure now and write (main process); ``step`` defaults to the probe's counter.
 
         Steps must increase: a step ``<=`` the last snapshot's is skipped. Returns the
-        :class:`~attn_probe.sinks.Snapshot` on the main process, ``None`` elsewhere. On a
-        sharded run every rank must call it (the ranks agree first, see ``docs/distributed.md``).
+        :class:`~attn_probe.sinks.Snapshot` on the main process, ``None`` elsewhere, when
+        skipped, and with ``async_scoring`` (the snapshot then reaches the sinks at the next
+        probe call, :meth:`flush` or :meth:`close`). On a sharded run every rank must call it
+        (the ranks agree first, see ``docs/distributed.md``).
         """
         if self._closed or self.disabled:
             return None

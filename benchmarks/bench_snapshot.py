@@ -13,7 +13,7 @@ denormals and NaNs that skew timings), then times, median of ``--repeats``:
 
 and, for the Trainer shape, the wall-time ratio of ``Trainer.train()`` with the probe at
 ``--every`` against without, synchronous and with ``async_scoring=True`` (the BERT-mini shape of ``bench_overhead.py`` on CPU; the
-Llama-3.2-1B shape in bf16 on CUDA).
+Llama-3.2-1B shape on CUDA, float32 weights trained with bf16 autocast).
 
     python benchmarks/bench_snapshot.py                    # CPU: 32 layers d=256, 1 thread
     python benchmarks/bench_snapshot.py --shapes llama-1b llama-70b-attn --json out.json   # on a GPU
