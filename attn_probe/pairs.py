@@ -27,7 +27,7 @@ import torch
 from .extraction import AttentionLayer
 from .metrics import DEFAULT_METRICS, check_metrics, score_factor_stack, score_factors
 
-__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "score_layers", "stack_layers", "score_stacks", "Stack"]
+__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "stack_layers", "score_stacks", "Stack"]
 
 Tensor = torch.Tensor
 ParamGetter = Callable[[str], Tensor]
@@ -199,7 +199,7 @@ def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, c
     for i, (a, b) in enumerate(factors):
         groups.setdefault((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, b.device), []).append(i)
     stacks: list[Stack] = []
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     for (q_shape, k_shape, *_), indices in groups.items():
         d = q_shape[-1]
         per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
@@ -234,16 +234,3 @@ def score_stacks(pair: ScorePair, layers: Sequence[AttentionLayer], stacks: Sequ
         for j, i in enumerate(stack.indices):
             out[i] = table[j]
     return out  # type: ignore[return-value]
-
-
-def score_layers(pair: ScorePair, layers: Sequence[AttentionLayer], factors: Sequence[tuple[Tensor, Tensor]],
-                 *, per_head: bool, num_std: float) -> list[Tensor]:
-    """``pair.score`` of each layer, in order; layers of one shape are scored as stacks.
-
-    For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
-    ``score``), the layers whose factors share shape, dtype and device go through
-    :func:`attn_probe.metrics.score_factor_stack` in chunks of at most :data:`STACK_BYTES`
-    (:data:`CPU_STACK_BYTES` on CPU);
-    any other pair is called layer by layer. Results stay on the weights' device.
-    """
-    return score_stacks(pair, layers, stack_layers(pair, factors), per_head=per_head, num_std=num_std)

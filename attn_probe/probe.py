@@ -52,7 +52,6 @@ from .pairs import (
     Stack,
     check_pairs,
     pair_metric_names,
-    score_layers,
     score_stacks,
     stack_layers,
 )
@@ -572,9 +571,9 @@ class Probe:
                 if deferred is not None:
                     deferred.append((layer, factors))
                 else:
-                    scored.append((layer, [score_layers(pair, [layer], [f], per_head=self.config.per_head,
-                                                        num_std=self.config.num_std)[0]
-                                           for pair, f in zip(self.pairs, factors, strict=True)]))
+                    scored.append((layer, [pair.score(layer, a, b, per_head=self.config.per_head,
+                                                      num_std=self.config.num_std)
+                                           for pair, (a, b) in zip(self.pairs, factors, strict=True)]))
                 if want_images:
                     assert self.images is not None
                     images[(layer.group, layer.layer)] = self.images.measure(layer, get)
@@ -614,7 +613,7 @@ class Probe:
         for pair, factors in zip(self.pairs, per_pair, strict=True):
             dtype = getattr(pair, "dtype", None)
             for a, b in factors:
-                item = max(a.element_size(), torch.empty((), dtype=dtype).element_size() if dtype else 0)
+                item = max(a.element_size(), dtype.itemsize if dtype is not None else 0)
                 total += (a.numel() + b.numel()) * item
         if total <= self._async.max_bytes:
             return True

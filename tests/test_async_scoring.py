@@ -170,17 +170,25 @@ def test_pairs_that_score_themselves_get_copies_too(tmp_path, monkeypatch):
                              pairs=[QKPair(("symmetry",)), Own(("symmetry",))])
     probe.close()
     assert seen and not weights & set(seen)
-def test_async_mode_in_a_real_trainer(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
-    from attn_probe.integrations.transformers import AttnProbeCallback
+def tiny_trainer_setup(tmp_path, max_steps):
+    """A tiny BERT, random MLM data and CPU TrainingArguments with ``max_steps``."""
+    from transformers import TrainingArguments
 
     torch.manual_seed(0)
     model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=48, max_position_embeddings=16))
     data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=8,
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=max_steps,
                              report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)
+    return model, data, args
+
+
+def test_async_mode_in_a_real_trainer(tmp_path):
+    from transformers import Trainer
+
+    from attn_probe.integrations.transformers import AttnProbeCallback
+
+    model, data, args = tiny_trainer_setup(tmp_path, max_steps=8)
     cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no failure (a skip may happen on a slow machine)
@@ -217,7 +225,7 @@ def test_close_with_a_stuck_worker_abandons_it_and_still_takes_the_final_snapsho
 
 def test_trainer_final_snapshot_reaches_the_sinks_before_train_end_while_one_is_in_flight(tmp_path, monkeypatch):
     """The tracker callbacks end their runs in on_train_end: the final snapshot must be out by then."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from attn_probe.integrations.transformers import AttnProbeCallback
 
@@ -249,12 +257,7 @@ def test_trainer_final_snapshot_reaches_the_sinks_before_train_end_while_one_is_
         return real(*args, **kwargs)
 
     monkeypatch.setattr("attn_probe.probe.score_stacks", slow)
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=48, max_position_embeddings=16))
-    data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
-                             report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)
+    model, data, args = tiny_trainer_setup(tmp_path, max_steps=3)
     cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True, sinks=[sink])
     Trainer(model=model, args=args, train_dataset=data, callbacks=[AtTrainEnd(), cb]).train()
     assert 3 in seen_at_train_end, seen_at_train_end
