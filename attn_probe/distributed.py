@@ -7,8 +7,10 @@ What each setup costs per snapshot (``bytes`` = size of the layer's full ``W_q``
 * FSDP1 (``FullyShardedDataParallel``): one ``summon_full_params(unit, recurse=False,
   writeback=False, rank0_only=True)`` per FSDP unit owning q/k (consecutive layers of one
   unit share one gather); all-gathers the unit's flat parameter (q, k, v, o, ... of it);
-* FSDP2 (``fully_shard``) and tensor parallel (DTensor parameters): ``full_tensor()`` of
-  exactly ``W_q`` and ``W_k`` of one layer;
+* FSDP2 (``fully_shard``) and tensor parallel (DTensor parameters): an all-gather of
+  exactly ``W_q`` and ``W_k`` of one layer (``redistribute`` to ``Replicate``); on the
+  receiving rank the next layer's gather is issued before the current layer is scored, so
+  the communication overlaps the scoring, holding at most two layers' ``W_q`` + ``W_k``;
 * DeepSpeed ZeRO-3: ``deepspeed.zero.GatheredParameters`` on exactly that layer's q/k
   parameters (``modifier_rank=None``).
 
@@ -27,6 +29,7 @@ import dataclasses
 import logging
 import os
 import re
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -112,7 +115,9 @@ def training_group_timeout() -> timedelta:
 
     try:
         group = c10d._get_default_group()
-        device = c10d._get_pg_default_device(group)
+        with warnings.catch_warnings():  # "multiple backends registered" (FSDP2 on gloo): not the user's concern
+            warnings.simplefilter("ignore")
+            device = c10d._get_pg_default_device(group)
         timeout = group._get_backend(device).options._timeout
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
             return timeout
@@ -346,11 +351,25 @@ def _fsdp1_gather(stack: contextlib.ExitStack, units: tuple[nn.Module, ...], ran
     return holds
 
 
-def _dtensor_full(value: Tensor) -> Tensor:
+def _dtensor_full(value: Tensor, asynchronous: bool = False) -> Tensor:
+    """The full tensor of a DTensor (else ``value``); ``asynchronous``: issued, not waited for.
+
+    The asynchronous result is waited for by its first use (:func:`_waited`).
+    """
     dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(value, dtensor):
+    if dtensor is None or not isinstance(value, dtensor):
+        return value
+    if not asynchronous:
         return value.full_tensor()
-    return value
+    from torch.distributed.tensor import Replicate
+
+    return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim, async_op=True).to_local()
+
+
+def _waited(value: Tensor) -> Tensor:
+    """``value`` as a plain tensor, once an asynchronous collective that produces it is done."""
+    wait = getattr(value, "trigger_wait", None)  # AsyncCollectiveTensor (torch functional collectives)
+    return wait() if callable(wait) else value
 
 
 def _zero3_params(values: Iterable[Tensor]) -> list[Tensor]:
@@ -558,40 +577,70 @@ def _walk_sharded(gathers: list[_Gather], kind: str, agreement: Agreement, recei
                   check: Callable[[AttentionLayer, ParamGetter], Any] | None,
                   stop: Callable[[], bool] | None,
                   outcome: WalkOutcome) -> Iterator[tuple[AttentionLayer, ParamGetter]]:
-    """FSDP1/2, TP, ZeRO-3: one agreement before every gather; all ranks enter it or none."""
-    with torch.no_grad():
-        for gather in gathers:
-            try:
-                stopping = bool(stop()) if stop is not None else False
-            except Exception:  # noqa: BLE001
-                stopping = True
-            ready = False if stopping else _prepare(gather, kind, receive, check)
-            go, all_ready = agreement.min([0 if stopping else 1, 1 if ready else 0])
-            if not go:
-                outcome.skip("a rank stopped the walk")
-                return
-            if not all_ready:
-                if ready:
-                    logger.warning("attn_probe: another rank could not prepare the gather of %s; "
-                                   "every rank skips it", gather.names)
-                outcome.skip(f"{gather.names}: failed on a rank, skipped on every rank")
-                continue
-            with contextlib.ExitStack() as stack:
+    """FSDP1/2, TP, ZeRO-3: one agreement before every gather; all ranks enter it or none.
+
+    DTensor (FSDP2, TP), on a rank that receives: gathers are issued without waiting, and a
+    layer is yielded only once the next layer's gather is issued (after its agreement), so
+    the next transfer overlaps the caller's work on this one; at most two gathered layers
+    are alive. Every rank still agrees on, and enters, the gathers in the same order. FSDP1
+    and ZeRO-3 gather synchronously, one at a time.
+    """
+    prefetch = kind == "dtensor" and receive
+    ahead: tuple[contextlib.ExitStack, list[tuple[AttentionLayer, ParamGetter]]] | None = None
+    try:
+        with torch.no_grad():
+            for gather in gathers:
+                try:
+                    stopping = bool(stop()) if stop is not None else False
+                except Exception:  # noqa: BLE001
+                    stopping = True
+                ready = False if stopping else _prepare(gather, kind, receive, check)
+                go, all_ready = agreement.min([0 if stopping else 1, 1 if ready else 0])
+                if not go:
+                    outcome.skip("a rank stopped the walk")
+                    break
+                if not all_ready:
+                    if ready:
+                        logger.warning("attn_probe: another rank could not prepare the gather of %s; "
+                                       "every rank skips it", gather.names)
+                    outcome.skip(f"{gather.names}: failed on a rank, skipped on every rank")
+                    continue
+                stack = contextlib.ExitStack()
                 try:  # the collective: every rank is here, for the same gather
-                    held = _gather(stack, gather, kind, rank0_only)
+                    held = _gather(stack, gather, kind, rank0_only, asynchronous=prefetch)
                 except Exception as exc:  # noqa: BLE001 - inside the collective: out of scope
+                    stack.close()
                     logger.warning("attn_probe: gathering %s failed on this rank (%s: %s)",
                                    gather.names, type(exc).__name__, exc)
                     outcome.skip(f"gathering {gather.names} failed")
                     continue
                 if not (receive and held is not None):
+                    stack.close()
                     continue  # with rank0_only, ranks != 0 only took part in the collective
-                yield from held
+                if not prefetch:
+                    with stack:
+                        yield from held
+                    continue
+                previous, ahead = ahead, (stack, held)
+                if previous is not None:  # the next gather is in flight: hand out the one before it
+                    with previous[0]:
+                        yield from previous[1]
+                    previous = None  # released before the next gather is reserved and issued
+            if ahead is not None:
+                last, ahead = ahead, None
+                with last[0]:
+                    yield from last[1]
+    finally:
+        if ahead is not None:  # the caller stopped early: wait for, then drop, what is in flight
+            ahead[0].close()
 
 
 def _gather(stack: contextlib.ExitStack, gather: _Gather, kind: str,
-            rank0_only: bool) -> list[tuple[AttentionLayer, ParamGetter]] | None:
-    """Enter the gather's collective(s); the layers and getters if this rank holds the data."""
+            rank0_only: bool, asynchronous: bool = False) -> list[tuple[AttentionLayer, ParamGetter]] | None:
+    """Enter the gather's collective(s); the layers and getters if this rank holds the data.
+
+    ``asynchronous`` (DTensor): issue the gathers without waiting; the getter waits.
+    """
     if kind == "fsdp1":
         if not _fsdp1_gather(stack, gather.units, rank0_only):
             return None
@@ -604,9 +653,20 @@ def _gather(stack: contextlib.ExitStack, gather: _Gather, kind: str,
 
         stack.enter_context(deepspeed.zero.GatheredParameters(_zero3_params(values.values()), modifier_rank=None))
         gathered = {n: getattr(m, a).data for n, (m, a) in plan.refs.items()}
-    else:
-        gathered = {n: _dtensor_full(v.detach()) for n, v in values.items()}
-    return [(_canonical_layer(plan.layer), gathered.__getitem__)]
+        return [(_canonical_layer(plan.layer), gathered.__getitem__)]
+    gathered = {n: _dtensor_full(v.detach(), asynchronous) for n, v in values.items()}
+
+    @stack.callback
+    def release() -> None:  # a stale getter holds nothing; no transfer is left unwaited
+        for t in gathered.values():
+            _waited(t)
+        gathered.clear()
+
+    def get(name: str) -> Tensor:
+        gathered[name] = _waited(gathered[name])
+        return gathered[name]
+
+    return [(_canonical_layer(plan.layer), get)]
 
 
 def iter_layer_factors(
@@ -620,7 +680,8 @@ def iter_layer_factors(
     ``W_q``: ``(num_heads, head_dim, d)``, ``W_k``: ``(num_kv_heads, head_dim, d)``; the
     collective contract of :func:`iter_layer_params` applies (exhaust the iterator on every
     rank). The split into heads is dry-run before each gather on the ranks that receive; a
-    layer whose split fails is skipped with a warning.
+    layer whose split fails is skipped with a warning. Drop a layer's tensors before asking
+    for the next: under FSDP2/TP the next layer's gather is then already in flight.
     """
     def check(layer: AttentionLayer, get: ParamGetter) -> None:
         layer.factors(get)
@@ -634,6 +695,7 @@ def iter_layer_factors(
             )
             continue
         yield layer, query.detach(), key.detach()
+        del query, key  # held no longer than the caller's own references (prefetch: two layers)
 
 
 def gather_scores(

@@ -564,16 +564,12 @@ class Probe:
             if not self.is_main_process or error is not None:
                 continue  # keep exhausting the iterator: other ranks wait in its collectives
             try:
-                factors = []
-                for pair in self.pairs:
-                    a, b = pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
-                    factors.append((a.detach(), b.detach()))
+                factors = self._factors(layer, get)
                 if deferred is not None:
                     deferred.append((layer, factors))
-                else:
-                    scored.append((layer, [pair.score(layer, a, b, per_head=self.config.per_head,
-                                                      num_std=self.config.num_std)
-                                           for pair, (a, b) in zip(self.pairs, factors, strict=True)]))
+                else:  # gathered: scored now and released (two gathered layers alive at most)
+                    scored.append((layer, self._score_layer(layer, factors)))
+                del factors
                 if want_images:
                     assert self.images is not None
                     images[(layer.group, layer.layer)] = self.images.measure(layer, get)
@@ -599,6 +595,19 @@ class Probe:
             return None
         stacks = [stack_layers(pair, fs) for pair, fs in zip(self.pairs, per_pair, strict=True)]
         return self._assemble(step, self._score(scored_layers, stacks), images)
+
+    def _factors(self, layer: AttentionLayer, get: Callable[[str], Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """Every pair's factors ``(A, B)`` of ``layer``."""
+        factors = []
+        for pair in self.pairs:
+            a, b = pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
+            factors.append((a.detach(), b.detach()))
+        return factors
+
+    def _score_layer(self, layer: AttentionLayer, factors: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
+        """Every pair's values on one layer (device tensors)."""
+        return [pair.score(layer, a, b, per_head=self.config.per_head, num_std=self.config.num_std)
+                for pair, (a, b) in zip(self.pairs, factors, strict=True)]
 
     def _score(self, layers: list[AttentionLayer], stacks: list[list[Stack]]) -> list[tuple[AttentionLayer, list[Tensor]]]:
         """Per layer, every pair's values (device tensors), from the pairs' stacks."""
