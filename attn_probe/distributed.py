@@ -658,9 +658,14 @@ def _gather(stack: contextlib.ExitStack, gather: _Gather, kind: str,
 
     @stack.callback
     def release() -> None:  # a stale getter holds nothing; no transfer is left unwaited
-        for t in gathered.values():
-            _waited(t)
-        gathered.clear()
+        try:
+            for t in gathered.values():
+                _waited(t)
+        except Exception as exc:  # noqa: BLE001 - the walk goes on; the caller saw it in get() if it asked
+            logger.warning("attn_probe: waiting for the gather of %s failed (%s: %s)",
+                           canonical_name(plan.layer.name), type(exc).__name__, exc)
+        finally:
+            gathered.clear()
 
     def get(name: str) -> Tensor:
         gathered[name] = _waited(gathered[name])
