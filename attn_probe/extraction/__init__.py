@@ -136,6 +136,7 @@ def find_attention(
                 split=layout.split,
                 module=module,
                 params=params,
+                root=root,
             )
         )
     if not found:

@@ -46,6 +46,9 @@ class AttentionLayer:
     split: FactorFn = field(repr=False, compare=False)
     module: nn.Module | None = field(default=None, repr=False, compare=False)
     params: Mapping[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    #: the model ``name`` and ``param_names`` are relative to (``unwrap(model)``), for layouts that
+    #: read a module outside the attention module (BERT's output projection is a sibling)
+    root: nn.Module | None = field(default=None, repr=False, compare=False)
 
     def factors(self, get: ParamGetter | None = None) -> tuple[Tensor, Tensor]:
         """Per-head ``(W_q, W_k)`` views; ``get`` maps a parameter name to its full tensor.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .architectures import Projection, _child, _class_is
+from .architectures import Projection, _child, _class_is, _is_lora, projection
 from .base import AttentionLayer, ParamGetter, Tensor, UnsupportedModelError
 
 __all__ = ["OVLayout", "ov_layout", "OV_ARCHITECTURES"]
@@ -87,15 +87,40 @@ def _separate(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
 
 
 def _bert(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
+    """BERT-style: W_v from ``value``, W_o from the sibling ``output.dense`` (found in ``layer.root``).
+
+    Sizes come from the modules' attributes, never from the weights: under sharding a weight's
+    local shape is not its full shape (a ZeRO-3 placeholder is ``(0,)``, FSDP1 holds flat shards).
+    """
     if not _class_is(attn, *_BERT_SELF) or not layer.name.endswith(".self"):
         return None
+    out_path = layer.name[: -len("self")] + "output"
+    dense = getattr(_submodule(layer.root, out_path), "dense", None)
     v = _child(attn, layer.name, "value")
-    o_name = layer.name[: -len("self")] + "output.dense.weight"
-    w_o = layer.params.get(o_name)
-    if v is None or w_o is None or w_o.ndim != 2:
+    o = projection(dense, f"{out_path}.dense") if isinstance(dense, nn.Module) and not _is_lora(dense) else None
+    if v is not None and o is not None and v.out_features == layer.num_kv_heads * layer.head_dim:
+        found = _layout(v.param_names, o, layer, v.weight)
+        if found is not None:
+            return found
+    missing = "" if layer.root is not None else "; no model root recorded (find the layers with find_attention)"
+    raise UnsupportedModelError(
+        f"attn_probe: the OV pair cannot read {layer.name} ({type(attn).__name__}): it reads W_v from its "
+        f"`value` and W_o from the sibling {out_path}.dense, linear projections (the latter not wrapped by "
+        f"PEFT: merge it first) with W_o mapping {layer.num_heads} x {layer.head_dim} to {layer.hidden_size}; "
+        f"found value: {_kind(getattr(attn, 'value', None))}, dense: {_kind(dense)}{missing}. "
+        "Score W_qk alone (the default pairs) for this model."
+    )
+
+
+def _kind(module: object) -> str:
+    return "a PEFT LoRA wrapper" if isinstance(module, nn.Module) and _is_lora(module) else type(module).__name__
+
+
+def _submodule(root: nn.Module | None, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path) if root is not None else None
+    except AttributeError:
         return None
-    o = Projection((o_name,), int(w_o.shape[0]), int(w_o.shape[1]), lambda get: get(o_name))
-    return _layout(v.param_names, o, layer, v.weight)
 
 
 def _fused_value(qkv: Projection, layer: AttentionLayer, kind: str) -> Callable[[ParamGetter], Tensor]:
