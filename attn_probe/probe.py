@@ -23,6 +23,7 @@ import math
 import os
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -57,7 +58,14 @@ from .pairs import (
 )
 from .schedules import is_deterministic
 from .sinks import Record, RunInfo, Sink, Snapshot
-from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT, SinkDispatcher, SinkStats, safe_warn
+from .sinks.dispatch import (
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_TIMEOUT,
+    SinkDispatcher,
+    SinkStats,
+    before_exit_flush,
+    safe_warn,
+)
 from .sinks.tensorboard import writer_log_dir
 from .tags import layer_stats
 
@@ -118,6 +126,26 @@ def _warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warn without ever raising (:func:`attn_probe.sinks.dispatch.safe_warn`): the probe's
     isolation must not depend on the warnings filter (``python -W error``)."""
     safe_warn(message, category, stacklevel=3)
+
+
+#: open probes in the asynchronous mode (their snapshot in flight is written at interpreter exit)
+_SCORING: weakref.WeakSet[Probe] = weakref.WeakSet()
+
+
+def _deliver_at_exit(seconds: float) -> None:
+    """Exit hook (before the sinks are flushed): write each unclosed probe's snapshot in flight.
+
+    Waits for it within ``seconds``; the worker thread then no longer runs while the interpreter
+    shuts down (a thread still inside torch then can abort the process).
+    """
+    deadline = time.monotonic() + seconds
+    for probe in list(_SCORING):
+        if not probe._closed:
+            probe._deliver(wait=True, timeout=max(0.0, deadline - time.monotonic()), closing=True,
+                           moment="interpreter exit (the probe was never closed)")
+
+
+before_exit_flush(_deliver_at_exit)
 
 
 def _report_failure(probe: Probe, what: str, exc: BaseException) -> None:
@@ -268,6 +296,8 @@ class Probe:
             self._async = None
             _warn("attn_probe: async_scoring applies to unsharded models; this sharded run is scored on the "
                   "training thread, in program order with its gathers.")
+        if self._async is not None:
+            _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         try:
             self._identities = self._record_identities()
         except Exception:  # noqa: BLE001 - unresolvable names: snapshots will say so; no surgery check
@@ -633,12 +663,13 @@ class Probe:
                   "training thread instead. Raise async_max_bytes to copy them. This warning is shown once.")
         return False
 
-    def _deliver(self, wait: bool = False, timeout: float | None = None, closing: bool = False) -> bool:
+    def _deliver(self, wait: bool = False, timeout: float | None = None, closing: bool = False,
+                 moment: str = "close()") -> bool:
         """Hand a finished asynchronous snapshot to the sinks (training thread); never raises.
 
         ``wait`` first waits for a running one, up to ``timeout`` (default ``sink_timeout``).
         Returns ``False`` if one is still being scored then: it stays pending (written when it
-        finishes) unless ``closing``, where it is abandoned, with a warning.
+        finishes) unless ``closing`` (at ``moment``), where it is abandoned, with a warning.
         """
         scorer = self._async
         if scorer is None or not scorer.pending():
@@ -649,8 +680,8 @@ class Probe:
             if not done:
                 if closing:
                     scorer.abandon()
-                    _warn(f"attn_probe: an asynchronous snapshot was still being scored after {limit} s at "
-                          "close(); it is not logged.")
+                    _warn(f"attn_probe: an asynchronous snapshot was still being scored after {limit:g} s at "
+                          f"{moment}; it is not logged.")
                 return False
             if error is not None:
                 _report_failure(self, "an asynchronous snapshot", error)
@@ -824,6 +855,7 @@ class Probe:
             _report_failure(self, "close", exc)
         finally:
             self._closed = True
+            _SCORING.discard(self)
             if self._agreement is not None:
                 self._agreement.close()  # local: the gloo group's sockets and threads
             try:

@@ -261,3 +261,46 @@ def test_trainer_final_snapshot_reaches_the_sinks_before_train_end_while_one_is_
     cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True, sinks=[sink])
     Trainer(model=model, args=args, train_dataset=data, callbacks=[AtTrainEnd(), cb]).train()
     assert 3 in seen_at_train_end, seen_at_train_end
+
+
+EXIT_SCRIPT = """
+import sys, time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import attn_probe
+from attn_probe.pairs import QKPair
+
+class SlowQK(QKPair):  # still scoring (in torch) when the script ends
+    def score(self, *args, **kwargs):
+        time.sleep(0.5)
+        return super().score(*args, **kwargs)
+
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+model = LlamaForCausalLM(cfg)
+probe = attn_probe.watch(model, log_dir=sys.argv[1], every=1000, pairs=[SlowQK()], async_scoring=True)
+probe.flush()  # the attach snapshot (step 0) is written
+probe.step = 7
+probe.snapshot()  # in flight; the script ends without close()
+print("pending", probe._async.pending(), flush=True)
+"""
+
+
+def test_a_probe_never_closed_writes_its_snapshot_in_flight_at_exit(tmp_path):
+    # a real interpreter exit: the worker must not be left inside torch (it aborted the
+    # process, exit 134), and the snapshot it was scoring reaches the files
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "never_closed.py"
+    script.write_text(EXIT_SCRIPT)
+    log_dir = tmp_path / "run"
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), str(log_dir)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "pending True" in done.stdout
+    assert sorted({key[0] for key in jsonl(log_dir)}) == [0, 7]

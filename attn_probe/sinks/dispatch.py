@@ -24,7 +24,8 @@ each sink's ``finish()`` in its lane; a lane still busy at the deadline is aband
 waiting snapshots are dropped and counted in a warning, and its thread (a daemon) finishes
 the sink if the blocked call ever returns. Nothing waits without a bound, and the daemon
 threads never hold up interpreter exit; an ``atexit`` hook flushes dispatchers that were
-never closed, bounded by :data:`EXIT_TIMEOUT`.
+never closed, bounded by :data:`EXIT_TIMEOUT` (first handing them, through
+:func:`before_exit_flush`, the snapshots unclosed probes are still scoring).
 
 **Which thread.** A sink gets a background lane when its class says it is safe to call from
 another thread: ``background = True`` (the TensorBoard and trajectory sinks do; a network
@@ -60,7 +61,7 @@ import traceback
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,10 +332,27 @@ _OPEN: weakref.WeakSet[SinkDispatcher] = weakref.WeakSet()
 _OPEN_GUARD = threading.Lock()
 
 
+#: called by the exit hook before it flushes, with the seconds left (see :func:`before_exit_flush`)
+_BEFORE_FLUSH: list[Callable[[float], None]] = []
+
+
+def before_exit_flush(hook: Callable[[float], None]) -> None:
+    """Have the interpreter-exit hook call ``hook(seconds_left)`` before it flushes the
+    dispatchers (once per ``hook``): a probe hands its snapshot still being scored to its
+    sinks there. ``hook`` must not raise and should return within the seconds given."""
+    if hook not in _BEFORE_FLUSH:
+        _BEFORE_FLUSH.append(hook)
+
+
 def _flush_at_exit() -> None:
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    for hook in list(_BEFORE_FLUSH):
+        try:
+            hook(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - never raise at exit
+            pass
     with _OPEN_GUARD:
         open_now = list(_OPEN)
-    deadline = time.monotonic() + EXIT_TIMEOUT
     for dispatcher in open_now:
         try:
             dispatcher.flush(timeout=max(0.0, deadline - time.monotonic()))
