@@ -200,6 +200,7 @@ def _load_config(directory: Path) -> Any:
         hint = f"; sub-directories with one: {', '.join(subs[:5])}" if subs else ""
         raise CheckpointError(
             f"{directory}: no config.json (is this a Hugging Face checkpoint directory?{hint})"
+            f"{_way_forward(directory)}"
         )
     from transformers import AutoConfig
 

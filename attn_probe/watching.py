@@ -17,11 +17,19 @@ __all__ = ["watch", "announce"]
 ACCELERATE_OPTIONS = ("trackers", "trackers_per_head")
 
 
+def _singular(unit: str) -> str:
+    """``"optimizer steps"`` -> ``"optimizer step"``, ``"training forward passes"`` -> ``"... pass"``."""
+    for plural, one in (("passes", "pass"), ("steps", "step")):
+        if unit.endswith(plural):
+            return unit[: -len(plural)] + one
+    return unit
+
+
 def _describe_schedule(every: Any, unit: str) -> str:
     if every is None:
         return "on demand"
     if isinstance(every, int):
-        return f"every {every} {unit}" if every != 1 else f"every {unit[:-1] if unit.endswith('s') else unit}"
+        return f"every {every} {unit}" if every != 1 else f"every {_singular(unit)}"
     return f"on the schedule {getattr(every, '__qualname__', repr(every))} ({unit})"
 
 

@@ -222,8 +222,11 @@ def test_errors_are_checkpoint_errors(tmp_path, saved_bert):
         "no-weights": (tmp_path / "noweights", "no weights found"),
         "missing-shard": (tmp_path / "missingshard", "does not exist"),
         "no-attention": (tmp_path / "resnet", "no attention layer"),
+        "adapter-only": (tmp_path / "adapter", "no config.json .*PEFT adapter.*merge_and_unload"),
     }
     (tmp_path / "empty").mkdir()
+    _write(tmp_path / "adapter", "adapter_config.json", "{}")  # a Trainer checkpoint of a PEFT model
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
     _write(tmp_path / "badjson", "config.json", "{not json")
     _write(tmp_path / "unknown", "config.json", json.dumps({"model_type": "no-such-model-type"}))
     _write(tmp_path / "noweights", "config.json", (good / "config.json").read_text())

@@ -23,3 +23,20 @@ def test_python_dash_m_runs_the_cli():
     assert out.returncode == 0
     for command in ("score", "export", "plot", "summary", "heatmap", "demo"):
         assert command in out.stdout
+
+
+def test_the_announcement_names_the_schedule_unit_in_the_singular(tmp_path, capsys):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    import attn_probe
+
+    cfg = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    model = BertModel(cfg)
+    with attn_probe.watch(model, log_dir=tmp_path / "a", every=1):
+        pass
+    with attn_probe.watch(model, log_dir=tmp_path / "b", every=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+        pass
+    err = capsys.readouterr().err
+    assert "every training forward pass ->" in err
+    assert "every optimizer step ->" in err
