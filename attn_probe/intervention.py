@@ -29,10 +29,11 @@ def _check_writable(layer: AttentionLayer, key: torch.Tensor) -> None:
     ptrs = {_storage_ptr(layer.params[n]) for n in layer.param_names if n in layer.params}
     if key.numel() == 0 or _storage_ptr(key) not in ptrs:
         raise ValueError(
-            f"symmetric_init_: the key weight of {layer.name!r} is computed, not stored "
-            "(e.g. a PEFT/LoRA projection W + B A, or a custom adapter that copies), so it cannot "
-            "be overwritten. Apply symmetric_init_ to the base model before wrapping it, or merge "
-            "the adapters first (model.merge_and_unload())."
+            f"symmetric_init_: the key weight of {layer.name!r} ({type(layer.module).__name__}) is computed "
+            "from the stored weights, not a view of them, so it cannot be overwritten in place: a "
+            "PEFT/LoRA projection W + B A (apply symmetric_init_ to the base model before wrapping it, "
+            "or merge the adapters first: model.merge_and_unload()), a fused projection whose rows "
+            "are permuted (CodeGen's qkv_proj), or a custom adapter that copies."
         )
 
 

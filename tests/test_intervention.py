@@ -273,6 +273,17 @@ def test_lora_projection_is_rejected_with_advice():
         attn_probe.symmetric_init_(model)
 
 
+def test_a_permuted_fused_projection_is_rejected_naming_it_and_left_unchanged():
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    torch.manual_seed(0)
+    model = CodeGenForCausalLM(CodeGenConfig(n_embd=64, n_layer=2, n_head=8, vocab_size=100, rotary_dim=4))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="CodeGen's qkv_proj"):
+        attn_probe.symmetric_init_(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_lazy_export():
     from attn_probe.intervention import symmetric_init_
 
