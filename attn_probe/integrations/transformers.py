@@ -125,13 +125,21 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.probe: Probe | None = None
         self.handler: Any = None  # the Trainer's CallbackHandler, set by attach()
         self.run_log_dir: str | None = None  # where this run's probe writes (saved with checkpoints)
+        #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
+        self.run_log_dir_relative: str | None = None
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
                                              trackers_per_head=trackers_per_head, **options)
 
     # -- checkpoints (transformers' ExportableState) ------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Saved in ``trainer_state.json``: the run directory, so that a resumed run continues it."""
-        return {"args": self._json_args or {}, "attributes": {"run_log_dir": self.run_log_dir}}
+        """Saved in ``trainer_state.json``: the run directory, so that a resumed run continues it.
+
+        ``run_log_dir`` is the path as used; ``run_log_dir_relative`` the same relative to the
+        Trainer's ``output_dir`` (``None`` when outside it), which a resumed run resolves against
+        its own ``output_dir``, so the run is found after the output directory was moved or copied.
+        """
+        return {"args": self._json_args or {},
+                "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative}}
 
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
@@ -150,31 +158,34 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                   "Use attn_probe.attach(trainer, ...) instead of callbacks=[...] to avoid this.")
         return handler
 
-    def _choose_log_dir(self, args: Any, state: Any, handler: Any) -> str:
-        """The run directory: ``log_dir=``, else the saved one on resume, else the Trainer's TensorBoard run."""
+    def _choose_log_dir(self, args: Any, state: Any, handler: Any) -> tuple[str, bool]:
+        """The run directory: ``log_dir=``, else the saved one on resume, else the Trainer's TensorBoard run.
+
+        Returns ``(directory, from_checkpoint)``; ``from_checkpoint`` says it is the run saved with
+        the checkpoint (which :meth:`on_train_begin` gives up for a fresh one if it cannot be written).
+        """
         if self.log_dir is not None:
             chosen = os.path.expanduser(self.log_dir)
             if os.getenv("TENSORBOARD_LOGGING_DIR") is None:
                 # with attach() this runs before the TensorBoardCallback opens its writer: make the
                 # Trainer's loss go to the same run (no public setter exists)
-                for cb in _tensorboard_callbacks(handler):
-                    if getattr(cb, "tb_writer", None) is None:
-                        cb.logging_dir = chosen
-            return chosen
-        saved = _saved_run_dir(state) if state.global_step > 0 else None
+                _point_tensorboard(handler, chosen)
+            return chosen, False
+        saved = _saved_run(state) if state.global_step > 0 else None
         if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
+            found, problem = _resolve_saved_run(saved, args.output_dir)
+            if found is None:
+                return self._fresh_log_dir(args, handler, state.global_step, saved[0], problem), False
             # continue the run of the checkpoint: the trajectory stays one run; tell a
             # TensorBoardCallback that has not opened its writer yet to write there too
-            followers = [cb for cb in _tensorboard_callbacks(handler) if getattr(cb, "tb_writer", None) is None]
-            for cb in followers:
-                cb.logging_dir = saved  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
+            _point_tensorboard(handler, found)
             trainer_dirs = {str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
                             if getattr(cb, "tb_writer", None) is not None}
-            if trainer_dirs - {saved}:
-                _warn(f"attn_probe: resuming the probe's run in {saved} (saved with the checkpoint); the "
+            if trainer_dirs - {found}:
+                _warn(f"attn_probe: resuming the probe's run in {found} (saved with the checkpoint); the "
                       f"Trainer's TensorBoard logs of this session go to {', '.join(sorted(trainer_dirs))}. "
                       "Use attn_probe.attach(trainer, ...) (or set TENSORBOARD_LOGGING_DIR) to keep both in one run.")
-            return saved
+            return found, True
         log_dir = trainer_log_dir(args, handler)
         if state.global_step > 0 and saved is None:
             previous = _previous_runs(args.output_dir, log_dir)
@@ -182,6 +193,28 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 _warn(f"attn_probe: resuming at step {state.global_step} in a new run directory {log_dir}; "
                       f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
                       "Give log_dir= to continue a run.")
+        return log_dir, False
+
+    @staticmethod
+    def _fresh_log_dir(args: Any, handler: Any, step: int, saved: str, problem: str) -> str:
+        """A new run directory for a resumed run whose saved one is unusable; warns once, naming both."""
+        opened = [str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
+                  if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)]
+        if opened:  # the Trainer's TensorBoard run of this session (callbacks=[...]): join it
+            log_dir = opened[0]
+        else:
+            log_dir = os.path.join(args.output_dir, default_log_dir())
+            if os.path.lexists(log_dir):  # the unusable run itself, if it started in this second
+                from ..logdir import LogDirError, unique_log_dir
+
+                try:
+                    log_dir = unique_log_dir(log_dir)
+                except LogDirError:
+                    pass  # the probe's own check names the problem
+            _point_tensorboard(handler, log_dir)
+        _warn(f"attn_probe: cannot continue the probe's run saved with the checkpoint, {saved} ({problem}); "
+              f"logging continues from step {step} in a new run directory {log_dir}. The steps before "
+              f"{step} stay in the earlier run (wherever it now is); pass log_dir= to choose the directory.")
         return log_dir
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -191,18 +224,18 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         main = bool(state.is_world_process_zero)
         step = int(state.global_step)
         self._max_steps = int(getattr(state, "max_steps", 0) or 0)
-        log_dir, purge_stale = None, True
+        log_dir, purge_stale, from_checkpoint, handler = None, True, False, None
         sinks = list(self.sinks or [])
         if main:
             handler = self._handler()
-            log_dir = self._choose_log_dir(args, state, handler)
+            log_dir, from_checkpoint = self._choose_log_dir(args, state, handler)
             if step > 0:
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
             trackers = _reporting_callbacks(handler, self.trackers)
             if trackers:
                 sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head,
                                                  begin_kwargs={"model": model, **kwargs}))
-        from ..logdir import LogDirInUseError, unique_log_dir
+        from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         def build(where: str | None) -> Probe:
             return Probe(
@@ -227,7 +260,15 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             taken, log_dir = log_dir, unique_log_dir(log_dir)
             _warn(f"attn_probe: {taken} is in use by another run; this probe writes to {log_dir}")
             self.probe = build(log_dir)
+        except LogDirError as exc:
+            if not from_checkpoint or log_dir is None:
+                raise
+            # the saved run exists but cannot be written (permissions, a read-only mount, a file
+            # in the way): a resumed run must not fail for that; continue in a fresh directory
+            log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc))
+            self.probe = build(log_dir)
         self.run_log_dir = log_dir
+        self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
         if main:
             from ..watching import announce
 
@@ -305,15 +346,76 @@ def _json_safe_options(**options: Any) -> dict[str, Any] | None:
     return options
 
 
-def _saved_run_dir(state: Any) -> str | None:
-    """The probe's run directory recorded in the checkpoint's ``trainer_state.json``, if any."""
+def _saved_run(state: Any) -> tuple[str, str | None] | None:
+    """The probe's run directory recorded in the checkpoint's ``trainer_state.json``, if any.
+
+    ``(path as used, path relative to that run's output_dir or None)``; checkpoints written
+    before the relative path was recorded give ``None`` for it.
+    """
     saved = (getattr(state, "stateful_callbacks", None) or {}).get("AttnProbeCallback")
     if isinstance(saved, list):
         saved = saved[-1] if saved else None
     if not isinstance(saved, dict):
         return None
-    value = (saved.get("attributes") or {}).get("run_log_dir")
-    return str(value) if isinstance(value, str) and value else None
+    attributes = saved.get("attributes") or {}
+    value, relative = attributes.get("run_log_dir"), attributes.get("run_log_dir_relative")
+    if not (isinstance(value, str) and value):
+        return None
+    relative = relative if isinstance(relative, str) and relative and not os.path.isabs(relative) else None
+    return value, relative
+
+
+def _relative_to(path: str, root: Any) -> str | None:
+    """``path`` relative to ``root`` when it lies inside it (``"."`` for ``root`` itself), else ``None``."""
+    try:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(str(root)))
+    except ValueError:  # another drive (Windows)
+        return None
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    return rel
+
+
+def _resolve_saved_run(saved: tuple[str, str | None], output_dir: Any) -> tuple[str | None, str]:
+    """Where the saved run is now: ``(directory, "")``, or ``(None, why it cannot be continued)``.
+
+    In order: the recorded relative path under the *current* ``output_dir`` (the output
+    directory may have been moved or copied since); the recorded path itself; for checkpoints
+    that recorded only that path, the same trailing components (``runs/<name>``) under the
+    current ``output_dir`` when they hold a trajectory. A directory is taken only when it exists
+    and can be written (:func:`attn_probe.logdir.check_log_dir`): a run directory is never
+    recreated where a moved or deleted one was.
+    """
+    from ..logdir import LogDirError, check_log_dir
+    from ..trajectory_format import TRAJECTORY_FILENAME
+
+    path, relative = saved
+    output_dir = str(output_dir)
+    candidates = []
+    if relative is not None:
+        candidates.append(os.path.normpath(os.path.join(output_dir, relative)))
+    candidates.append(path)
+    if relative is None and not os.path.isdir(path):
+        parts = [p for p in os.path.normpath(path).split(os.sep) if p]
+        for n in range(min(3, len(parts) - 1), 0, -1):
+            tail = os.path.join(output_dir, *parts[-n:])
+            if os.path.isfile(os.path.join(tail, TRAJECTORY_FILENAME)):
+                candidates.append(tail)
+                break
+    problem = "it no longer exists"
+    for candidate in candidates:
+        if not os.path.isdir(candidate):
+            continue
+        try:
+            check_log_dir(candidate)
+        except LogDirError as exc:
+            problem = str(exc)
+            continue
+        if candidate not in (path, candidates[0]):
+            _warn(f"attn_probe: the probe's run saved with the checkpoint, {path}, no longer exists; "
+                  f"continuing the run found at the same place under output_dir, {candidate}.")
+        return candidate, ""
+    return None, problem
 
 
 def _previous_runs(output_dir: str, current: str) -> list[str]:
@@ -328,6 +430,13 @@ def _previous_runs(output_dir: str, current: str) -> list[str]:
     runs = [e for e in entries if os.path.isfile(os.path.join(e, TRAJECTORY_FILENAME))
             and os.path.realpath(e) != os.path.realpath(current)]
     return sorted(runs, key=os.path.getmtime)
+
+
+def _point_tensorboard(handler: Any, log_dir: str) -> None:
+    """Make the Trainer's TensorBoardCallbacks that have not opened their writer yet write to ``log_dir``."""
+    for cb in _tensorboard_callbacks(handler):
+        if getattr(cb, "tb_writer", None) is None:
+            cb.logging_dir = log_dir  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
 
 
 def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]:
