@@ -8,6 +8,10 @@ the operating system, not to the file: it goes away when the process exits or di
 file left behind by a crashed run, or by a job that is requeued on another host, blocks
 nothing. Host and pid are written into the file only to name the holder in the error message.
 
+When the lock file disappears while held (the whole directory deleted by a cleanup and recreated
+by a sink that noticed), :func:`restore_lock` locks a new lock file at the same path, so a second
+writer is still refused.
+
 Where the directory was chosen by default rather than given by the user,
 :func:`acquire_default` picks a unique name (``base``, ``base_1``, ``base_2``, ...) instead of
 failing. Only the standard library is imported here.
@@ -38,6 +42,7 @@ __all__ = [
     "acquire_default",
     "check_log_dir",
     "default_log_dir",
+    "restore_lock",
     "unique_log_dir",
 ]
 
@@ -327,6 +332,55 @@ class LogDirLock:
                 return None
             os.close(fd)
 
+    def restore(self) -> bool:
+        """Lock a new lock file when the held one was deleted or replaced; returns whether it is held now.
+
+        The OS lock sits on the file, not on its name: once the file (or its whole directory) is
+        deleted, another writer could lock a new file at the same path. This recreates the
+        directory if needed and locks the file at ``self.path`` again (a no-op while the held file
+        is still in place). Returns ``False``, changing nothing, when not held or when another
+        writer took the new file first; raises nothing.
+        """
+        if not self.locked:
+            return False
+        with _HELD_GUARD:
+            try:
+                if self._fd is not None:
+                    held = os.fstat(self._fd)
+                    if held.st_nlink > 0 and os.path.samestat(held, os.stat(self.path)):
+                        return True
+                elif _dir_key(self.log_dir) == self._key:  # no lock file held: the directory is the same
+                    return True
+            except OSError:
+                pass
+            try:
+                os.makedirs(self.log_dir, exist_ok=True)
+                key = _dir_key(self.log_dir)
+            except OSError:
+                return False
+            other = _held_here(key)
+            if other is not None and other is not self:
+                return False
+            old_fd = self._fd
+            try:
+                holder = self._try_lock()
+            except LogDirError:
+                return False
+            if holder is not None:  # another writer locked the new file first
+                return False
+            if old_fd is not None and old_fd != self._fd:
+                try:
+                    os.close(old_fd)  # the deleted file's descriptor: its lock guards nothing now
+                except OSError:
+                    pass
+            entry = _HELD.get(self._key) if self._key is not None else None
+            if entry is not None and entry[1]() is self:
+                del _HELD[self._key]
+            self._key = key
+            _HELD[key] = (os.getpid(), weakref.ref(self))
+        self._record()
+        return True
+
     def _record(self) -> None:
         """Write host and pid into the lock file (for the other writer's error message only)."""
         if self._fd is None:
@@ -378,6 +432,21 @@ class LogDirLock:
 
     def __repr__(self) -> str:
         return f"LogDirLock({self.log_dir!r}, locked={self.locked})"
+
+
+def restore_lock(log_dir: str | os.PathLike) -> bool | None:
+    """:meth:`LogDirLock.restore` for the lock this process holds on ``log_dir`` (by path).
+
+    For a sink that found its directory deleted and recreated it. Returns ``None`` when this
+    process holds no lock on that path; never raises.
+    """
+    target = os.path.abspath(os.fspath(log_dir))
+    with _HELD_GUARD:
+        for pid, ref in list(_HELD.values()):
+            lock = ref()
+            if pid == os.getpid() and lock is not None and lock.locked and os.path.abspath(lock.log_dir) == target:
+                return lock.restore()
+    return None
 
 
 # --------------------------------------------------------------------------------------------

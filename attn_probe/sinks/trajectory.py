@@ -9,6 +9,13 @@ The file only ever holds complete lines:
   that snapshot, so a failed snapshot leaves no partial line;
 * opening the file (at start, and when :meth:`TrajectorySink.recover` reopens it after a
   failure) cuts a torn last line left by a crash;
+* a file deleted or replaced under the open handle (a cleanup removing the run directory, a
+  tmp reaper, the file moved away) is noticed at the next snapshot, before and after it is
+  written (``os.fstat`` of the handle against ``os.stat`` of the path: the path missing,
+  another inode there, or no link left), and the file is recreated at its path (its directory
+  too, and the directory's lock, :func:`attn_probe.logdir.restore_lock`); a snapshot that went
+  into the deleted file is written again into the new one. One warning per incident says what
+  the file held that went with it and from which step the new file holds the trajectory;
 * on resume, rows with ``step >= resume_step`` (and unreadable lines) are dropped first, so
   steps stay unique and ordered. When the kept rows are a prefix of the file (the usual case)
   the file is truncated in place, which needs no free space; otherwise it is rewritten through
@@ -113,6 +120,11 @@ class TrajectorySink:
         self.path = os.path.join(log_dir, filename)
         self._fd: int | None = None
         self._size = 0  # bytes of complete lines in the file
+        # what this sink wrote into the file now open (named when the file is deleted under it)
+        self._inherited = False  # it held rows when opened (an earlier run, the part before a resume)
+        self._written: tuple[int, int, int] | None = None  # (first step, last step, snapshots)
+        #: how many times the file was found deleted or replaced and recreated
+        self.recreated = 0
 
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -143,6 +155,7 @@ class TrajectorySink:
             os.close(fd)
             raise
         self._fd, self._size = fd, good
+        self._inherited, self._written = good > 0, None
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
@@ -161,6 +174,15 @@ class TrajectorySink:
                                     r.metric, encode_value(r.value)), strict=True))
             lines.append(json.dumps(row, allow_nan=False) + "\n")
         data = "".join(lines).encode("utf-8")
+        self._reopen_if_detached(snapshot.step)
+        self._append(data)
+        if self._reopen_if_detached(snapshot.step):  # deleted while this snapshot was written: again
+            self._append(data)
+        first, _, count = self._written or (snapshot.step, snapshot.step, 0)
+        self._written = (first, snapshot.step, count + 1)
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
         try:
             _write_all(self._fd, data)
             os.fsync(self._fd)
@@ -168,6 +190,83 @@ class TrajectorySink:
             self._roll_back()
             raise
         self._size += len(data)
+
+    def _detached(self) -> str | None:
+        """How the open file left its path (``None`` while it is still there): one fstat, one stat."""
+        assert self._fd is not None
+        try:
+            held = os.fstat(self._fd)
+        except OSError:
+            return None
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            there = None
+        except OSError:  # cannot tell (permissions): leave it
+            return None
+        directory = os.path.dirname(self.path) or "."
+        if there is None:
+            if not os.path.isdir(directory):
+                return "was deleted together with its directory"
+            return "was deleted" if held.st_nlink == 0 else "was moved away"
+        if not os.path.samestat(held, there):
+            return ("was deleted and another file now stands at its path" if held.st_nlink == 0
+                    else "was replaced by another file")
+        if held.st_nlink == 0:  # pragma: no cover - an unlinked file the path still names
+            return "was deleted"
+        return None
+
+    def _reopen_if_detached(self, step: int) -> bool:
+        """Recreate the file (and its directory) at its path if the open one left it; warn what went."""
+        how = self._detached()
+        if how is None:
+            return False
+        gone = self._nlink() == 0
+        held = self._held_text()
+        fate = "are lost" if gone else "are no longer at that path"
+        self._close_fd()
+        directory = os.path.dirname(self.path) or "."
+        try:
+            made_dir = not os.path.isdir(directory)
+            os.makedirs(directory, exist_ok=True)
+            self._open()
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self.path} {how} while written; the rows it held ({held}) {fate}; "
+                          f"recreating it failed: {exc.strerror or exc}") from exc
+        self.recreated += 1
+        from ..logdir import restore_lock
+
+        lock_note = ""
+        if restore_lock(directory) is False:  # a no-op while the lock file is still in place
+            lock_note = (" The directory's lock file went too and could not be locked again (another "
+                         "writer took it?): a second writer would not be refused now.")
+        from .dispatch import safe_warn
+
+        others = (" The other files of the directory (TensorBoard's event files) went with it."
+                  if how.endswith("its directory") else "")
+        where = ("appended to the file now at that path, after the rows it already holds" if self._inherited
+                 else "in a new file at that path" + (" (its directory recreated)" if made_dir else ""))
+        safe_warn(f"attn_probe: the trajectory file {self.path} {how} while this run was writing it; the rows "
+                  f"it held, {held}, {fate}. Logging resumed at step {step}, {where}; training and the other "
+                  f"sinks were not affected.{others}{lock_note}", stacklevel=2)
+        return True
+
+    def _nlink(self) -> int:
+        try:
+            return os.fstat(self._fd).st_nlink if self._fd is not None else 0
+        except OSError:
+            return 0
+
+    def _held_text(self) -> str:
+        """What the open file held, as named in the warning."""
+        parts = []
+        if self._written is not None:
+            first, last, count = self._written
+            parts.append(f"this run's step {first}" if count == 1 else
+                         f"this run's steps {first} to {last} ({count} snapshots)")
+        if self._inherited:
+            parts.append("the rows from before this run")
+        return " and ".join(parts) if parts else "no rows yet"
 
     def _roll_back(self) -> None:
         """Truncate to the size before the failed snapshot; if that fails too, close (recover reopens)."""
