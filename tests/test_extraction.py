@@ -28,6 +28,7 @@ from attn_probe.extraction import (  # noqa: E402
     register_adapter,
     unregister_adapter,
 )
+from attn_probe.extraction.architectures import GATED_QUERY_CLASSES  # noqa: E402
 
 Slice = Callable[[torch.Tensor], torch.Tensor]  # projection output (N, out) -> (N, heads, dh)
 
@@ -66,6 +67,11 @@ def falcon_new(part: int, h: int, hkv: int, dh: int) -> Slice:
         return qkv[:, :, :-2].flatten(1, 2) if part == 0 else qkv[:, :, -2]
 
     return f
+
+
+def gated_query(h: int, dh: int) -> Slice:
+    """Gated q_proj (Qwen3-Next, Qwen3.5): ``view(..., -1, 2*dh)`` chunked into (query, gate) per head."""
+    return lambda y: y.reshape(y.shape[0], h, 2 * dh).chunk(2, dim=-1)[0]
 
 
 def codegen(part: int, h: int, dh: int) -> Slice:
@@ -127,6 +133,17 @@ BARTLIKE = dict(
 )
 ENCDEC = {"encoder": 2, "decoder": 2, "cross": 2}
 SELF2 = {"self": 2}
+#: hybrid stacks (Qwen3-Next, Qwen3.5): one linear-attention layer, then one gated full-attention layer
+GATED = dict(
+    LLAMALIKE, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+)
+MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+QWEN4_EXP = dict(  # n-gram embeddings and the sparse-attention indexer, shrunk
+    MOE, ngram_vocab_size_base=128, make_ngram_vocab_size_divisible_by=1, split_ngram_parts=2, hc_lowrank=8,
+    heads_per_ngram=2, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16,
+    indexer_compress_ratio=4,
+)
 VIT = dict(
     image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
     intermediate_size=37,
@@ -270,6 +287,17 @@ CASES = [
                                   "hidden_size": 48}, 6, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
     # Qwen3: head_dim = 16 != hidden / heads = 8; QK-norm comes after the hooked projections
     Case("qwen3", "Qwen3Config", {**LLAMALIKE, "head_dim": 16}, 4, 2, 16, SELF2, sep("q_proj", "k_proj", 16)),
+    # gated full attention: q_proj rows are (H, 2, dh) = [query, gate] per head; only the query meets k
+    *(
+        Case(id_, config, {**GATED, **extra}, 4, 2, 8, {"self": 1},
+             lambda m: ("q_proj", gated_query(4, 8), "k_proj", heads(8)))
+        for id_, config, extra in [
+            ("qwen3_next", "Qwen3NextConfig", MOE),
+            ("qwen3_5_text", "Qwen3_5TextConfig", {}),
+            ("qwen3_5_moe_text", "Qwen3_5MoeTextConfig", MOE),
+            ("qwen4_exp_text", "Qwen4ExpTextConfig", QWEN4_EXP),
+        ]
+    ),
     Case("gemma", "GemmaConfig", {**LLAMALIKE, "head_dim": 16, "num_key_value_heads": 1}, 4, 1, 16, SELF2,
          sep("q_proj", "k_proj", 16)),
     Case("gemma2", "Gemma2Config", {**LLAMALIKE, "head_dim": 8}, 4, 2, 8, SELF2, sep("q_proj", "k_proj", 8)),
@@ -722,6 +750,8 @@ def supported_table() -> str:
         owner = model.get_submodule(layer.param_names[0].rsplit(".", 1)[0])
         if type(owner).__name__ == "Conv1D":
             layout += " (Conv1D: stored in × out, transposed)"
+        if type(layer.module).__name__ in GATED_QUERY_CLASSES:
+            layout += "; q rows per head `[query, gate]`, query read"
         groups = "/".join(f"{g}×{n}" for g, n in case.groups.items())
         lines.append(
             f"| `{case.id}` | `{case.config}` | `{type(layer.module).__name__}` ({groups}) | {params} | "

@@ -115,6 +115,8 @@ def find_attention(
         layout = adapter(module, path, cfg) if adapter is not None else None
         if layout is None and extra:
             layout = architectures.separate_layout(module, path, cfg, names=extra)
+            if layout is not None:
+                architectures.check_head_counts(module, path, layout)
         if layout is None:
             layout = recognise(module, path, cfg)
         if layout is None:

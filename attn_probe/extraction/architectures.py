@@ -153,6 +153,49 @@ def infer_head_dim(attn: nn.Module, config: Any, q_out: int, k_out: int) -> int 
     return None
 
 
+_KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads")
+
+
+def _config_count(config: Any, name: str) -> int | None:
+    """``config.<name>`` when it is the config's own field (not an alias such as BART's
+    ``num_attention_heads -> encoder_attention_heads``, which may not describe this module)."""
+    if config is None or name in (getattr(type(config), "attribute_map", None) or {}):
+        return None
+    try:
+        return _int(getattr(config, name, None))
+    except Exception:  # noqa: BLE001 - per-layer heterogeneous configs refuse global reads
+        return None
+
+
+def stated_head_counts(attn: nn.Module) -> tuple[int | None, int | None]:
+    """``(query heads, KV heads)`` the attention module states (its attributes, then its own
+    ``config``), ``None`` where it states nothing."""
+    config = getattr(attn, "config", None)
+    heads = _int_attr(attn, _NUM_HEADS_ATTRS) or _config_count(config, "num_attention_heads")
+    kv = _int_attr(attn, _KV_HEADS_ATTRS)
+    groups = _int(getattr(attn, "num_key_value_groups", None))
+    if kv is None and groups and heads and heads % groups == 0:
+        kv = heads // groups
+    if kv is None:
+        kv = _config_count(config, "num_key_value_heads")
+    return heads, kv
+
+
+def check_head_counts(attn: nn.Module, path: str, layout: QKLayout) -> QKLayout:
+    """``layout`` if its head counts agree with those ``attn`` states, else
+    :class:`UnsupportedModelError`: a wrong count pairs queries with the wrong keys silently."""
+    heads, kv = stated_head_counts(attn)
+    if (heads is None or heads == layout.num_heads) and (kv is None or kv == layout.num_kv_heads):
+        return layout
+    raise UnsupportedModelError(
+        f"{path} ({type(attn).__name__}): attn_probe read {layout.num_heads} query heads and "
+        f"{layout.num_kv_heads} KV heads of size {layout.head_dim} from its projections, but the module "
+        f"states num_attention_heads={heads}, num_key_value_heads={kv}; the projections hold something "
+        "else besides the per-head queries/keys (e.g. a gate) in a layout attn_probe does not know. "
+        "Describe it with attn_probe.register_adapter(fn) (see docs/supported-models.md)."
+    )
+
+
 # --------------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class QKLayout:
@@ -166,29 +209,37 @@ class QKLayout:
     split: Callable[[ParamGetter], tuple[Tensor, Tensor]]
 
 
+#: Attention classes whose ``q_proj`` also computes a per-head output gate: its output is viewed
+#: ``(..., H, 2*dh)`` and chunked into (query, gate), so its rows are ``(H, 2, dh)`` and only
+#: ``[:, 0]`` meets the keys (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Qwen4-Exp).
+GATED_QUERY_CLASSES = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen4ExpTextAttention")
+
+
 def separate_layout(
     attn: nn.Module, path: str, config: Any, names: list[tuple[str, str]] | None = None
 ) -> QKLayout | None:
     """Layout of a module with separate q and k projection children, if it has them."""
     children = dict(attn.named_children())
+    slots = 2 if _class_is(attn, *GATED_QUERY_CLASSES) else 1  # rows per query head: (query[, gate])
     for q_name, k_name in names if names is not None else SEPARATE_QK_NAMES:
         if q_name not in children or k_name not in children:
             continue
         prefix = f"{path}." if path else ""
         q = projection(children[q_name], prefix + q_name)
         k = projection(children[k_name], prefix + k_name)
-        if q is None or k is None or q.in_features != k.in_features:
+        if q is None or k is None or q.in_features != k.in_features or q.out_features % slots:
             continue
-        head_dim = infer_head_dim(attn, config, q.out_features, k.out_features)
+        q_rows = q.out_features // slots
+        head_dim = infer_head_dim(attn, config, q_rows, k.out_features)
         if head_dim is None:
             continue
-        num_heads, num_kv = q.out_features // head_dim, k.out_features // head_dim
+        num_heads, num_kv = q_rows // head_dim, k.out_features // head_dim
         if num_heads % num_kv:
             continue
         d = q.in_features
 
-        def split(get: ParamGetter, q=q, k=k, h=num_heads, hk=num_kv, dh=head_dim, d=d):
-            return q.weight(get).reshape(h, dh, d), k.weight(get).reshape(hk, dh, d)
+        def split(get: ParamGetter, q=q, k=k, h=num_heads, hk=num_kv, dh=head_dim, d=d, slots=slots):
+            return q.weight(get).reshape(h, slots, dh, d)[:, 0], k.weight(get).reshape(hk, dh, d)
 
         return QKLayout(q.param_names + k.param_names, num_heads, num_kv, head_dim, d, split)
     return None
@@ -500,19 +551,16 @@ USER_ADAPTERS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = []
 
 
 def recognise(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """The q/k layout of ``attn``: user adapters, then separate projections, then :data:`FUSED_LAYOUTS`."""
+    """The q/k layout of ``attn``: user adapters, then separate projections, then :data:`FUSED_LAYOUTS`;
+    the built-in ones are checked against the head counts the module states (:func:`check_head_counts`)."""
     for adapter in USER_ADAPTERS:
         layout = adapter(attn, path, config)
         if layout is not None:
             return layout
     layout = separate_layout(attn, path, config)
-    if layout is not None:
-        return layout
-    for fused in FUSED_LAYOUTS:
-        layout = fused(attn, path, config)
-        if layout is not None:
-            return layout
-    return None
+    if layout is None:
+        layout = next(filter(None, (fused(attn, path, config) for fused in FUSED_LAYOUTS)), None)
+    return None if layout is None else check_head_counts(attn, path, layout)
 
 
 def group_of(path: str, is_encoder_decoder: bool) -> str:
@@ -564,6 +612,7 @@ __all__ = [
     "projection",
     "recognise",
     "separate_layout",
+    "check_head_counts",
     "group_of",
     "unwrap",
 ]
