@@ -74,9 +74,15 @@ def other_process_can_lock(lock_file):
 
 # TensorBoard's writer thread dies when its directory vanishes (its sink replaces the writer)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_log_dir_deleted_mid_run_is_recreated_and_the_rows_after_it_kept(tmp_path):
+def remove_and_make_again(d):  # another process (or TensorBoard's sink) makes it again first
+    shutil.rmtree(d)
+    d.mkdir()
+
+
+@pytest.mark.parametrize("action", [shutil.rmtree, remove_and_make_again], ids=["removed", "removed-and-made-again"])
+def test_log_dir_deleted_mid_run_is_recreated_and_the_rows_after_it_kept(tmp_path, action):
     run = tmp_path / "run"
-    messages, lockable = run_loop(run, 7, 3, shutil.rmtree)
+    messages, lockable = run_loop(run, 7, 3, action)
     # steps 0..3 went with the directory; 4..7 are in the recreated file, where readers look
     assert layer0_steps(run / TRAJECTORY_FILENAME) == [4, 5, 6, 7]
     (warned,) = messages

@@ -103,6 +103,15 @@ def last_complete_line_end(fd: int) -> int:
     return 0
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``path``, ``None`` when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -156,6 +165,7 @@ class TrajectorySink:
             raise
         self._fd, self._size = fd, good
         self._inherited, self._written = good > 0, None
+        self._dir_id = _identity(os.path.dirname(self.path) or ".")
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
@@ -204,17 +214,14 @@ class TrajectorySink:
             there = None
         except OSError:  # cannot tell (permissions): leave it
             return None
-        directory = os.path.dirname(self.path) or "."
+        if there is not None and os.path.samestat(held, there):
+            return "was deleted" if held.st_nlink == 0 else None
+        deleted = held.st_nlink == 0
+        if _identity(os.path.dirname(self.path) or ".") != self._dir_id:  # gone, or made again since
+            return "was deleted together with its directory" if deleted else "was moved away with its directory"
         if there is None:
-            if not os.path.isdir(directory):
-                return "was deleted together with its directory"
-            return "was deleted" if held.st_nlink == 0 else "was moved away"
-        if not os.path.samestat(held, there):
-            return ("was deleted and another file now stands at its path" if held.st_nlink == 0
-                    else "was replaced by another file")
-        if held.st_nlink == 0:  # pragma: no cover - an unlinked file the path still names
-            return "was deleted"
-        return None
+            return "was deleted" if deleted else "was moved away"
+        return "was deleted and another file now stands at its path" if deleted else "was replaced by another file"
 
     def _reopen_if_detached(self, step: int) -> bool:
         """Recreate the file (and its directory) at its path if the open one left it; warn what went."""
@@ -243,12 +250,12 @@ class TrajectorySink:
         from .dispatch import safe_warn
 
         others = (" The other files of the directory (TensorBoard's event files) went with it."
-                  if how.endswith("its directory") else "")
+                  if how.endswith("with its directory") else "")
         where = ("appended to the file now at that path, after the rows it already holds" if self._inherited
                  else "in a new file at that path" + (" (its directory recreated)" if made_dir else ""))
         safe_warn(f"attn_probe: the trajectory file {self.path} {how} while this run was writing it; the rows "
-                  f"it held, {held}, {fate}. Logging resumed at step {step}, {where}; training and the other "
-                  f"sinks were not affected.{others}{lock_note}", stacklevel=2)
+                  f"it held, {held}, {fate}. Logging resumed at step {step}, {where}; training was not "
+                  f"affected.{others}{lock_note}", stacklevel=2)
         return True
 
     def _nlink(self) -> int:
