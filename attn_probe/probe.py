@@ -402,8 +402,9 @@ class Probe:
 
     # -- model surgery after attach ----------------------------------------------------------
 
-    def _record_identities(self) -> list[tuple[AttentionLayer, Any, list[tuple[bool, str, Any, str, Any]]]]:
-        """Per layer: its module and, per scored parameter, the owning module and the parameter object."""
+    def _record_identities(self) -> list[tuple[AttentionLayer, Any, list[tuple[bool, str, Any, str, Any]], Any]]:
+        """Per layer: its module, per scored parameter the owning module and the parameter object,
+        and the adapters attached to its LoRA projections."""
         root = unwrap(self.model)
         out = []
         for layer in self.layers:
@@ -417,20 +418,24 @@ class Probe:
                 base = module if on_layer else root
                 owner = base.get_submodule(path) if path else base
                 refs.append((on_layer, path, owner, attr, owner._parameters.get(attr)))
-            out.append((layer, module, refs))
+            out.append((layer, module, refs, layer.attached_adapters()))
         return out
 
     def _changed_layers(self) -> list[str]:
         """Attached layers whose module, or whose q/k parameters, are no longer those of attach time.
 
         Identity comparisons only (a few ``getattr`` per layer): the module at each attached
-        path, the module owning each scored parameter, the parameter registered there.
+        path, the module owning each scored parameter, the parameter registered there; and the
+        names of the adapters attached to its LoRA projections (one added after attach has
+        parameters the layer does not declare). Which adapter is active, merged or disabled is
+        read with the weights, at every snapshot.
         """
         root = unwrap(self.model)
         changed = []
-        for layer, module, refs in self._identities:
+        for layer, module, refs, adapters in self._identities:
             try:
                 same = module is None or _submodule(root, layer.name) is module
+                same = same and layer.attached_adapters() == adapters
                 for on_layer, path, owner, attr, param in refs if same else ():
                     current = _submodule(module if on_layer else root, path)
                     if current is not owner or current._parameters.get(attr) is not param:

@@ -139,6 +139,7 @@ def find_attention(
                 module=module,
                 params=params,
                 root=root,
+                attached_adapters=architectures.attached_adapters(module),
             )
         )
     if not found:

@@ -13,9 +13,10 @@ An attention module is recognised, in this order, by
   four ``[q, v, k]`` blocks, and ``torch.nn.MultiheadAttention``.
 
 A projection may be an ``nn.Linear``, a transformers ``Conv1D`` (weight stored ``in x out``,
-transposed here) or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` is
-scored). Head counts come from module attributes and the config, never from weight shapes
-alone, and every ``split`` reads weights only through its getter. See
+transposed here) or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` in the
+adapter state of the moment the weights are read). Head counts come from module attributes and
+the config, never from weight shapes alone, and every ``split`` reads weights only through its
+getter. See
 ``docs/supported-models.md`` for the tested model types.
 """
 
@@ -72,30 +73,7 @@ def projection(module: nn.Module, path: str) -> Projection | None:
     """A :class:`Projection` for ``module`` at ``path``, or ``None`` if it is not linear."""
     prefix = f"{path}." if path else ""
     if _is_lora(module):
-        base = projection(module.base_layer, f"{prefix}base_layer")
-        if base is None:
-            return None
-        if getattr(module, "merged", False):
-            return base
-        adapters = [a for a in _active_adapters(module) if a in module.lora_A and a in module.lora_B]
-        if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
-            raise UnsupportedModelError(
-                f"{path}: DoRA adapters are not supported; merge them first (model.merge_and_unload())"
-            )
-        names = list(base.param_names)
-        terms = []
-        for a in adapters:
-            a_name, b_name = f"{prefix}lora_A.{a}.weight", f"{prefix}lora_B.{a}.weight"
-            names += [a_name, b_name]
-            terms.append((a_name, b_name, float(module.scaling[a])))
-
-        def lora_weight(get: ParamGetter, base=base, terms=tuple(terms)) -> Tensor:
-            w = base.weight(get)
-            for a_name, b_name, scale in terms:
-                w = w + scale * (get(b_name).to(w.dtype) @ get(a_name).to(w.dtype))
-            return w
-
-        return Projection(tuple(names), base.out_features, base.in_features, lora_weight)
+        return _lora_projection(module, path, prefix)
     if isinstance(module, nn.Linear):
         weight = getattr(module, "weight", None)
         if weight is not None and not weight.is_floating_point():
@@ -111,14 +89,61 @@ def projection(module: nn.Module, path: str) -> Projection | None:
     return None
 
 
-def _active_adapters(module: nn.Module) -> list[str]:
-    active = getattr(module, "active_adapters", None)
-    if active is None:
-        active = getattr(module, "active_adapter", [])
-    if isinstance(active, str):
-        active = [active]
-    disabled = getattr(module, "disable_adapters", False)
-    return [] if disabled else list(active)
+def _lora_projection(module: nn.Module, path: str, prefix: str) -> Projection | None:
+    """A PEFT LoRA wrapper: declares the base weight and every attached adapter's A/B (so a sharded
+    walk gathers whichever is active); the adapter state is read each time the weight is."""
+    base = projection(module.base_layer, f"{prefix}base_layer")
+    if base is None:
+        return None
+    _applied_adapters(module, path)  # DoRA in use: refused now, not at the first snapshot
+    declared = [a for a in module.lora_A if a in module.lora_B]
+    factors = {a: (f"{prefix}lora_A.{a}.weight", f"{prefix}lora_B.{a}.weight") for a in declared}
+
+    def lora_weight(get: ParamGetter) -> Tensor:
+        w = base.weight(get)
+        sign, adapters = _applied_adapters(module, path)
+        for a in adapters:
+            if a not in factors:
+                raise UnsupportedModelError(
+                    f"{path}: adapter {a!r} was added after its layer was found; find the layers again"
+                )
+            a_name, b_name = factors[a]
+            w = w + sign * float(module.scaling[a]) * (get(b_name).to(w.dtype) @ get(a_name).to(w.dtype))
+        return w
+
+    names = base.param_names + tuple(n for pair in factors.values() for n in pair)
+    return Projection(names, base.out_features, base.in_features, lora_weight)
+
+
+def _applied_adapters(module: nn.Module, path: str) -> tuple[float, list[str]]:
+    """``(sign, adapters)``: the deltas ``scale * B A`` to add to the base weight now, as PEFT's
+    forward computes. Merged: none (the base weight holds them). Disabled: the merged ones are
+    taken out (the forward unmerges them first). Otherwise: the active adapters."""
+    if getattr(module, "disable_adapters", False):
+        sign, adapters = -1.0, list(getattr(module, "merged_adapters", []))
+    elif getattr(module, "merged", False):
+        sign, adapters = 1.0, []
+    else:
+        active = getattr(module, "active_adapters", None)
+        if active is None:
+            active = getattr(module, "active_adapter", [])
+        sign, adapters = 1.0, [a for a in ([active] if isinstance(active, str) else active) if a in module.lora_A]
+    variants = getattr(module, "lora_variant", {})
+    for a in adapters:
+        dora = getattr(module, "use_dora", {}).get(a, False)
+        if dora or a in variants:
+            kind = "DoRA" if dora else type(variants[a]).__name__
+            raise UnsupportedModelError(
+                f"{path}: {kind} adapters are not supported; merge them first (model.merge_and_unload())"
+            )
+    return sign, adapters
+
+
+def attached_adapters(attn: nn.Module) -> Callable[[], tuple[tuple[str, ...], ...]]:
+    """A cheap callable naming the adapters attached to each LoRA projection under ``attn`` (the
+    projections are found once, here): when its value changes, the layer's ``param_names`` are stale."""
+    loras = [m for m in attn.modules() if _is_lora(m)]
+    return lambda: tuple(tuple(m.lora_A) for m in loras)
 
 
 # --------------------------------------------------------------------------- head counts
@@ -610,6 +635,7 @@ __all__ = [
     "Projection",
     "QKLayout",
     "projection",
+    "attached_adapters",
     "recognise",
     "separate_layout",
     "check_head_counts",

@@ -13,7 +13,7 @@ with the full tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,8 @@ class AttentionLayer:
     #: the model ``name`` and ``param_names`` are relative to (``unwrap(model)``), for layouts that
     #: read a module outside the attention module (BERT's output projection is a sibling)
     root: nn.Module | None = field(default=None, repr=False, compare=False)
+    #: the adapters now attached to the layer's LoRA projections; a change makes ``param_names`` stale
+    attached_adapters: Callable[[], Hashable] = field(default=tuple, repr=False, compare=False)
 
     def factors(self, get: ParamGetter | None = None) -> tuple[Tensor, Tensor]:
         """Per-head ``(W_q, W_k)`` views; ``get`` maps a parameter name to its full tensor.
