@@ -785,3 +785,33 @@ def test_pretrained_minilm_checkpoint() -> None:
     ids = torch.randint(1000, 5000, (1, 8), generator=torch.Generator().manual_seed(0))
     some = [layers[0], layers[-1]]  # d = 384: keep the float64 per-head matrices few
     check_against_hooks(model, some, sep("query|q_proj", "key|k_proj", 32), {"input_ids": ids}, 12, 12, 32)
+
+
+def test_pix2struct_cross_attention_is_grouped_as_cross():
+    from transformers import (Pix2StructConfig, Pix2StructForConditionalGeneration, Pix2StructTextConfig,
+                              Pix2StructVisionConfig)
+
+    text = Pix2StructTextConfig(vocab_size=100, hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    vision = Pix2StructVisionConfig(hidden_size=32, d_kv=8, d_ff=64, num_hidden_layers=2, num_attention_heads=4,
+                                    patch_embed_hidden_size=48)
+    model = Pix2StructForConditionalGeneration(Pix2StructConfig(text_config=text.to_dict(),
+                                                                vision_config=vision.to_dict()))
+    got = {(layer.group, layer.layer): layer.name for layer in find_attention(model)}
+    # the decoder's cross-attention sits at ...encoder_decoder_attention.attention
+    assert {k for k in got if k[0] == "cross"} == {("cross", 0), ("cross", 1)}
+    assert all("encoder_decoder_attention" in got[("cross", i)] for i in range(2))
+    assert all("self_attention" in got[("decoder", i)] for i in range(2))
+
+
+def test_latent_attention_is_refused_by_name_without_a_misleading_qk_names_hint():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                           intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                           n_group=1, topk_group=1, first_k_dense_replace=2, kv_lora_rank=16, q_lora_rank=None,
+                           qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size=100)
+    model = DeepseekV3ForCausalLM(cfg)
+    for kwargs in ({}, {"qk_names": [("q_proj", "kv_b_proj")]}):
+        with pytest.raises(UnsupportedModelError, match="multi-head latent attention") as info:
+            find_attention(model, **kwargs)
+        assert "qk_names=[" not in str(info.value)

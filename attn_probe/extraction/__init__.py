@@ -70,6 +70,14 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
     return seen, guess, fused
 
 
+def _latent_attention(model: nn.Module) -> str | None:
+    """The path of a multi-head latent attention module (low-rank keys), if ``model`` has one."""
+    for path, module in model.named_modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
+            return path or "<root>"
+    return None
+
+
 def find_attention(
     model: nn.Module,
     *,
@@ -143,6 +151,14 @@ def find_attention(
             )
         )
     if not found:
+        latent = _latent_attention(root)
+        if latent is not None:
+            raise UnsupportedModelError(
+                f"attn_probe cannot read {type(root).__name__}: {latent} is multi-head latent attention "
+                "(MLA: DeepSeek-V2/V3 and models built like them). Its keys are a low-rank product "
+                "(kv_a_proj_with_mqa, then kv_b_proj) with a separate rotary part, not one key projection, "
+                "so no qk_names pair describes it; attn_probe does not score MLA yet."
+            )
         cands, guess, fused = _candidates(root)
         q_guess, k_guess = guess or ("my_q", "my_k")
         hint = (

@@ -47,7 +47,8 @@ SEPARATE_QK_NAMES: list[tuple[str, str]] = [
 ]
 
 #: Substrings of a module path that mark cross-attention.
-CROSS_ATTENTION_MARKERS = ("crossattention", "cross_attn", "encoder_attn", "encdecattention", "cross_attention")
+CROSS_ATTENTION_MARKERS = ("crossattention", "cross_attn", "encoder_attn", "encdecattention", "cross_attention",
+                           "encoder_decoder_attention")
 
 
 # --------------------------------------------------------------------------- projections
