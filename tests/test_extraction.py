@@ -815,3 +815,44 @@ def test_latent_attention_is_refused_by_name_without_a_misleading_qk_names_hint(
         with pytest.raises(UnsupportedModelError, match="multi-head latent attention") as info:
             find_attention(model, **kwargs)
         assert "qk_names=[" not in str(info.value)
+
+
+class _LucidAttention(nn.Module):
+    """x-transformers / vit-pytorch style: ``heads`` and ``dim_head`` attributes."""
+
+    def __init__(self, dim=32, heads=4, dim_head=8, **names):
+        super().__init__()
+        self.heads, self.dim_head = heads, dim_head
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_k = nn.Linear(dim, heads * dim_head, bias=False)
+        for name, value in names.items():
+            setattr(self, name, value)
+
+
+def test_custom_modules_state_their_heads_as_heads_or_dim_head():
+    from attn_probe import score_model
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": _LucidAttention(), "b": _LucidAttention(heads=2, dim_head=16)})
+    layers = find_attention(model)
+    assert [(la.num_heads, la.head_dim) for la in layers] == [(4, 8), (2, 16)]
+    rows = [r for r in score_model(model, per_head=True, metrics=("symmetry",)) if r["head"] is not None]
+    for r in rows:
+        module = model["a" if r["layer"] == 0 else "b"]
+        dh = module.dim_head
+        q = module.to_q.weight.double()[r["head"] * dh:(r["head"] + 1) * dh]
+        k = module.to_k.weight.double()[r["head"] * dh:(r["head"] + 1) * dh]
+        m = q.T @ k
+        assert r["symmetry"] == pytest.approx(((m * m.T).sum() / (m * m).sum()).item(), abs=1e-6)
+    assert len(rows) == 6
+
+
+def test_qk_names_found_but_no_head_count_says_so():
+    class NoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.my_q, self.my_k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    with pytest.raises(UnsupportedModelError, match="could not split them into heads.*num_heads") as info:
+        find_attention(nn.ModuleList([NoHeads()]), qk_names=[("my_q", "my_k")])
+    assert "0 (ModuleList)" in str(info.value)

@@ -159,6 +159,18 @@ def find_attention(
                 "(kv_a_proj_with_mqa, then kv_b_proj) with a separate rotary part, not one key projection, "
                 "so no qk_names pair describes it; attn_probe does not score MLA yet."
             )
+        named = [path or "<root>" for path, m in root.named_modules()
+                 if any(q in dict(m.named_children()) and k in dict(m.named_children()) for q, k in extra)]
+        if named:
+            raise UnsupportedModelError(
+                f"attn_probe found the projections named in qk_names in {', '.join(named[:3])}"
+                f"{', ...' if len(named) > 3 else ''} ({type(root).__name__}) "
+                "but could not split them into heads: it reads the number of heads from an int attribute "
+                "of the attention module (num_heads, num_attention_heads, n_head, heads, ...) or its head size "
+                "(head_dim, dim_head, ...), then from the model config (num_attention_heads); none was "
+                "found, or it does not divide the projections' output sizes. Set one on the module "
+                "(e.g. module.num_heads = 8), or describe the layout with attn_probe.register_adapter(fn)."
+            )
         cands, guess, fused = _candidates(root)
         q_guess, k_guess = guess or ("my_q", "my_k")
         hint = (

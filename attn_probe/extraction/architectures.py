@@ -148,8 +148,9 @@ def attached_adapters(attn: nn.Module) -> Callable[[], tuple[tuple[str, ...], ..
 
 
 # --------------------------------------------------------------------------- head counts
-_HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_kv", "key_value_proj_dim", "dim_per_head")
-_NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "n_heads_q")
+_HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "d_kv", "key_value_proj_dim", "dim_per_head",
+                   "dim_head")
+_NUM_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "n_heads_q", "heads", "nheads")
 _CONFIG_HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")
 
 
