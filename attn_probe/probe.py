@@ -84,7 +84,7 @@ Tensor = torch.Tensor
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: keyword arguments of :class:`Probe` that wire it up rather than configure the measurement
-WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale",
+WIRING = ("log_dir", "writer", "sinks", "is_main_process", "extra_config", "purge_stale", "restart",
           "background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
 
 # LogDirError, LogDirInUseError, default_log_dir: attn_probe.logdir, re-exported here
@@ -234,8 +234,10 @@ class Probe:
 
     ``config`` (a :class:`~attn_probe.config.ProbeConfig`) and/or its fields as keyword
     options say what is measured and when; ``log_dir``, ``writer``, ``sinks``,
-    ``is_main_process``, ``extra_config`` and ``purge_stale`` say where it goes. An unknown
-    option raises ``TypeError`` naming the valid ones.
+    ``is_main_process``, ``extra_config`` and ``purge_stale`` say where it goes; ``restart``
+    says the run starts over at ``start_step`` even when that is 0 (a Trainer re-entering its
+    training loop): the trajectory rows at steps from there on are dropped, as on a resume.
+    An unknown option raises ``TypeError`` naming the valid ones.
 
     Attach-time problems raise (:class:`~attn_probe.UnsupportedModelError`,
     :class:`LogDirError`); after that, every failure is caught, warned about once, and the
@@ -253,6 +255,7 @@ class Probe:
         is_main_process: bool | None = None,
         extra_config: dict[str, Any] | None = None,
         purge_stale: bool = True,
+        restart: bool = False,
         background: bool = True,
         sink_queue: int = DEFAULT_QUEUE_SIZE,
         sink_timeout: float = DEFAULT_TIMEOUT,
@@ -322,7 +325,7 @@ class Probe:
             groups=groups,
             metrics=list(self.metrics),
             per_head=cfg.per_head,
-            resume_step=self.step if self.step > 0 else None,
+            resume_step=self.step if self.step > 0 or restart else None,
         )
         if self.is_main_process:
             self._open_sinks(log_dir, writer, sinks, purge_stale, background=background,

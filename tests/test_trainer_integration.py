@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer, TrainerCallback
@@ -102,3 +103,34 @@ def test_resumed_run_continues_the_run_saved_with_the_checkpoint(tmp_path):
 def test_invalid_tracker_option_fails_at_construction():
     with pytest.raises(TypeError, match="trackers"):
         AttnProbeCallback(trackers=[1, 2])
+
+
+def test_a_training_loop_entered_again_replaces_the_rows_of_the_abandoned_one(tmp_path):
+    # auto_find_batch_size: after an out-of-memory error the Trainer shrinks the batch and runs its
+    # training loop again from step 0, with no on_train_end in between
+    class OutOfMemoryOnce(TrainerCallback):
+        fired = False
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2 and not self.fired:
+                self.fired = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    out = tmp_path / "out"
+    trainer = Trainer(model=tiny_bert(), args=make_args(out, 5, auto_find_batch_size=True),
+                      train_dataset=RandomTokens(), callbacks=[OutOfMemoryOnce()])
+    attn_probe.attach(trainer, every=1)
+    with pytest.warns(RuntimeWarning, match="entered its training loop again at step 0"):
+        trainer.train()
+    assert trainer._train_batch_size < 8  # it retried with a smaller batch
+    (run_dir,) = list((out / "runs").iterdir())
+    with open(run_dir / "attn_probe.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    keys = [(r["step"], r["group"], r["layer"], r.get("head"), r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys))  # each step once: the first attempt's rows were dropped
+    assert sorted({k[0] for k in keys}) == [0, 1, 2, 3, 4, 5]
+    # the rows left are the second loop's: step 5 equals the trained model's scores
+    want = {(r["group"], r["layer"]): r["symmetry"] for r in attn_probe.score_model(trainer.model)}
+    got = {(r["group"], r["layer"]): r["value"] for r in rows
+           if r["step"] == 5 and r["metric"] == "symmetry" and r.get("head") is None}
+    assert got == pytest.approx(want, abs=1e-6)

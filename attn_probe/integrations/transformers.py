@@ -218,9 +218,17 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         return log_dir
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.probe is not None:  # a second train() call on the same callback
+        # the training loop entered again without ending (auto_find_batch_size after an out-of-memory
+        # error) or a second train() call: start over at this step, dropping the rows written from it on
+        restart = self.probe is not None
+        if restart:
             self.probe.close(final_snapshot=False)
             self.probe = None
+            if state.is_world_process_zero:
+                _warn(f"attn_probe: the Trainer entered its training loop again at step {state.global_step} "
+                      "without ending the last one (auto_find_batch_size after an out-of-memory error, or "
+                      "train() after one that raised); the probe starts over there: the trajectory rows "
+                      "from that step on are replaced by this loop's.")
         main = bool(state.is_world_process_zero)
         step = int(state.global_step)
         self._max_steps = int(getattr(state, "max_steps", 0) or 0)
@@ -245,6 +253,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 sinks=sinks or None,
                 is_main_process=main,
                 purge_stale=purge_stale,
+                restart=restart,
                 extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
                 **self.sink_options,
             )
