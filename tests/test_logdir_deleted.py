@@ -72,13 +72,13 @@ def other_process_can_lock(lock_file):
     return subprocess.run([sys.executable, "-c", code, str(lock_file)]).returncode != 1  # 3: no lock file
 
 
-# TensorBoard's writer thread dies when its directory vanishes (its sink replaces the writer)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def remove_and_make_again(d):  # another process (or TensorBoard's sink) makes it again first
     shutil.rmtree(d)
     d.mkdir()
 
 
+# TensorBoard's writer thread dies when its directory vanishes (its sink replaces the writer)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("action", [shutil.rmtree, remove_and_make_again], ids=["removed", "removed-and-made-again"])
 def test_log_dir_deleted_mid_run_is_recreated_and_the_rows_after_it_kept(tmp_path, action):
     run = tmp_path / "run"
@@ -97,6 +97,13 @@ def test_log_dir_deleted_mid_run_is_recreated_and_the_rows_after_it_kept(tmp_pat
     assert main(["export", str(run), "-o", str(tmp_path / "out.jsonl")]) == 0
     with open(tmp_path / "out.jsonl") as f:
         assert sorted({json.loads(line)["step"] for line in f}) == [4, 5, 6, 7]
+    # the recreated event file has the run's layout and configuration text again, and the scores
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    assert {"custom_scalars__config__", "attn_probe/config/text_summary"} <= set(ea.Tags()["tensors"])
+    assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == [4, 5, 6, 7]
 
 
 def test_trajectory_file_deleted_keeps_the_directory_and_its_lock(tmp_path):
@@ -150,3 +157,36 @@ def test_snapshot_written_into_a_file_deleted_during_the_write_is_written_again(
     sink.finish()
     assert layer0_steps(tmp_path / TRAJECTORY_FILENAME) == [1, 2]
     assert sink.recreated == 1
+
+
+def test_event_file_deleted_alone_is_replaced_with_its_layout_and_a_warning(tmp_path):
+    run = tmp_path / "run"
+
+    def delete_event_files(d):
+        for f in d.iterdir():
+            if "tfevents" in f.name:
+                f.unlink()
+
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = RandomTokens()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with attn_probe.watch(model, optimizer=opt, log_dir=str(run), every=1) as probe:
+            for i in range(6):
+                if i == 3:
+                    assert probe.flush()
+                    delete_event_files(run)
+                batch = data[i]
+                model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+                opt.step()
+                opt.zero_grad()
+    (warned,) = [str(w.message) for w in caught if "TensorBoard event file" in str(w.message)]
+    assert "events it held (up to step 3) are lost" in warned and "continues from step 4" in warned
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    assert {"custom_scalars__config__", "attn_probe/config/text_summary"} <= set(ea.Tags()["tensors"])
+    assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == [4, 5, 6]
+    assert layer0_steps(run / TRAJECTORY_FILENAME) == [0, 1, 2, 3, 4, 5, 6]  # the trajectory is untouched

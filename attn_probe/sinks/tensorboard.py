@@ -184,6 +184,21 @@ def _file_writer_state(file_writer: Any) -> tuple[str | None, Any, Any]:
     return (path if isinstance(path, str) else None), async_writer, worker
 
 
+def _event_file_identities(writer: Any) -> dict[str, tuple[int, int] | None]:
+    """``path -> (device, inode)`` of each event file ``writer`` writes (``None``: the path is gone)."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
+        path, _, _ = _file_writer_state(file_writer)
+        if path is None:
+            continue
+        try:
+            st = os.stat(path)
+            out[path] = (st.st_dev, st.st_ino)
+        except OSError:
+            out[path] = None
+    return out
+
+
 def writer_error(writer: Any) -> BaseException | None:
     """The exception that TensorBoard's background writer thread died with, if it did.
 
@@ -257,6 +272,12 @@ class TensorBoardSink:
         self._max_queue = max_queue
         self._purge_stale = purge_stale
         self._broken = False
+        #: (custom-scalars layout, configuration text, its step), written at start and again into
+        #: a new event file when the run directory lost its files
+        self._header: tuple[dict[str, Any], str, int] | None = None
+        #: identities of the event files opened (a file deleted or replaced under it is reopened)
+        self._files: dict[str, tuple[int, int] | None] = {}
+        self._last_step: int | None = None
 
     @property
     def writer(self) -> Any:
@@ -299,13 +320,14 @@ class TensorBoardSink:
                       f"interrupted run's steps >= {resume} twice in {self.log_dir}.")
         try:
             w = self._writer
-            w.add_custom_scalars(custom_scalars_layout(run.groups, run.metrics))
             text = "\n\n".join(
                 f"**{title}**\n\n```\n{json.dumps(body, indent=2, default=str)}\n```"
                 for title, body in (("configuration", run.config), ("model", run.model))
             )
-            w.add_text(CONFIG_TEXT_TAG, text, global_step=run.resume_step or 0)
+            self._header = (custom_scalars_layout(run.groups, run.metrics), text, run.resume_step or 0)
+            self._write_header(w)
             w.flush()
+            self._files = _event_file_identities(w)
         except BaseException:
             if self._owned:  # attach fails: leave no half-written event file of ours behind
                 for fw in list((getattr(self._writer, "all_writers", None) or {}).values()):
@@ -314,7 +336,33 @@ class TensorBoardSink:
                 self._writer = None
             raise
 
+    def _write_header(self, w: Any) -> None:
+        """The run's custom-scalars layout and configuration text (once per run directory)."""
+        if self._header is not None:
+            layout, text, step = self._header
+            w.add_custom_scalars(layout)
+            w.add_text(CONFIG_TEXT_TAG, text, global_step=step)
+
+    def _file_left(self) -> str | None:
+        """The event file being written, if it was deleted or replaced since it was opened.
+
+        TensorBoard reopens its file by name at every write, so a deleted one would come back
+        empty, without its header records, and the events before are gone silently.
+        """
+        now = _event_file_identities(self._writer)
+        return next((path for path, ident in self._files.items() if now.get(path) != ident), None)
+
     def log(self, snapshot: Snapshot) -> None:
+        left = self._file_left() if self._files and not self._broken else None
+        if left is not None:
+            from .dispatch import safe_warn
+
+            self._broken = True
+            self.recover(header=True)
+            last = f"up to step {self._last_step}" if self._last_step is not None else "of this run"
+            safe_warn(f"attn_probe: the TensorBoard event file {left} was deleted or replaced while this run "
+                      f"wrote it; the events it held ({last}) are lost. A new event file in "
+                      f"{self.log_dir} continues from step {snapshot.step}.")
         if self._broken or writer_error(self._writer) is not None:
             self.recover()
         try:
@@ -329,14 +377,17 @@ class TensorBoardSink:
             for (group, layer), image in snapshot.images.items():
                 w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
             w.flush()
+            self._last_step = step
         except BaseException:
             self._broken = True
             raise
 
-    def recover(self) -> None:
+    def recover(self, header: bool = False) -> None:
         """Replace a dead event file by a new one in the same directory (see the class docstring).
 
-        Raises (and changes nothing that matters) while the disk is still full.
+        The new file gets the run's layout and configuration text again when ``header`` (the
+        old file was deleted) or when the directory holds no event file any more. Raises (and
+        changes nothing that matters) while the disk is still full.
         """
         if not self._broken and writer_error(self._writer) is None:
             return
@@ -344,6 +395,7 @@ class TensorBoardSink:
             raise OSError(errno.ENOSPC, f"no room to reopen the event file in {self.log_dir}")
         w = self._writer
         os.makedirs(self.log_dir, exist_ok=True)
+        emptied = header or not _event_files(self.log_dir)  # the file went (deleted): its layout went too
         if hasattr(w, "_get_file_writer") and hasattr(w, "all_writers") and hasattr(w, "file_writer"):
             for fw in list((w.all_writers or {}).values()):
                 _abandon_file_writer(fw)
@@ -370,6 +422,9 @@ class TensorBoardSink:
                           "reopened; the probe writes through a SummaryWriter of its own in the same directory.")
             self._writer, self._owned = new, True
         self._broken = False
+        if emptied:
+            self._write_header(self._writer)
+        self._files = _event_file_identities(self._writer)
 
     def flush(self) -> None:
         if self._writer is not None and not self._broken:
