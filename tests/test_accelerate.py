@@ -77,6 +77,27 @@ def test_accelerate_requires_prepared_optimizer(tmp_path, fresh_accelerate_state
         attn_probe.watch(tiny_bert(), accelerator=accelerator, log_dir=str(tmp_path))
 
 
+def test_watch_before_init_trackers_says_the_trackers_get_nothing(tmp_path, fresh_accelerate_state, monkeypatch):
+    import warnings
+
+    from accelerate import Accelerator
+
+    monkeypatch.chdir(tmp_path)  # the probe's default directory lands here
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path / "project"))
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    with pytest.warns(RuntimeWarning, match=r"logs with tensorboard, but accelerator.init_trackers\(\) has not run"):
+        attn_probe.watch(model, accelerator=accelerator).close()
+    accelerator.init_trackers("run")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*init_trackers.*")
+        probe = attn_probe.watch(model, accelerator=accelerator)
+    probe.close()
+    accelerator.end_training()
+    assert snapshot_steps(tmp_path / "project" / "run") == [0]  # in the tracker's run once it is started
+
+
 def test_plain_loop_counts_optimizer_steps_not_micro_batches(tmp_path):
     model = tiny_bert()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -172,6 +172,24 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
+def _warn_if_trackers_not_started(accelerator: Any, log_dir: str | None, trackers: bool | Sequence[str]) -> None:
+    """Warn when ``log_with`` names trackers that ``init_trackers`` has not started yet.
+
+    The probe chooses its TensorBoard writer and tracker sinks at attach: trackers started
+    later would get nothing from it, silently.
+    """
+    wanted = [str(getattr(t, "value", None) or getattr(t, "name", None) or t)
+              for t in (getattr(accelerator, "log_with", None) or [])]
+    if not wanted or getattr(accelerator, "trackers", None) or (log_dir is not None and trackers is False):
+        return
+    from ..sinks.dispatch import safe_warn
+
+    safe_warn(f"attn_probe: the accelerator logs with {', '.join(wanted)}, but accelerator.init_trackers() has "
+              "not run yet, so the probe sends nothing to those trackers and writes TensorBoard files "
+              f"{'to ' + log_dir if log_dir else 'to its own default directory'}. Call attn_probe.watch(...) after "
+              "accelerator.init_trackers(...).", stacklevel=3)
+
+
 def watch_accelerated(
     model: nn.Module,
     accelerator: Any,
@@ -208,6 +226,7 @@ def watch_accelerated(
             "accelerator.prepare(model, optimizer, ...)"
         )
     if options["is_main_process"]:
+        _warn_if_trackers_not_started(accelerator, log_dir, trackers)
         others = other_trackers(accelerator, trackers)
         if others:
             options["sinks"] = [*(options.get("sinks") or []),
