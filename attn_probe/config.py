@@ -98,6 +98,8 @@ class ProbeConfig:
             raise ValueError(f"image_mode must be 'downsample' or 'block', got {self.image_mode!r}")
         if self.pairs is not None:
             pairs = (self.pairs,) if isinstance(self.pairs, str) else tuple(self.pairs)
+            if not pairs:
+                raise ValueError("pairs is empty: nothing would be measured; leave it out for the W_qk pair")
             if any(isinstance(p, str) for p in pairs):  # "qk", "ov": named pairs with ``metrics``
                 from .scoring import resolve_pairs
 

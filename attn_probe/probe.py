@@ -128,6 +128,25 @@ def _warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
     safe_warn(message, category, stacklevel=3)
 
 
+def check_probe_options(*, sink_timeout: Any = DEFAULT_TIMEOUT, sink_queue: Any = DEFAULT_QUEUE_SIZE,
+                        async_max_bytes: Any = DEFAULT_ASYNC_BYTES, **flags: Any) -> None:
+    """Reject bad values of the probe's writing and scoring options before anything is opened.
+
+    ``flags`` (``background``, ``async_scoring``, ...) must be bools (``TypeError``); the
+    numbers must be in range (``ValueError``); every message names the option.
+    """
+    if isinstance(sink_queue, bool) or not isinstance(sink_queue, int) or sink_queue < 1:
+        raise ValueError(f"sink_queue must be an int >= 1, got {sink_queue!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if (isinstance(sink_timeout, bool) or not isinstance(sink_timeout, (int, float))
+            or not math.isfinite(sink_timeout) or sink_timeout <= 0):
+        raise ValueError(f"sink_timeout must be a finite number of seconds > 0, got {sink_timeout!r}")
+    if isinstance(async_max_bytes, bool) or not isinstance(async_max_bytes, int) or async_max_bytes < 0:
+        raise ValueError(f"async_max_bytes must be an int >= 0, got {async_max_bytes!r}")
+
+
 #: open probes in the asynchronous mode (their snapshot in flight is written at interpreter exit)
 _SCORING: weakref.WeakSet[Probe] = weakref.WeakSet()
 
@@ -263,6 +282,8 @@ class Probe:
         async_max_bytes: int = DEFAULT_ASYNC_BYTES,
         **options: Any,
     ) -> None:
+        check_probe_options(background=background, sink_timeout=sink_timeout, sink_queue=sink_queue,
+                            async_max_bytes=async_max_bytes, restart=restart, purge_stale=purge_stale)
         self.config = cfg = config_from_options(config, allowed_extra=WIRING, **options)
         self.model = model
         self.pairs: list[ScorePair] = cfg.score_pairs()

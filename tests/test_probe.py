@@ -216,3 +216,22 @@ def test_reusing_a_log_dir_from_step_0_warns(tmp_path):
         Probe(model, log_dir=str(tmp_path), every=None, start_step=1).close()  # a resume: no warning
     steps = [r["step"] for r in read_jsonl(tmp_path)]
     assert steps == sorted(steps) and set(steps) == {0, 1}
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("sink_timeout", 0, ValueError), ("sink_timeout", -1, ValueError), ("sink_timeout", float("nan"), ValueError),
+    ("sink_timeout", "10", ValueError), ("background", "no", TypeError), ("async_max_bytes", -1, ValueError),
+    ("sink_queue", 0, ValueError), ("pairs", (), ValueError),
+])
+def test_bad_writing_options_fail_before_anything_is_written(tmp_path, option, value, error):
+    from transformers import BertConfig, BertModel
+
+    from attn_probe import AttnProbeCallback
+
+    model = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16))
+    with pytest.raises(error, match=option):
+        attn_probe.watch(model, log_dir=str(tmp_path / "run"), **{option: value})
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(error, match=option):  # the Trainer callback: at construction, not at on_train_begin
+        AttnProbeCallback(**{option: value})

@@ -32,7 +32,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
-from ..probe import Probe, default_log_dir
+from ..probe import Probe, check_probe_options, default_log_dir
 from ..schedules import ScheduleLike
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
@@ -113,6 +113,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         **options: Any,
     ) -> None:
         self.sink_options = {k: options.pop(k) for k in PROBE_OPTIONS if k in options}
+        check_probe_options(**self.sink_options)  # bad values fail here, not at on_train_begin
         self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
             trackers = tuple(trackers)
