@@ -179,3 +179,48 @@ def test_subprocess_smoke(runs):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "run decoder" in proc.stdout and "run encoder" in proc.stdout
+
+
+def _probe_run(run_dir, steps, nan_metrics=()):
+    """A run as the probe writes it (its own trajectory sink), NaN (null) for ``nan_metrics``."""
+    from attn_probe.sinks import Record, RunInfo, Snapshot
+    from attn_probe.sinks.trajectory import TrajectorySink
+
+    sink = TrajectorySink(str(run_dir))
+    sink.start(RunInfo({}, {}, ["self"], ["symmetry", "directionality"], True))
+    for step in steps:
+        sink.log(Snapshot(step, 0.0, [
+            Record("self", layer, head, metric, float("nan") if metric in nan_metrics else 0.1 * (layer + 1))
+            for layer in range(2) for head in (None, 0) for metric in ("symmetry", "directionality")]))
+    sink.finish()
+    return run_dir
+
+
+@pytest.mark.parametrize("extra", [[], ["--per-layer"], ["--logx"]], ids=["median", "per_layer", "logx"])
+def test_plot_with_nothing_finite_is_exit_2(tmp_path, capsys, extra):
+    run = _probe_run(tmp_path / "allnan", [0, 6], nan_metrics=("symmetry", "directionality"))
+    code, _, err = run_cli(capsys, "plot", run, "-o", tmp_path / "allnan.png", *extra)
+    assert code == 2, err
+    assert "Traceback" not in err and "No artists" not in err
+    (line,) = [ln for ln in err.splitlines() if ln]
+    assert line.startswith("attn-probe plot: error: nothing finite to plot")
+    assert not (tmp_path / "allnan.png").exists()
+    code, _, err = run_cli(capsys, "summary", run)
+    assert code == 2 and "error: no layer-level values to summarise: all" in err and "are NaN" in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--per-layer"]], ids=["median", "per_layer"])
+def test_plot_and_summary_name_an_all_nan_metric(tmp_path, capsys, extra):
+    run = _probe_run(tmp_path / "nanrun", [0, 6], nan_metrics=("directionality",))
+    code, _, err = run_cli(capsys, "plot", run, "-o", tmp_path / "nanrun.png", *extra)
+    assert code == 0, err
+    assert (tmp_path / "nanrun.png").stat().st_size > 0
+    assert ("attn-probe plot: warning: run nanrun, group self: no finite layer-level value of directionality "
+            "(all NaN); metric not drawn") in err
+    assert "No artists" not in err
+    code, out, err = run_cli(capsys, "summary", run)
+    assert code == 0
+    assert ("attn-probe summary: warning: run nanrun, group self: no finite layer-level value of directionality "
+            "(all NaN); metric left out of the summary") in err
+    assert " symmetry " in out and "directionality" not in out
+

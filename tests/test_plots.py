@@ -256,3 +256,163 @@ def test_heatmap_from_a_checkpoint_reads_only_that_layers_tensors(tmp_path):
     plt.close(fig)
     with pytest.raises(ValueError, match="rest.safetensors"):  # layer 0 lives in the broken shard
         plot_heatmap(path, 0)
+
+
+# --------------------------------------------------------------------------- NaN and short runs
+
+def write_probe_run(run_dir, steps, layers=3, nan_metrics=(), seed=0):
+    """A run written by the probe's own trajectory sink, as the live probe writes it: layer and
+    per-head rows of symmetry and directionality at each step; NaN (written as null, as the
+    probe does for undefined scores) for every value of ``nan_metrics``. Returns the layer values."""
+    from attn_probe.sinks import Record, RunInfo, Snapshot
+    from attn_probe.sinks.trajectory import TrajectorySink
+
+    rng = np.random.default_rng(seed)
+    sink = TrajectorySink(str(run_dir))
+    sink.start(RunInfo({}, {}, ["self"], ["symmetry", "directionality"], True))
+    vals = {}
+    for step in steps:
+        records = []
+        for layer in range(layers):
+            for metric in ("symmetry", "directionality"):
+                v = float("nan") if metric in nan_metrics else float(rng.uniform(-0.9, 0.9))
+                vals[(metric, step, layer)] = v
+                records.append(Record("self", layer, None, metric, v))
+                records += [Record("self", layer, h, metric, float("nan")) for h in range(2)]
+        sink.log(Snapshot(step, 0.0, records))
+    sink.finish()
+    assert '"value": null' in (run_dir / TRAJECTORY_FILENAME).read_text()
+    return vals
+
+
+def data_lines(ax):
+    """The drawn series of a panel (not the dashed zero line)."""
+    return [ln for ln in ax.get_lines() if ln.get_linestyle() != "--"]
+
+
+def note_texts(ax):
+    return [t.get_text() for t in ax.texts]
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["median", "per_layer"])
+def test_nothing_finite_to_plot_is_an_error(tmp_path, per_layer):
+    write_probe_run(tmp_path / "allnan", [0, 5], nan_metrics=("symmetry", "directionality"))
+    with pytest.raises(TrajectoryError, match="nothing finite to plot"):
+        plot_dynamics(tmp_path / "allnan", per_layer=per_layer, path=tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+    with pytest.raises(TrajectoryError, match="nothing finite to plot"):  # the one metric chosen is NaN
+        write_probe_run(tmp_path / "dirnan", [0, 5], nan_metrics=("directionality",))
+        plot_dynamics(tmp_path / "dirnan", metrics="directionality", per_layer=per_layer)
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["median", "per_layer"])
+@pytest.mark.parametrize("nan_metric", ["directionality", "symmetry"])
+def test_an_all_nan_metric_gets_a_note_and_the_other_panel_stays(tmp_path, per_layer, nan_metric):
+    from attn_probe.analysis.trajectory import TrajectoryWarning
+
+    steps = [0, 10, 20]
+    vals = write_probe_run(tmp_path / "nanrun", steps, nan_metrics=(nan_metric,))
+    with pytest.warns(TrajectoryWarning, match=f"run nanrun, group self: no finite layer-level value of {nan_metric}"):
+        fig = plot_dynamics(tmp_path / "nanrun", per_layer=per_layer, path=tmp_path / "fig.png")
+    panels = [a for a in fig.axes if a.get_title()]
+    assert [a.get_title() for a in panels] == ["symmetry", "directionality"]
+    for ax in panels:
+        if ax.get_title() == nan_metric:
+            assert note_texts(ax) == ["no finite values"] and data_lines(ax) == []
+            assert ax.get_ylim() == (-1.0, 1.0)
+        else:
+            assert note_texts(ax) == []
+            lines = data_lines(ax)
+            assert len(lines) == (3 if per_layer else 1)
+            for ln in lines:
+                np.testing.assert_allclose(ln.get_xdata(), steps)
+                assert np.isfinite(np.asarray(ln.get_ydata(), dtype=float)).all()
+            if not per_layer:
+                other = ax.get_title()
+                expected = [np.median([vals[(other, s, la)] for la in range(3)]) for s in steps]
+                np.testing.assert_allclose(lines[0].get_ydata(), expected)
+                # the legend sits in the panel with data, and names the run
+                assert [t.get_text() for t in ax.get_legend().get_texts()] == ["nanrun"]
+    assert all(a.get_legend() is None for a in panels if a.get_title() == nan_metric)
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("step", [0, 4000])
+def test_a_single_step_is_drawn_as_markers_around_the_step(tmp_path, step):
+    vals = write_probe_run(tmp_path / "single", [step])
+    fig = plot_dynamics(tmp_path / "single", path=tmp_path / "single.png")
+    for ax in fig.axes:
+        metric = ax.get_title()
+        (ln,) = data_lines(ax)
+        assert ln.get_marker() == "o" and ln.get_markersize() > 0
+        layer_vals = [vals[(metric, step, la)] for la in range(3)]
+        np.testing.assert_allclose(ln.get_xdata(), [step])
+        np.testing.assert_allclose(ln.get_ydata(), [np.median(layer_vals)])
+        lo, hi = ax.get_xlim()
+        assert lo < step < hi and hi - lo >= 2 and (lo + hi) / 2 == pytest.approx(step)
+        assert list(ax.get_xticks()) == [step]
+        # the q25-q75 range is visible as a vertical bar at the step
+        (bar,) = [c for c in ax.collections if not isinstance(c, PolyCollection)]
+        (seg,) = bar.get_segments()
+        np.testing.assert_allclose(seg[:, 0], [step, step])
+        np.testing.assert_allclose(sorted(seg[:, 1]), np.percentile(layer_vals, [25, 75]))
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["single"]
+    assert legend.legend_handles[0].get_marker() == "o"
+    plt.close(fig)
+
+    for kwargs in ({"per_layer": True}, {"logx": True}):  # --per-layer; --logx (one step: a linear axis)
+        fig = plot_dynamics(tmp_path / "single", **kwargs)
+        for ax in [a for a in fig.axes if a.get_title()]:
+            lines = data_lines(ax)
+            assert len(lines) == (3 if kwargs.get("per_layer") else 1)
+            for ln in lines:
+                assert ln.get_marker() == "o" and list(ln.get_xdata()) == [step]
+            lo, hi = ax.get_xlim()
+            assert lo < step < hi and list(ax.get_xticks()) == [step]
+        plt.close(fig)
+
+
+def test_few_points_get_markers_many_do_not(tmp_path):
+    write_probe_run(tmp_path / "short", [0, 6])
+    write_probe_run(tmp_path / "long", list(range(0, 400, 10)))
+    fig = plot_dynamics(tmp_path, metrics="symmetry")
+    markers = {ln.get_label(): ln.get_marker() for ln in data_lines(fig.axes[0])}
+    assert markers == {"short": "o", "long": "None"}
+    plt.close(fig)
+
+
+def test_nan_layers_and_steps_are_left_out_of_the_lines(tmp_path):
+    """A layer NaN at some steps: the per-layer line joins its finite points (an isolated finite
+    point between NaNs was invisible before), and the median uses the finite layers."""
+    vals = write_probe_run(tmp_path / "gaps", [0, 10, 20, 30, 40])
+    lines = (tmp_path / "gaps" / TRAJECTORY_FILENAME).read_text().splitlines()
+    out = []
+    for line in lines:
+        row = json.loads(line)
+        if row["head"] is None and row["layer"] == 1 and row["step"] != 20:
+            row["value"] = None
+            vals[(row["metric"], row["step"], 1)] = float("nan")
+        out.append(json.dumps(row))
+    (tmp_path / "gaps" / TRAJECTORY_FILENAME).write_text("\n".join(out) + "\n")
+    fig = plot_dynamics(tmp_path / "gaps", per_layer=True, metrics="symmetry")
+    by_x = {tuple(ln.get_xdata()): ln for ln in data_lines(fig.axes[0])}
+    assert set(by_x) == {(0, 10, 20, 30, 40), (20,)}
+    assert by_x[(20,)].get_marker() == "o"
+    np.testing.assert_allclose(by_x[(20,)].get_ydata(), [vals[("symmetry", 20, 1)]])
+    plt.close(fig)
+
+
+def test_summarize_names_the_metric_it_leaves_out(tmp_path):
+    from attn_probe import summarize
+    from attn_probe.analysis.trajectory import TrajectoryWarning
+
+    write_probe_run(tmp_path / "nanrun", [0, 6], nan_metrics=("directionality",))
+    with pytest.warns(TrajectoryWarning, match="run nanrun, group self: no finite layer-level value of "
+                                               r"directionality \(all NaN\); metric left out of the summary"):
+        table = summarize(tmp_path / "nanrun")
+    assert list(table["metric"]) == ["symmetry"]
+    write_probe_run(tmp_path / "allnan", [0, 6], nan_metrics=("symmetry", "directionality"))
+    with pytest.raises(TrajectoryError, match="no layer-level values to summarise: all 12 layer-level values "
+                                              r"\(symmetry, directionality\) are NaN"):
+        summarize(tmp_path / "allnan")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..metrics import is_magnitude
 from ..tags import METRICS
-from .summary import layer_quantiles
+from .summary import layer_quantiles, warn_missing
 from .trajectory import TrajectoryError, as_frame, require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,6 +27,10 @@ __all__ = ["plot_dynamics", "plot_heatmap", "qk_for_layer"]
 _RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
                 "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
 _LINESTYLES = ("-", "--", ":", "-.")
+#: lines of at most this many points get markers (one point alone is otherwise invisible)
+_FEW_POINTS = 12
+#: the note in a panel whose metric has no finite value
+NO_FINITE_VALUES = "no finite values"
 
 
 def _pyplot() -> Any:
@@ -72,6 +76,14 @@ def _select(values: Sequence[str] | str | None, available: list[str], what: str)
     return chosen
 
 
+def _legend(axes: list[Any], metrics: list[str], finite: Any, handles: list[Any], labels: list[str]) -> None:
+    """The legend of the series drawn, in the first panel that has data."""
+    if not handles:
+        return
+    ax = next((a for a, m in zip(axes, metrics, strict=True) if (finite["metric"] == m).any()), axes[0])
+    ax.legend(handles, labels, fontsize="small", loc="best")
+
+
 def _step_label(x: float, _pos: int | None = None) -> str:
     if abs(x) >= 1_000_000:
         return f"{x / 1_000_000:g}M"
@@ -102,11 +114,19 @@ def plot_dynamics(
     ``qk_bound``: :func:`attn_probe.metrics.is_magnitude`) get a log y axis. ``df_or_runs`` is a long table or run directories (see
     :func:`~attn_probe.analysis.trajectory.load_trajectory`). Saved to ``path`` if given.
 
+    NaN values are left out (lines join the finite steps). A metric with no finite value keeps
+    its panel, with the note "no finite values", and a
+    :class:`~attn_probe.analysis.trajectory.TrajectoryWarning` names it; when nothing chosen
+    is finite, :class:`~attn_probe.analysis.trajectory.TrajectoryError` is raised. Lines of
+    few points (at most 12) have markers; a single step is drawn as a point on an x range
+    around it.
+
     Example:
         >>> fig = plot_dynamics(["runs/encoder", "runs/decoder"], path="dynamics.png")  # doctest: +SKIP
     """
     _check_path(path)
     plt = _pyplot()
+    import numpy as np
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     df = as_frame(df_or_runs)
@@ -118,6 +138,13 @@ def plot_dynamics(
     df = df[df["metric"].isin(chosen_metrics) & df["group"].isin(chosen_groups)]
     if df.empty or not chosen_metrics:
         raise TrajectoryError("no layer-level values to plot for the chosen groups and metrics")
+    finite = df[np.isfinite(df["value"].to_numpy(dtype=float))]
+    if finite.empty:
+        raise TrajectoryError(
+            f"nothing finite to plot: every layer-level value of {', '.join(chosen_metrics)} "
+            f"({len(df)} values) is NaN or infinite"
+        )
+    warn_missing(df, finite, "not drawn")
 
     runs = list(dict.fromkeys(df["run"]))
     series = list(dict.fromkeys(zip(df["run"], df["group"], strict=True)))
@@ -127,39 +154,51 @@ def plot_dynamics(
     def label(run: str, group: str) -> str:
         return f"{run} ({group})" if several_groups else run
 
+    def marker(n_points: int) -> dict[str, Any]:
+        """Markers on a line of few points, so that one point, or two, are visible; not clipped,
+        so that a score of exactly +-1 (on the y limit) or step 0 on a log axis shows whole."""
+        if n_points > _FEW_POINTS:
+            return {}
+        return {"marker": "o", "markersize": 4.0 if per_layer else 4.5, "clip_on": False}
+
     n = len(chosen_metrics)
     fig, axes = plt.subplots(1, n, figsize=figsize or (4.6 * n + (0.8 if per_layer else 0), 3.6),
                              sharex=True, squeeze=False, layout="constrained")
     axes = list(axes[0])
+    drawn: dict[tuple[str, str], int] = {}  # series with a line somewhere -> points of its longest line
     if per_layer:
         import matplotlib as mpl
 
-        layers = df["layer"].astype(int)
+        layers = df["layer"].astype(int)  # the colour scale spans every layer, NaN ones too
         lo, hi = int(layers.min()), int(layers.max())
         norm = mpl.colors.Normalize(vmin=lo, vmax=max(hi, lo + 1))
         cmap = mpl.colormaps["viridis"]
         for ax, metric in zip(axes, chosen_metrics, strict=True):
-            sub = df[df["metric"] == metric]
+            sub = finite[finite["metric"] == metric]
             for i, (run, group) in enumerate(series):
                 part = sub[(sub["run"] == run) & (sub["group"] == group)]
                 style = _LINESTYLES[i % len(_LINESTYLES)]
                 for layer, lp in part.groupby("layer", sort=True):
-                    lp = lp.sort_values("step")
+                    lp = lp.sort_values("step")  # NaN steps are left out: the line joins across them
                     ax.plot(lp["step"], lp["value"], color=cmap(norm(int(layer))), linestyle=style,
-                            linewidth=1.2)
+                            linewidth=1.2, **marker(len(lp)))
+                    drawn[(run, group)] = max(drawn.get((run, group), 0), len(lp))
         if len(series) > 1:
             from matplotlib.lines import Line2D
 
-            handles = [Line2D([], [], color="0.3", linestyle=_LINESTYLES[i % len(_LINESTYLES)])
-                       for i in range(len(series))]
-            axes[0].legend(handles, [label(r, g) for r, g in series], fontsize="small", loc="best")
+            handles = [Line2D([], [], color="0.3", linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+                              **marker(drawn.get(s, 0)))
+                       for i, s in enumerate(series) if s in drawn]
+            _legend(axes, chosen_metrics, finite, handles, [label(*s) for s in series if s in drawn])
         sm = mpl.cm.ScalarMappable(norm=norm, cmap=cmap)
         cbar = fig.colorbar(sm, ax=axes, pad=0.01, fraction=0.04)
         cbar.set_label("layer (depth)")
         if hi - lo <= 24:
             cbar.set_ticks(range(lo, hi + 1, max(1, (hi - lo + 1) // 8)))
     else:
-        q = layer_quantiles(df)
+        from matplotlib.lines import Line2D
+
+        q = layer_quantiles(finite)
         for ax, metric in zip(axes, chosen_metrics, strict=True):
             sub = q[q["metric"] == metric]
             for i, (run, group) in enumerate(series):
@@ -167,10 +206,20 @@ def plot_dynamics(
                 if part.empty:
                     continue
                 colour = _RUN_COLOURS[i % len(_RUN_COLOURS)]
-                ax.fill_between(part["step"], part["q25"], part["q75"], color=colour, alpha=0.25,
-                                linewidth=0)
-                ax.plot(part["step"], part["median"], color=colour, linewidth=1.8, label=label(run, group))
-        axes[0].legend(fontsize="small", loc="best")
+                if len(part) == 1:  # a band of zero width is invisible: the q25-q75 range as a bar
+                    ax.vlines(part["step"], part["q25"], part["q75"], color=colour, alpha=0.35, linewidth=5)
+                else:
+                    ax.fill_between(part["step"], part["q25"], part["q75"], color=colour, alpha=0.25,
+                                    linewidth=0)
+                ax.plot(part["step"], part["median"], color=colour, linewidth=1.8, label=label(run, group),
+                        **marker(len(part)))
+                drawn[(run, group)] = max(drawn.get((run, group), 0), len(part))
+        handles = [Line2D([], [], color=_RUN_COLOURS[i % len(_RUN_COLOURS)], linewidth=1.8,
+                          **marker(drawn.get(s, 0)))
+                   for i, s in enumerate(series) if s in drawn]
+        _legend(axes, chosen_metrics, finite, handles, [label(*s) for s in series if s in drawn])
+    steps = finite["step"]
+    single_step = steps.nunique() == 1
     for ax, metric in zip(axes, chosen_metrics, strict=True):
         if is_magnitude(metric):  # norms, stable rank: positive, growth over decades
             ax.set_yscale("log")
@@ -179,8 +228,17 @@ def plot_dynamics(
             ax.set_ylim(-1.0, 1.0)
         ax.set_title(metric)
         ax.set_xlabel("step")
-        if logx:
-            positive = df["step"][df["step"] > 0]
+        if not (finite["metric"] == metric).any():
+            ax.text(0.5, 0.5, NO_FINITE_VALUES, transform=ax.transAxes, ha="center", va="center",
+                    color="0.35", fontsize="medium", bbox={"facecolor": "white", "edgecolor": "0.7"})
+        if single_step:  # one step: a range around it, the step as the only tick (no log axis)
+            s = float(steps.iloc[0])
+            pad = max(1.0, 0.05 * abs(s))
+            ax.set_xlim(s - pad, s + pad)
+            ax.set_xticks([s])
+            ax.xaxis.set_major_formatter(FuncFormatter(_step_label))
+        elif logx:
+            positive = steps[steps > 0]
             thresh = float(positive.min()) if len(positive) else 1.0
             ax.set_xscale("symlog", linthresh=thresh, linscale=0.3)
             ax.set_xlim(left=0)

@@ -8,15 +8,16 @@ interpolation between order statistics (numpy's default); NaN layers are left ou
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..tags import STAT_QUANTILES, STATS
-from .trajectory import TrajectoryError, _pandas, as_frame
+from .trajectory import TrajectoryError, TrajectoryWarning, _pandas, as_frame
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["layer_quantiles", "summarize", "format_summary"]
+__all__ = ["layer_quantiles", "summarize", "format_summary", "warn_missing"]
 
 
 def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
@@ -37,6 +38,30 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
     return pd.DataFrame({**columns, "layers": g.size()}).reset_index()
 
 
+def _in_registry_order(metrics: Any) -> list[str]:
+    """Distinct metrics, those of :data:`attn_probe.metrics.METRICS` first in its order, then the rest."""
+    from ..metrics import METRICS
+
+    order = {m: i for i, m in enumerate(METRICS)}
+    return sorted(dict.fromkeys(metrics), key=lambda m: (order.get(m, len(order)), m))
+
+
+def warn_missing(layer_rows: pd.DataFrame, finite: pd.DataFrame, what: str) -> None:
+    """One :class:`TrajectoryWarning` per run and group naming the metrics of ``layer_rows``
+    that have no row in ``finite`` (every layer-level value NaN or infinite): ``what`` says
+    what happens to them ("left out of the summary")."""
+    have = set(zip(finite["run"], finite["group"], finite["metric"], strict=True))
+    missing: dict[tuple[str, str], list[str]] = {}
+    for key in dict.fromkeys(zip(layer_rows["run"], layer_rows["group"], layer_rows["metric"], strict=True)):
+        if key not in have:
+            missing.setdefault(key[:2], []).append(key[2])
+    for (run, group), metrics in missing.items():
+        metrics = _in_registry_order(metrics)
+        noun = "metric" if len(metrics) == 1 else "metrics"
+        warnings.warn(f"run {run}, group {group}: no finite layer-level value of {', '.join(metrics)} "
+                      f"(all NaN); {noun} {what}", TrajectoryWarning, stacklevel=3)
+
+
 def summarize(df_or_runs: Any) -> pd.DataFrame:
     """First and last median [q25, q75] across layers, per run, group and score.
 
@@ -44,13 +69,21 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
     or what it accepts (run directories). One row per ``run, group, metric`` with
     ``first_step, first_median, first_q25, first_q75, last_step, last_median, last_q25,
     last_q75, layers`` ("first"/"last" = earliest/latest step with a finite layer-level value).
-    Raises :class:`~attn_probe.analysis.trajectory.TrajectoryError` when there is no
-    layer-level row.
+    A metric with no finite layer-level value in a run and group (the probe writes NaN for
+    undefined scores) has no row; a :class:`~attn_probe.analysis.trajectory.TrajectoryWarning`
+    names it. Raises :class:`~attn_probe.analysis.trajectory.TrajectoryError` when there is no
+    finite layer-level value.
     """
     pd = _pandas()
-    q = layer_quantiles(df_or_runs)
+    df = as_frame(df_or_runs)
+    layer_rows = df[df["head"].isna()]
+    q = layer_quantiles(layer_rows)
     if q.empty:
-        raise TrajectoryError("no layer-level values to summarise (only per-head rows or NaN)")
+        if layer_rows.empty:
+            raise TrajectoryError("no layer-level values to summarise (only per-head rows)")
+        raise TrajectoryError(f"no layer-level values to summarise: all {len(layer_rows)} layer-level values "
+                              f"({', '.join(_in_registry_order(layer_rows['metric']))}) are NaN")
+    warn_missing(layer_rows, q, "left out of the summary")
     rows = []
     for (run, group, metric), part in q.groupby(["run", "group", "metric"], sort=False):
         part = part.sort_values("step")
