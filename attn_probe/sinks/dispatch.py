@@ -22,7 +22,10 @@ handed to its sink (and the sink's own ``flush()``, if any, has run), or when ``
 seconds have passed (returns ``False`` then). ``close(timeout)`` does the same, then calls
 each sink's ``finish()`` in its lane; a lane still busy at the deadline is abandoned: its
 waiting snapshots are dropped and counted in a warning, and its thread (a daemon) finishes
-the sink if the blocked call ever returns. Nothing waits without a bound, and the daemon
+the sink if the blocked call ever returns. An inline lane's ``flush()``/``finish()`` run on a
+short-lived daemon thread (one after the other), so they are bounded by the same deadline;
+while one outlives it, that lane's new snapshots are dropped and counted (a sink is never
+called from two threads at once). Nothing waits without a bound, and the daemon
 threads never hold up interpreter exit; an ``atexit`` hook flushes dispatchers that were
 never closed, bounded by :data:`EXIT_TIMEOUT` (first handing them, through
 :func:`before_exit_flush`, the snapshots unclosed probes are still scoring).
@@ -32,10 +35,20 @@ another thread: ``background = True`` (the TensorBoard and trajectory sinks do; 
 sink should). Any other sink is delivered inline, on the caller's thread, with the same
 isolation, retries and warnings: calling a sink from a thread it was not written for can
 break it silently (MLflow's fluent API keeps the active run per thread: from another thread
-it would log into a new run). ``SinkDispatcher(background=False)`` delivers every sink
+it would log into a new run; :class:`~attn_probe.sinks.mlflow.MlflowSink` reads it only in
+``start`` and then uses its own client and run id, so it is a background sink).
+``SinkDispatcher(background=False)`` delivers every sink
 inline (for debugging, and for tests that want files written when ``log`` returns).
 Background deliveries run in a copy of the caller's :mod:`contextvars` context taken at
 submission, so libraries that keep their current run in a ``ContextVar`` (trackio) see it.
+
+**Deferred sinks.** A sink whose ``log`` only queues the snapshot (MLflow's asynchronous
+batches) says so with ``deferred = True`` and reports later, through ``settled()``, which
+steps were stored or lost: a list of ``(step, error)`` in step order, ``error`` ``None`` once
+stored. The lane asks after every ``log``, ``flush`` and ``finish``; a stored step counts as
+delivered (and ends an outage), a lost one goes through the ordinary failure path (counted in
+``lost_steps``, the stop/resume/close warnings name it). ``unsettled()`` (optional) names the
+steps still pending; a lane given up at ``close()`` reports them (``unconfirmed_steps``).
 
 **The run directory.** Before starting the sinks, ``start`` calls ``sink.bind_run_dir(path)``
 on every sink that has that method (the tracker sinks keep their record of the steps each
@@ -129,18 +142,33 @@ class SinkStats:
     #: the most recent failure, as ``Type: message``
     last_error: str | None = None
     lost_steps: list[int] = field(default_factory=list)
+    #: steps the sink accepted but had not confirmed stored when ``close()`` gave up on it
+    #: (a deferred sink, such as MLflow's asynchronous batches, still waiting on its server)
+    unconfirmed_steps: list[int] = field(default_factory=list)
 
 
 class _Item:
     """One entry of a lane's queue: a snapshot, or a flush/finish request."""
 
-    __slots__ = ("kind", "snapshot", "context", "done")
+    __slots__ = ("kind", "snapshot", "context", "done", "inline")
 
     def __init__(self, kind: str, snapshot: Snapshot | None = None) -> None:
         self.kind = kind
         self.snapshot = snapshot
         self.context = contextvars.copy_context()
         self.done = threading.Event()
+        #: an inline lane's flush/finish run on a helper thread: the context values it started with
+        self.inline: dict[Any, Any] | None = None
+
+    def adopt_context(self) -> None:
+        """On the caller's thread, once an inline flush/finish ran in time: set the context
+        variables it changed (trackio's ``finish()`` clears its current run), as if it had run
+        here, as it did before those calls moved to a helper thread."""
+        if self.inline is None or not self.done.is_set():
+            return
+        for var, value in self.context.items():
+            if self.inline.get(var, _Item) is not value:
+                var.set(value)
 
 
 class _Lane:
@@ -163,13 +191,21 @@ class _Lane:
         self._stop_error: str | None = None
         self._warned_drop = False
         self._warned_flush = False
+        #: inline lanes: the short-lived thread running the sink's flush()/finish(), if any
+        self._helper: threading.Thread | None = None
+        #: what the lane's thread is handling now ("snapshot", "flush", "finish" or None)
+        self._current: str | None = None
+
+    def _helper_busy(self) -> bool:
+        return self._helper is not None and self._helper.is_alive()
 
     # -- submitting (caller's thread) ----------------------------------------------------------
 
-    def submit(self, item: _Item) -> None:
+    def submit(self, item: _Item, *, helper: bool = True) -> None:
+        """Queue ``item`` (background lane) or deliver it (inline lane; ``helper=False`` runs an
+        inline flush/finish here too, for finalisers, which must not start threads)."""
         if not self.background:
-            self._handle(item)
-            item.done.set()
+            self._submit_inline(item, helper=helper)
             return
         with self._cond:
             if self._finished or self._abandoned:
@@ -198,6 +234,53 @@ class _Lane:
                       f"dropped its oldest waiting snapshot (step {dropped}). Later drops are counted and "
                       "reported at close(); training continues.")
 
+    def _submit_inline(self, item: _Item, *, helper: bool = True) -> None:
+        """Inline lane: a snapshot is delivered now, on the caller's thread; the sink's
+        ``flush()``/``finish()`` run on a short-lived daemon thread (after any earlier one), so
+        that the caller waits for them only up to its deadline (a tracker's flush may wait on a
+        dead server for minutes)."""
+        if item.kind == "snapshot":
+            if self._finished or self._abandoned:
+                pass
+            elif self._helper_busy():
+                # the sink is still in a flush()/finish() that outlived its deadline: calling it
+                # from here now would run it on two threads at once
+                assert item.snapshot is not None
+                self.stats.dropped += 1
+                if not self._warned_drop:
+                    self._warned_drop = True
+                    safe_warn(f"attn_probe: sink {self.name} is still busy flushing (slow or blocked); dropped "
+                              f"its snapshot at step {item.snapshot.step}. Later drops are counted and "
+                              "reported at close(); training continues.")
+            else:
+                self._handle(item)
+            item.done.set()
+            return
+        previous = self._helper
+        item.inline = dict(item.context.items())
+
+        def run() -> None:
+            try:
+                if previous is not None:
+                    previous.join()
+                item.context.run(self._handle, item)  # also once abandoned: finish() the sink
+            except BaseException:  # noqa: BLE001 - never raise from the helper
+                pass
+            finally:
+                item.done.set()
+
+        if not helper or sys.is_finalizing():
+            # a thread started now might never run (and Thread.start() would wait for it forever)
+            run()
+            return
+        thread = threading.Thread(target=run, name=f"attn_probe sink {self.name} {item.kind}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread at interpreter shutdown (the exit hook): run it here
+            run()
+            return
+        self._helper = thread
+
     # -- the lane's thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -208,12 +291,14 @@ class _Lane:
                 item = self._items.popleft()
                 if item.kind == "snapshot":
                     self._waiting -= 1
+                self._current = item.kind
             try:
                 if not (self._abandoned and item.kind == "snapshot"):
                     item.context.run(self._handle, item)
             except BaseException:  # noqa: BLE001 - the lane never dies (SystemExit included)
                 pass
             finally:
+                self._current = None
                 item.done.set()
             if item.kind == "finish":
                 return
@@ -243,11 +328,37 @@ class _Lane:
                     recover()
             self.sink.log(snapshot)
         except Exception as exc:  # noqa: BLE001 - one sink must not stop training or the others
+            self._settle()
             self._failed(step, exc)
+            return
+        if getattr(self.sink, "deferred", False) is True:
+            self._settle()  # counted once the sink knows whether it was stored
             return
         self.stats.delivered += 1
         if self.stats.failing:
             self._resumed(step)
+
+    def _settle(self) -> int:
+        """Account for what a deferred sink (``deferred = True``) learned since the last call:
+        ``sink.settled()`` returns ``(step, error)`` in step order, ``error`` ``None`` for a
+        snapshot stored, else the exception its delivery failed with. Returns how many failed."""
+        settled = getattr(self.sink, "settled", None)
+        if not callable(settled):
+            return 0
+        try:
+            outcomes = list(settled() or ())
+        except Exception:  # noqa: BLE001 - nothing escapes a lane
+            return 0
+        failed = 0
+        for step, error in outcomes:
+            if error is None:
+                self.stats.delivered += 1
+                if self.stats.failing:
+                    self._resumed(int(step))
+            else:
+                failed += 1
+                self._failed(int(step), error)
+        return failed
 
     def _failed(self, step: int, exc: BaseException) -> None:
         s = self.stats
@@ -274,14 +385,19 @@ class _Lane:
     def _flush_sink(self) -> None:
         flush = getattr(self.sink, "flush", None)
         if self._finished or self.stats.failing or not callable(flush):
+            self._settle()
             return
         try:
             flush()
         except Exception as exc:  # noqa: BLE001
+            if self._settle():
+                return  # the failed snapshots were just reported, by step
             if not self._warned_flush:
                 self._warned_flush = True
                 safe_warn(f"attn_probe: flushing {self.name} failed ({_error_text(exc)}); snapshots it "
                           "accepted may be lost. Training continues.")
+        else:
+            self._settle()
 
     def _finish_sink(self) -> None:
         if self._finished:
@@ -290,8 +406,12 @@ class _Lane:
         try:
             self.sink.finish()
         except Exception as exc:  # noqa: BLE001
+            if self._settle():
+                return  # the failed snapshots were just reported, by step
             safe_warn(f"attn_probe: closing {self.name} failed ({_error_text(exc)}); what it had written "
                       "before stays.")
+        else:
+            self._settle()
 
     # -- closing (caller's thread) -------------------------------------------------------------
 
@@ -300,12 +420,18 @@ class _Lane:
         with self._cond:
             self._abandoned = True
             waiting = [i for i in self._items if i.kind == "snapshot"]
-            busy = 0 if self._thread is None or not self._thread.is_alive() else 1
+            busy = 1 if self._current == "snapshot" and self._thread is not None and self._thread.is_alive() else 0
             self._items = deque(i for i in self._items if i.kind != "snapshot")
             self._waiting = 0
             n = len(waiting) + busy
             self.stats.undelivered += n
-            return n
+        unsettled = getattr(self.sink, "unsettled", None)
+        if callable(unsettled):
+            try:
+                self.stats.unconfirmed_steps = sorted(int(s) for s in unsettled())
+            except Exception:  # noqa: BLE001
+                pass
+        return n
 
     def report_close(self) -> None:
         s = self.stats
@@ -448,7 +574,10 @@ class SinkDispatcher:
                 item = _Item("flush")
                 lane.submit(item)
                 items.append(item)
-            return self._wait(items, timeout)
+            ok = self._wait(items, timeout)
+            for item in items:
+                item.adopt_context()
+            return ok
         except Exception:  # noqa: BLE001
             return False
 
@@ -473,14 +602,19 @@ class SinkDispatcher:
                 lane.submit(item)
                 items.append(item)
             deadline_ok = self._wait(items, timeout)
+            for item in items:
+                item.adopt_context()
             for lane, item in zip(self._lanes, items, strict=True):
                 if not item.done.is_set():
                     ok = False
                     n = lane.abandon()
+                    unconfirmed = lane.stats.unconfirmed_steps
+                    sent = (f"; {describe_steps(unconfirmed)} sent to it {'was' if len(unconfirmed) == 1 else 'were'} "
+                            "not confirmed stored and may be lost" if unconfirmed else "")
                     safe_warn(f"attn_probe: sink {lane.name} did not finish within "
-                              f"{self.timeout if timeout is None else timeout:g} s at close(); {n} snapshot"
-                              f"{'s' if n != 1 else ''} not delivered to it. Its thread is left to finish "
-                              "in the background.")
+                              f"{self.timeout if timeout is None else timeout:g} s at close() and was given up; "
+                              f"{n} snapshot{'s' if n != 1 else ''} not delivered to it{sent}. Its thread is "
+                              "left to finish in the background.")
                 lane.report_close()
             ok = ok and deadline_ok
         except Exception:  # noqa: BLE001
@@ -494,7 +628,7 @@ class SinkDispatcher:
             if self._started and not self._closed and os.getpid() == self._pid:
                 self._closed = True
                 for lane in self._lanes:
-                    lane.submit(_Item("finish"))
+                    lane.submit(_Item("finish"), helper=False)
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
 
@@ -502,7 +636,8 @@ class SinkDispatcher:
 
     def stats(self) -> list[SinkStats]:
         """A copy of every lane's counters."""
-        return [SinkStats(**{**vars(lane.stats), "lost_steps": list(lane.stats.lost_steps)})
+        return [SinkStats(**{**vars(lane.stats), "lost_steps": list(lane.stats.lost_steps),
+                             "unconfirmed_steps": list(lane.stats.unconfirmed_steps)})
                 for lane in self._lanes]
 
     @property

@@ -6,6 +6,20 @@ probe's step) and the user's own metrics are never affected. Logging goes throug
 :meth:`MlflowSink.finish` waits for every pending batch, so all values are stored when it
 returns (and a failed batch raises there).
 
+**Asynchronous failures.** An asynchronous batch that fails (a dead server) fails in MLflow's
+own threads, after ``log`` returned. The sink keeps, per step sent, the futures of its batches
+(``RunOperations``); the dispatcher asks :meth:`MlflowSink.settled` after every ``log``,
+``flush`` and ``finish`` which steps are now known stored or lost (futures already completed
+are checked at every ``log``, so a dead server is reported during the run, not only at
+``close()``), and counts and warns about the lost ones by step like any failed snapshot.
+:meth:`MlflowSink.unsettled` names the steps still waiting when ``close()`` gives up on it.
+
+**Thread.** After ``start()``, the sink only calls its own ``MlflowClient`` with an explicit
+``run_id`` (never MLflow's fluent API, whose active run is per thread); ``mlflow.active_run()``
+is read in ``start()`` alone, which the dispatcher calls on the caller's thread. It is therefore
+a background sink (``background = True``): a dead server blocks its own lane, never the
+training step, and ``close()`` gives it up at the deadline.
+
 Resume: on a resumed probe run, the snapshots the MLflow run already holds (read back from the
 run's metric history through ``MlflowClient``, else the probe's record) are not sent again; see
 :mod:`attn_probe.sinks.trackers`. With asynchronous logging a step is recorded as sent once its
@@ -19,6 +33,7 @@ dead server for minutes. ``mlflow`` is imported in :meth:`MlflowSink.start`
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from . import RunInfo, Snapshot
@@ -51,6 +66,8 @@ class MlflowSink(TrackerSink):
 
     module = "mlflow"
     extra = "mlflow"
+    #: driven from the dispatcher's lane: only ``self.client`` and ``self.run_id`` are used after ``start()``
+    background = True
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
                  experiment: str | None = None, run_name: str | None = None,
@@ -65,8 +82,18 @@ class MlflowSink(TrackerSink):
         self.synchronous = bool(synchronous)
         self.client: Any = None
         self.run_id: str | None = None
-        self._pending: list[Any] = []
-        self._unconfirmed: int | None = None  # the last step sent, not yet known to be stored
+        #: (step, futures of its batches) sent asynchronously, not yet known stored or lost
+        self._inflight: list[tuple[int, list[Any]]] = []
+        #: (step, None | exception) known since the last :meth:`settled`
+        self._outcomes: list[tuple[int, BaseException | None]] = []
+        self._batches: list[Any] = []  # the futures of the snapshot being sent
+        self._lock = threading.Lock()
+
+    @property
+    def deferred(self) -> bool:
+        """Whether ``log`` returning means only "queued" (asynchronous batches): the dispatcher
+        then counts a snapshot once :meth:`settled` says whether it was stored."""
+        return not self.synchronous
 
     def _open(self, run_info: RunInfo) -> None:
         mlflow = self._import()
@@ -83,8 +110,7 @@ class MlflowSink(TrackerSink):
             run = self.client.create_run(experiment_id, run_name=self.run_name, tags=self.tags or None)
             self.run_id, self.owns_run = run.info.run_id, True
         self.run = self.run_id
-        self._pending = []
-        self._unconfirmed = None
+        self._inflight, self._outcomes, self._batches = [], [], []
 
     def _tracker_run(self) -> TrackerRun:
         return mlflow_run(self.client, str(self.run_id))
@@ -101,28 +127,87 @@ class MlflowSink(TrackerSink):
 
         stamp, step = self.timestamp_ms(snapshot), int(snapshot.step)
         metrics = [Metric(key, value, stamp, step) for key, value in values.items()]
+        self._batches = []
         for i in range(0, len(metrics), BATCH):
             op = self.client.log_batch(self.run_id, metrics=metrics[i:i + BATCH],
                                        synchronous=self.synchronous)
             if not self.synchronous and op is not None:
-                self._pending.append(op)
-        if len(self._pending) >= MAX_PENDING:
-            self.flush()  # bounds memory; the batches sent earlier are normally stored by now
+                # RunOperations: its futures tell, without waiting, whether the batch is done
+                futures = getattr(op, "_operation_futures", None)
+                self._batches.extend(futures if isinstance(futures, list) else [op])
 
     def _sent(self, step: int) -> None:
         if self.synchronous:
             super()._sent(step)
-        else:
-            self._unconfirmed = step  # recorded once its batches are stored (flush)
+            return
+        batches, self._batches = self._batches, []
+        with self._lock:
+            self._inflight.append((int(step), batches))
+        self._settle(wait=len(self._inflight) - MAX_PENDING)  # bounds memory
+
+    @staticmethod
+    def _done(batch: Any) -> bool:
+        done = getattr(batch, "done", None)
+        return bool(done()) if callable(done) else False
+
+    @staticmethod
+    def _error(batch: Any) -> BaseException | None:
+        """``None`` if ``batch`` (a future, or a ``RunOperations``) stored its metrics; waits for it."""
+        try:
+            if callable(getattr(batch, "result", None)):
+                batch.result()
+            else:
+                batch.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the dispatcher
+            return exc
+        return None
+
+    def _settle(self, wait: int = 0) -> None:
+        """Move the leading in-flight steps whose batches are all done into the outcomes (in step
+        order); the first ``wait`` of them are waited for."""
+        while True:
+            with self._lock:
+                if not self._inflight:
+                    return
+                step, batches = self._inflight[0]
+            if wait <= 0 and not all(self._done(b) for b in batches):
+                return
+            error = None
+            for batch in batches:
+                error = self._error(batch) or error
+            with self._lock:
+                self._inflight.pop(0)
+                self._outcomes.append((step, error))
+            if error is None:
+                super()._sent(step)  # stored: record it for a resume
+            wait -= 1
+
+    def settled(self) -> list[tuple[int, BaseException | None]]:
+        """Steps now known stored (``None``) or lost (the batch's exception), in step order, since
+        the last call; futures that completed are checked without waiting."""
+        self._settle()
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        return out
+
+    def unsettled(self) -> list[int]:
+        """Steps sent whose batches are not known stored or lost yet."""
+        with self._lock:
+            return [step for step, _ in self._inflight]
 
     def flush(self) -> None:
-        """Wait until every batch sent so far is stored; raises if one failed."""
-        pending, self._pending = self._pending, []
-        step, self._unconfirmed = self._unconfirmed, None
-        for op in pending:
-            op.wait()
-        if step is not None:
-            super()._sent(step)
+        """Wait until every batch sent so far is stored; raises if one failed (the failed steps
+        are also in :meth:`settled`)."""
+        with self._lock:
+            n = len(self._inflight)
+            known = len(self._outcomes)
+        self._settle(wait=n)
+        with self._lock:
+            failed = [(step, err) for step, err in self._outcomes[known:] if err is not None]
+        if failed:
+            steps = ", ".join(str(step) for step, _ in failed)
+            raise RuntimeError(f"MLflow did not store the metrics of step(s) {steps}: {failed[0][1]}") \
+                from failed[0][1]
 
     def _close(self) -> None:
         try:
