@@ -788,8 +788,12 @@ def test_pretrained_minilm_checkpoint() -> None:
 
 
 def test_pix2struct_cross_attention_is_grouped_as_cross():
-    from transformers import (Pix2StructConfig, Pix2StructForConditionalGeneration, Pix2StructTextConfig,
-                              Pix2StructVisionConfig)
+    from transformers import (
+        Pix2StructConfig,
+        Pix2StructForConditionalGeneration,
+        Pix2StructTextConfig,
+        Pix2StructVisionConfig,
+    )
 
     text = Pix2StructTextConfig(vocab_size=100, hidden_size=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     vision = Pix2StructVisionConfig(hidden_size=32, d_kv=8, d_ff=64, num_hidden_layers=2, num_attention_heads=4,

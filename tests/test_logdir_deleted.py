@@ -31,11 +31,11 @@ def layer0_steps(path):
     return [r["step"] for r in rows if r["metric"] == "symmetry" and r["layer"] == 0 and r["head"] is None]
 
 
-def run_loop(log_dir, steps, at, action):
+def run_loop(log_dir, steps, at, action, about="trajectory file"):
     """A plain loop with ``watch`` (one snapshot per update); ``action(log_dir)`` before update ``at``.
 
-    Returns the probe's warnings (from any thread) and whether another process, or a second
-    probe here, could lock the directory right after the loop (before ``close()``).
+    Returns the probe's warnings that mention ``about`` (from any thread) and whether another
+    process, or a second probe here, could lock the directory right after the loop (before ``close()``).
     """
     model = tiny_bert()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -54,7 +54,7 @@ def run_loop(log_dir, steps, at, action):
         assert probe.flush()
         lockable = other_process_can_lock(log_dir / LOCK_FILENAME) or second_probe_can_lock(log_dir)
         probe.close()
-    return [str(w.message) for w in caught if "trajectory file" in str(w.message)], lockable
+    return [str(w.message) for w in caught if about in str(w.message)], lockable
 
 
 def second_probe_can_lock(log_dir):
@@ -167,21 +167,7 @@ def test_event_file_deleted_alone_is_replaced_with_its_layout_and_a_warning(tmp_
             if "tfevents" in f.name:
                 f.unlink()
 
-    model = tiny_bert()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    data = RandomTokens()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with attn_probe.watch(model, optimizer=opt, log_dir=str(run), every=1) as probe:
-            for i in range(6):
-                if i == 3:
-                    assert probe.flush()
-                    delete_event_files(run)
-                batch = data[i]
-                model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
-                opt.step()
-                opt.zero_grad()
-    (warned,) = [str(w.message) for w in caught if "TensorBoard event file" in str(w.message)]
+    (warned,), _ = run_loop(run, 6, 3, delete_event_files, about="TensorBoard event file")
     assert "events it held (up to step 3) are lost" in warned and "continues from step 4" in warned
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
