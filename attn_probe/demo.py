@@ -45,6 +45,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .live_view import tensorboard_command
+
 __all__ = [
     "SIZES",
     "MODEL_KINDS",
@@ -791,7 +793,7 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResu
         f"corpus: {blocks.numel():,} tokens in {blocks.shape[0]:,} blocks; vocabulary {len(tokenizer):,}; "
         f"unigram entropy {entropy:.2f} nats"
     )
-    log(f"live view: tensorboard --logdir {root} --samples_per_plugin scalars=0")
+    log(f"live view: {tensorboard_command(root)}")
     results: dict[str, ModelResult] = {}
     for kind in cfg.models:
         if kind == "encoder":
@@ -831,7 +833,7 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print) -> DemoResu
     log("")
     for line in interpret(result):
         log(line)
-    log(f"tensorboard --logdir {root} --samples_per_plugin scalars=0")
+    log(tensorboard_command(root))
     return result
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .live_view import tensorboard_command
 from .config import config_from_options
 from .probe import WIRING, Probe
 from .schedules import ScheduleLike
@@ -37,8 +38,9 @@ def announce(probe: Probe, *, every: Any, unit: str) -> None:
     """One line on stderr, main process only: what is watched, how often, where it goes.
 
     Printed rather than logged so that it shows with default logging settings; it names the
-    ``tensorboard`` command with ``--samples_per_plugin scalars=0`` (TensorBoard's server keeps
-    only 1,000 points per scalar tag otherwise).
+    ``tensorboard`` command of :func:`attn_probe.live_view.tensorboard_command` (an explicit
+    ``--samples_per_plugin scalars=N``: TensorBoard's server keeps only 1,000 points per scalar tag
+    without it, and ``N = 0`` keeps none).
     """
     import sys
 
@@ -51,7 +53,7 @@ def announce(probe: Probe, *, every: Any, unit: str) -> None:
         line = (f"attn_probe: watching {n} attention layer{'s' if n != 1 else ''} of {root} "
                 f"{_describe_schedule(every, unit)} -> {where}")
         if probe.log_dir is not None:
-            line += f"  (live view: tensorboard --logdir {probe.log_dir} --samples_per_plugin scalars=0)"
+            line += f"  (live view: {tensorboard_command(probe.log_dir)})"
         print(line, file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 - a status line must never stop training
         pass

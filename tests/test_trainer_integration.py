@@ -14,6 +14,7 @@ from transformers import Trainer, TrainerCallback
 
 import attn_probe
 from attn_probe.integrations.transformers import AttnProbeCallback
+from attn_probe.live_view import SCALARS_PER_TAG
 
 make_args = functools.partial(make_args, report_to=["tensorboard"])
 
@@ -32,7 +33,8 @@ def test_attach_puts_the_callback_first_and_logs_into_the_trainers_tensorboard_r
     trainer.train()
     err = capsys.readouterr().err
     assert "attn_probe: watching 2 attention layers of BertForMaskedLM every 2 optimizer steps ->" in err
-    assert "--samples_per_plugin scalars=0" in err
+    assert f"--samples_per_plugin scalars={SCALARS_PER_TAG}" in err
+    assert "--samples_per_plugin scalars=0" not in err
     runs = [d for d in (tmp_path / "runs").iterdir()]
     assert len(runs) == 1  # scores and the Trainer's loss in one run
     ea = EventAccumulator(str(runs[0]), size_guidance={"scalars": 0})
