@@ -283,7 +283,12 @@ def test_gather_scores_reads_the_ov_weights_of_wrapped_layers():
     got = gather_scores(model, layers, per_head=True, pairs=("qk", "ov"))
     assert [r["name"] for r in got] == [r["name"] for r in want]  # names as in a single, unwrapped model
     for g, w in zip(got, want, strict=True):
-        assert g == pytest.approx(w, rel=1e-12, abs=1e-12)
+        assert g.keys() == w.keys()
+        for key, value in w.items():  # pytest >= 9 approximates numbers only, not rows with text
+            if isinstance(value, str) or value is None:
+                assert g[key] == value, key
+            else:
+                assert g[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
 
 
 def test_live_probe_with_named_pairs_reads_the_ov_weights_of_wrapped_layers(tmp_path):
