@@ -1,0 +1,147 @@
+"""The live view as a user meets it: the TensorBoard command the probe prints, run as printed.
+
+A real ``tensorboard`` server is started with exactly the printed command line (under the default
+``--load_fast`` and with ``--load_fast=false``) on a run of more than 1,000 snapshots, and every
+point of a probe tag must come back from the scalars endpoint, the Time Series endpoint the
+default dashboard uses, and the custom-scalars charts of the probe's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+import attn_probe
+from attn_probe.live_view import SCALARS_PER_TAG, tensorboard_command
+from attn_probe.tags import scalar_tag
+
+SNAPSHOTS = 1_500  # above TensorBoard's default of 1,000 points per tag
+STARTUP_TIMEOUT_S = 180
+
+
+def test_the_command_keeps_points_and_quotes_the_directory():
+    assert SCALARS_PER_TAG >= 100_000 and SCALARS_PER_TAG < 2**63 - 1
+    assert tensorboard_command("runs/a b") == f"tensorboard --logdir 'runs/a b' --samples_per_plugin scalars={SCALARS_PER_TAG}"
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory) -> tuple[Path, str]:
+    """A real probe run of 1,501 snapshots (step 0 and 1..1,500) and the command it printed."""
+    import contextlib
+    import io
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    log_dir = tmp_path_factory.mktemp("live view") / "run one"  # spaces: the command must quote them
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        probe = attn_probe.watch(model, optimizer=opt, log_dir=str(log_dir), every=1, metrics=["symmetry"])
+    with probe:
+        query = model.bert.encoder.layer[0].attention.self.query.weight
+        for _ in range(SNAPSHOTS):
+            with torch.no_grad():
+                query.mul_(1.001)  # the values move, so each point is a real snapshot
+            opt.step()
+    (printed,) = re.findall(r"\(live view: (.*)\)", err.getvalue())
+    return log_dir, printed
+
+
+def post_form(url: str, **fields: str) -> object:
+    data = urllib.parse.urlencode(fields).encode()
+    req = urllib.request.Request(url, data=data, headers={"X-XSRF-Protected": "1"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read().decode())
+
+
+def get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read().decode())
+
+
+@pytest.mark.parametrize("extra", ["", " --load_fast=false"], ids=["load_fast_default", "load_fast_false"])
+def test_printed_command_serves_every_point(long_run, extra):
+    log_dir, printed = long_run
+    assert printed == tensorboard_command(log_dir)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.Popen(printed + extra, shell=True, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    try:
+        base = read_url(proc)
+        tag = scalar_tag("self", "symmetry", layer=0)
+        steps = list(range(SNAPSHOTS + 1))
+
+        points = poll(lambda: get_json(f"{base}/data/plugin/scalars/scalars?" +
+                                       urllib.parse.urlencode({"run": ".", "tag": tag})), len(steps))
+        assert [p[1] for p in points] == steps
+        values = [p[2] for p in points]
+        assert values[-1] != values[0]
+
+        def time_series():
+            (series,) = post_form(f"{base}/data/plugin/timeseries/timeSeries",
+                                  requests=json.dumps([{"plugin": "scalars", "tag": tag}]))
+            return series["runToSeries"].get(".", [])
+
+        assert [p["step"] for p in poll(time_series, len(steps))] == steps
+
+        layout = get_json(f"{base}/data/plugin/custom_scalars/layout")
+        charts = [chart for category in layout["category"] for chart in category["chart"]]
+        margin = next(c["margin"]["series"][0] for c in charts if "margin" in c)
+        regex = next(c["multiline"]["tag"][0] for c in charts if "multiline" in c and "symmetry" in c["title"])
+        for wanted in (margin["value"], margin["lower"], regex):
+            data = get_json(f"{base}/data/plugin/custom_scalars/scalars?" +
+                            urllib.parse.urlencode({"run": ".", "tag": wanted}))
+            assert data["regex_valid"]
+            assert data["tag_to_events"], wanted
+            for events in data["tag_to_events"].values():
+                assert [e[1] for e in events] == steps
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+
+
+def read_url(proc: subprocess.Popen) -> str:
+    """The address TensorBoard prints once it listens (it scans from port 6006 when none is given)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            pytest.fail("tensorboard exited: " + "".join(seen)[-2000:])
+        seen.append(line)
+        match = re.search(r"(http://\S+?)/? \(Press CTRL\+C", line)
+        if match:
+            return match.group(1).rstrip("/")
+    pytest.fail("tensorboard printed no address: " + "".join(seen)[-2000:])
+
+
+def poll(fetch, want: int) -> list:
+    """``fetch()`` until it returns ``want`` points (the server loads event files in the background)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    got: list = []
+    while time.monotonic() < deadline:
+        try:
+            got = fetch()
+        except OSError:
+            got = []
+        if len(got) >= want:
+            return got
+        time.sleep(1)
+    pytest.fail(f"served {len(got)} of {want} points within {STARTUP_TIMEOUT_S} s")
