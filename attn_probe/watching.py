@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .live_view import tensorboard_command
 from .config import config_from_options
+from .live_view import tensorboard_command
 from .probe import WIRING, Probe
 from .schedules import ScheduleLike
 
