@@ -329,6 +329,7 @@ class Probe:
         self._handles: list[Any] = []
         self._forward_counter: ForwardPasses | None = None
         self._closed = False
+        self._warned_closed = False
         self._sinks: list[Sink] = []
         self._dispatcher: SinkDispatcher | None = None
         self._lock: LogDirLock | None = None
@@ -774,6 +775,11 @@ class Probe:
         probe call, :meth:`flush` or :meth:`close`). On a sharded run every rank must call it
         (the ranks agree first, see ``docs/distributed.md``).
         """
+        if self._closed and not self._warned_closed:
+            self._warned_closed = True
+            _warn("attn_probe: snapshot() on a closed probe measures nothing (it was closed at step "
+                  f"{self.step}); attach a new one with attn_probe.watch(...), or score the model now with "
+                  "attn_probe.score_model(model)")
         if self._closed or self.disabled:
             return None
         if self._agreement is not None:

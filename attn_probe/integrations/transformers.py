@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -593,6 +594,12 @@ def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> At
         callback._check_model(trainer.model)
     callback.handler = handler
     handler.callbacks.insert(0, callback)
+    trained = getattr(getattr(trainer, "state", None), "global_step", 0)
+    if isinstance(trained, int) and trained > 0:
+        warnings.warn(
+            f"attn_probe.attach: this Trainer has already trained ({trained} optimizer steps): the probe "
+            "measures nothing until trainer.train() runs again; to score the trained model now, use "
+            "attn_probe.score_model(trainer.model)", RuntimeWarning, stacklevel=2)
     if hasattr(trainer, "state") and getattr(trainer.state, "stateful_callbacks", None) is not None:
         # checkpoints save ExportableState callbacks listed in the state
         stateful = trainer.state.stateful_callbacks
