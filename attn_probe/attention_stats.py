@@ -1,0 +1,730 @@
+"""Attention health from the activations: measured max logit and entropy per layer and head.
+
+The weight metrics bound what the attention logits *could* be; this module measures what they
+*are*, on the steps a caller arms, from the q and k that the model's attention function
+receives (transformers' ``ALL_ATTENTION_FUNCTIONS`` interface: after rotary embeddings, keys
+before grouped-query repetition, with the model's own ``scaling``).
+
+For query head ``h`` (key head ``g(h) = h // (H / H_kv)``), batch row ``b``, query ``i`` and
+key ``j`` the logit is
+
+.. math::  \\ell_{bhij} = s \\, q_{bhi} \\cdot k_{b\\,g(h)\\,j}
+
+with ``s`` the ``scaling`` passed to the function (``head_dim ** -0.5`` when it is ``None``).
+Over the *counted* entries (key ``j`` not masked for ``(b, i)``, query token ``(b, i)`` not
+padding, at least one key visible) the two metrics are
+
+- ``max_logit[h] = max |l_bhij|``; the layer value is the max over heads;
+- ``entropy[h]``: the mean over counted query tokens of ``-sum_j p_bhij log p_bhij`` (nats),
+  ``p = softmax_j(z)`` over the visible keys; the layer value is the mean over heads.
+
+``max_logit`` is the content logit ``s q.k``: attention softcapping is *not* applied to it
+(it reports what the cap is holding back), and additive position biases (T5's
+``position_bias``, finite non-zero entries of an additive float mask such as ALiBi) are *not*
+added. ``entropy`` is the entropy of the distribution the model actually uses:
+``z = cap * tanh(l / cap)`` under softcapping, plus the additive biases, and attention sinks
+(``s_aux``, gpt-oss) count as one more outcome of the softmax (the row's probabilities over
+real keys then sum to less than 1). Sliding windows, chunked attention and packed sequences
+are whatever the mask passed to the function says (eager/sdpa); under flash attention they are
+rebuilt from ``sliding_window``, ``cu_seq_lens_*``/``position_ids`` and the 2D padding mask.
+Flex attention (a ``BlockMask``), paged attention and user-registered implementation names are
+not measured (:func:`unavailable_reason` says so).
+
+**Memory.** Logits are formed ``C`` query positions at a time, ``C = max(1, chunk_elements //
+(B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)`` float32 buffers
+(float64 for float64 models), i.e. ``6 * 4 * max(chunk_elements, B H L_k)`` bytes
+(96 MiB at the default ``chunk_elements = 2**22``), on the attention's device, freed per chunk.
+
+**Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
+<AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
+(max over all of them, entropy averaged over all their counted tokens), so the step's values
+equal one forward on the concatenated batch. A forward re-run inside backward (gradient
+checkpointing) is skipped, so it neither costs a second measurement nor counts twice.
+:func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
+entropy sums and token counts), so combined values equal one process on the global batch.
+
+**Zero cost otherwise.** The wrappers registered in the interface test one dict for
+emptiness and call the previous entry; hooks exist only while armed; nothing is written into
+the model or its config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .extraction.architectures import unwrap
+from .extraction.base import AttentionLayer
+
+Tensor = torch.Tensor
+
+#: the activation metrics this module measures, in table order
+ATTENTION_METRICS: tuple[str, ...] = ("max_logit", "entropy")
+
+#: default number of logit elements formed at once (see the module docstring for the bound)
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+#: implementation name -> how its masks read; anything else is not measured
+_FAMILIES = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "flash",
+    "flash_attention_3": "flash",
+    "flash_attention_4": "flash",
+}
+
+#: the wrappers' one flag: the modules of armed captures -> (capture, layer index)
+_ARMED: dict[nn.Module, tuple[AttentionCapture, int]] = {}
+_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# The statistics (pure functions: tensors in, tensors out)
+# ---------------------------------------------------------------------------------------------
+
+#: (r0, r1) -> (allowed (B|1, H|1, r1 - r0, Lk) bool or None for all, additive bias or None)
+RowMask = Callable[[int, int], "tuple[Tensor | None, Tensor | None]"]
+
+
+def logit_stats(
+    query: Tensor,
+    key: Tensor,
+    scaling: float,
+    rows: RowMask | None = None,
+    *,
+    query_valid: Tensor | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query head ``(max |l|, sum of row entropies, counted tokens)`` of one attention call.
+
+    ``query (B, H, Lq, D)``, ``key (B, H_kv, Lk, D)`` (before ``repeat_kv``); ``rows(r0, r1)``
+    gives the visible keys (and additive bias) of query rows ``r0:r1``; ``query_valid (B, Lq)``
+    marks non-padding queries. Returns three ``(H,)`` tensors of the accumulation dtype
+    (float64 for float64 inputs, float32 otherwise): ``-inf`` max where nothing is counted.
+    """
+    B, H, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if H % Hkv:
+        raise ValueError(f"{H} query heads are not a multiple of {Hkv} key heads")
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.detach().to(dtype).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, Lq, D)
+    kt = key.detach().to(dtype).unsqueeze(2).transpose(-1, -2)  # (B, Hkv, 1, D, Lk)
+    device = q.device
+    max_abs = torch.full((H,), -math.inf, dtype=dtype, device=device)
+    ent = torch.zeros(H, dtype=dtype, device=device)
+    count = torch.zeros(H, dtype=dtype, device=device)
+    step = max(1, chunk_elements // max(1, B * H * Lk))
+    sink = None
+    if sinks is not None:
+        sink = sinks.detach().to(device=device, dtype=dtype).reshape(1, H, 1, 1)
+    for r0 in range(0, Lq, step):
+        r1 = min(Lq, r0 + step)
+        logits = torch.matmul(q[..., r0:r1, :], kt).flatten(1, 2) * scaling  # (B, H, C, Lk)
+        allowed, bias = rows(r0, r1) if rows is not None else (None, None)
+        valid = torch.ones(B, 1, r1 - r0, dtype=torch.bool, device=device)
+        if query_valid is not None:
+            valid = valid & query_valid[:, None, r0:r1].to(device=device, dtype=torch.bool)
+        if allowed is not None:
+            valid = valid & allowed.any(-1)  # (B|B, H|1, C): a row with no visible key is not counted
+        keep = valid[..., None] if allowed is None else (allowed & valid[..., None])
+        max_abs = torch.maximum(max_abs, logits.abs().masked_fill(~keep, -math.inf).amax(dim=(0, 2, 3)))
+        z = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+        if bias is not None:
+            z = z + bias.to(dtype)
+        if allowed is not None:
+            z = z.masked_fill(~allowed, -math.inf)
+        if sink is not None:
+            z = torch.cat([z, sink.expand(B, H, r1 - r0, 1)], dim=-1)
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        p = torch.exp(z - lse)
+        pz = torch.where(p > 0, p * z, torch.zeros((), dtype=dtype, device=device)).sum(-1)
+        row = torch.where(valid, lse.squeeze(-1) - pz, torch.zeros((), dtype=dtype, device=device))
+        ent = ent + row.expand(B, H, r1 - r0).sum(dim=(0, 2))
+        count = count + valid.expand(B, H, r1 - r0).sum(dim=(0, 2)).to(dtype)
+    return max_abs, ent, count
+
+
+def _float_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """An additive float mask -> (visible, bias): visible above ``max(dtype min / 2, -1e30)``."""
+    visible = mask > max(torch.finfo(mask.dtype).min / 2, -1e30)
+    bias = mask.masked_fill(~visible, 0)
+    return visible, bias
+
+
+def _flash_segments(kwargs: Mapping, length: int, device: torch.device) -> Tensor | None:
+    """Packed-sequence ids ``(1, length)`` from ``cu_seq_lens_q`` or packed ``position_ids``."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        bounds = torch.as_tensor(cu, device=device)[1:-1]
+        return torch.bucketize(torch.arange(length, device=device), bounds, right=True)[None]
+    pos = kwargs.get("position_ids")
+    if pos is not None and pos.shape[0] == 1 and pos.shape[-1] == length and length > 1:
+        return torch.cumsum((pos.reshape(1, -1) == 0).long(), dim=-1)
+    return None
+
+
+def row_mask(
+    family: str,
+    module: nn.Module,
+    attention_mask: Tensor | None,
+    kwargs: Mapping,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+) -> RowMask:
+    """The visible keys of query rows, as the implementation ``family`` reads its arguments.
+
+    ``eager``/``sdpa``: a 4D boolean (``True`` = visible) or additive float mask, its last
+    ``k_len`` columns; ``None`` means all keys for eager and, for sdpa, causal (upper-left,
+    keys cut to ``q_len``) when ``q_len > 1`` and the call is causal. ``flash``: causal
+    bottom-right, the 2D padding mask's last ``k_len`` columns, ``sliding_window`` and packed
+    sequences. ``position_bias`` (kwargs) is an additive bias.
+    """
+    causal_kw = kwargs.get("is_causal")
+    causal = bool(causal_kw if causal_kw is not None else getattr(module, "is_causal", True))
+    position_bias = kwargs.get("position_bias")
+    offset = k_len - q_len
+
+    if family in ("eager", "sdpa") and attention_mask is not None and attention_mask.dim() == 4:
+        mask = attention_mask[..., -q_len:, :k_len] if attention_mask.shape[-2] >= q_len else attention_mask
+
+        def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
+            m = mask[..., r0:r1, :] if mask.shape[-2] > 1 else mask
+            bias = position_bias[..., r0:r1, :k_len] if position_bias is not None else None
+            if m.dtype == torch.bool:
+                return m.to(device), bias
+            visible, extra = _float_mask(m.to(device))
+            return visible, extra if bias is None else bias + extra
+
+        return rows
+
+    if family == "flash":
+        pad = attention_mask[:, -k_len:].to(device=device, dtype=torch.bool) if attention_mask is not None else None
+        window = kwargs.get("sliding_window")
+        segments = _flash_segments(kwargs, k_len, device) if q_len == k_len else None
+        kpos = torch.arange(k_len, device=device)
+
+        def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
+            qpos = torch.arange(r0, r1, device=device)[:, None] + offset
+            allowed = torch.ones(r1 - r0, k_len, dtype=torch.bool, device=device)
+            if causal:
+                allowed = allowed & (kpos[None] <= qpos)
+            if window is not None and k_len > window:
+                allowed = allowed & ((qpos - kpos[None]).abs() < window)
+            allowed = allowed[None, None]
+            if segments is not None:
+                allowed = allowed & (segments[:, None, r0:r1, None] == segments[:, None, None, :])
+            if pad is not None:
+                allowed = allowed & pad[:, None, None, :]
+            return allowed, None
+
+        return rows
+
+    # eager/sdpa without a 4D mask
+    sdpa_causal = family == "sdpa" and attention_mask is None and q_len > 1 and causal
+    if not sdpa_causal and position_bias is None:
+        return lambda r0, r1: (None, None)
+    kpos = torch.arange(k_len, device=device)
+
+    def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
+        bias = position_bias[..., r0:r1, :k_len] if position_bias is not None else None
+        if not sdpa_causal:
+            return None, bias
+        qpos = torch.arange(r0, r1, device=device)[:, None]
+        return (kpos[None] <= qpos)[None, None], bias  # upper-left, which also cuts keys to q_len
+
+    return rows
+
+
+def logit_bound_ratio(max_logit: Tensor, qk_bound: Tensor, input_norm: Tensor | float, scaling: float) -> Tensor:
+    """How much of its weight-only bound the measured logit uses.
+
+    .. math:: r = \\frac{\\max |\\ell|}{\\sigma_{max}(W_q^h)\\,\\sigma_{max}(W_k^h)\\,\\|x\\|_{max}^2\\, s}
+
+    ``qk_bound`` as the weight metric of that name (per head; the layer value is the max over
+    heads), ``input_norm`` the largest ``||x||_2`` of the attention's input on the step, ``s`` the
+    scaling. At most 1 for bias-free q/k projections without QK-norm or position biases (rotary
+    embeddings are rotations); q/k biases (BERT, GPT-2) can make it exceed 1. NaN where the
+    bound is 0 or either side is missing.
+    """
+    bound = qk_bound.to(torch.float64) * torch.as_tensor(input_norm, dtype=torch.float64) ** 2 * scaling
+    ratio = max_logit.to(torch.float64) / bound
+    return torch.where(bound > 0, ratio, torch.full_like(ratio, math.nan))
+
+
+# ---------------------------------------------------------------------------------------------
+# One step's values and their distributed reduction
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    """One step's accumulated values, flat over ``(layer, head)`` so ranks reduce two tensors.
+
+    ``max_logit``, ``entropy_sum``, ``tokens``: ``(sum heads,)`` float64 in layer order, layer
+    ``i``'s heads at ``offsets[i]:offsets[i + 1]``; ``input_norm (layers,)``; ``-inf`` marks
+    a max with nothing seen. ``scaling[i]`` is what layer ``i``'s attention received.
+    """
+
+    names: tuple[str, ...]
+    heads: tuple[int, ...]
+    max_logit: Tensor
+    entropy_sum: Tensor
+    tokens: Tensor
+    input_norm: Tensor
+    scaling: tuple[float | None, ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        out = [0]
+        for h in self.heads:
+            out.append(out[-1] + h)
+        return out
+
+    def tables(self) -> list[Tensor]:
+        """Per layer a float64 ``(2, 1 + H)`` table, rows :data:`ATTENTION_METRICS`, column 0
+        the layer (max over heads; mean of the head entropies), the core's layout. NaN where
+        nothing was counted."""
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=self.max_logit.device)
+        mx = torch.where(torch.isinf(self.max_logit), nan, self.max_logit)
+        ent = torch.where(self.tokens > 0, self.entropy_sum / self.tokens.clamp_min(1), nan)
+        out = []
+        off = self.offsets
+        for i in range(len(self.heads)):
+            m, e = mx[off[i]:off[i + 1]], ent[off[i]:off[i + 1]]
+            head_max = self.max_logit[off[i]:off[i + 1]].amax()
+            layer_max = torch.where(torch.isinf(head_max), nan, head_max)
+            out.append(torch.stack([torch.cat([layer_max[None], m]), torch.cat([e.mean()[None], e])]))
+        return out
+
+    def input_norms(self) -> Tensor:
+        """``(layers,)`` largest input norm per layer, NaN where none was seen."""
+        return torch.where(torch.isinf(self.input_norm), math.nan, self.input_norm)
+
+
+def combine(stats: StepStats, reduce: Callable[[Tensor, str], Tensor]) -> StepStats:
+    """Reduce ``stats`` over ranks with ``reduce(tensor, op)``, ``op`` ``"max"`` then ``"sum"``.
+
+    Exactly two calls in this order on every rank, with tensors of the same shape (every watched
+    layer has its slots whether or not this rank saw it), so a collective per call is safe:
+    ``[max_logit, input_norm]`` by max, ``[entropy_sum, tokens]`` by sum. The combined entropy
+    is the token-weighted mean over all ranks' tokens.
+    """
+    n = stats.max_logit.numel()
+    maxes = reduce(torch.cat([stats.max_logit, stats.input_norm]), "max")
+    sums = reduce(torch.cat([stats.entropy_sum, stats.tokens]), "sum")
+    return StepStats(stats.names, stats.heads, maxes[:n], sums[:n], sums[n:], maxes[n:], stats.scaling)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry wrappers
+# ---------------------------------------------------------------------------------------------
+
+_INTERFACE_CALL = re.compile(r"get_interface\(\s*[^,()]+(?:\([^()]*\))?[^,()]*,\s*([A-Za-z_][\w.]*)\s*\)")
+
+
+def _forward_owner(cls: type) -> type:
+    for klass in cls.__mro__:
+        if "forward" in vars(klass):
+            return klass
+    return cls
+
+
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(_forward_owner(cls).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+_EAGER: dict[type, Callable] = {}
+
+
+def eager_function(cls: type) -> Callable | None:
+    """The eager attention function a module class passes as ``get_interface``'s default."""
+    fn = _EAGER.get(cls)
+    if fn is not None:
+        return fn
+    owner = _forward_owner(cls)
+    namespace = vars(sys.modules.get(owner.forward.__module__, sys))
+    match = _INTERFACE_CALL.search(_forward_source(cls))
+    names = [match.group(1)] if match else []
+    names.append("eager_attention_forward")
+    for name in names:
+        obj: object = namespace.get(name.split(".")[0])
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part, None)
+        if callable(obj):
+            _EAGER[cls] = obj
+            return obj
+    return None
+
+
+def _eager_of(module: nn.Module) -> Callable:
+    fn = eager_function(type(module))
+    if fn is None:
+        raise RuntimeError(f"attn_probe: no eager attention function found for {type(module).__name__}")
+    return fn
+
+
+def _observe(family: str, module: nn.Module, query: Tensor, key: Tensor,
+             attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
+    entry = _ARMED.get(module)
+    if entry is not None:
+        entry[0]._observe(entry[1], family, module, query, key, attention_mask, args, kwargs)
+
+
+def _make_wrapper(name: str, previous: Callable | None) -> Callable:
+    family = _FAMILIES[name]
+    if previous is None:  # "eager" was not registered: each module's own eager function
+
+        def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+            if _ARMED:
+                _observe(family, module, query, key, attention_mask, args, kwargs)
+            fn = _EAGER.get(type(module)) or _eager_of(module)
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+    else:
+
+        def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+            if _ARMED:
+                _observe(family, module, query, key, attention_mask, args, kwargs)
+            return previous(module, query, key, value, attention_mask, *args, **kwargs)
+
+    wrapper.__name__ = f"attn_probe_{family}_wrapper"
+    wrapper.__qualname__ = wrapper.__name__
+    wrapper._attn_probe_previous = previous  # type: ignore[attr-defined]
+    return wrapper
+
+
+@dataclass
+class _Slot:
+    previous: Callable | None
+    wrapper: Callable
+    users: int = 0
+
+
+_SLOTS: dict[str, _Slot] = {}
+
+
+def _interface_class():
+    from transformers.modeling_utils import AttentionInterface
+
+    return AttentionInterface
+
+
+def _acquire(name: str) -> None:
+    with _LOCK:
+        slot = _SLOTS.get(name)
+        if slot is None:
+            mapping = _interface_class()._global_mapping
+            previous = mapping.get(name)
+            slot = _SLOTS[name] = _Slot(previous, _make_wrapper(name, previous))
+            _interface_class().register(name, slot.wrapper)
+        slot.users += 1
+
+
+def _release(name: str) -> None:
+    with _LOCK:
+        slot = _SLOTS.get(name)
+        if slot is None:
+            return
+        slot.users -= 1
+        if slot.users > 0:
+            return
+        del _SLOTS[name]
+        mapping = _interface_class()._global_mapping
+        if mapping.get(name) is not slot.wrapper:
+            return  # someone registered over it: leave the (now pass-through) wrapper in their chain
+        if slot.previous is None:
+            mapping.pop(name, None)
+        else:
+            _interface_class().register(name, slot.previous)
+
+
+def installed_wrappers() -> dict[str, int]:
+    """Implementation name -> number of captures using its wrapper (for tests and diagnostics)."""
+    with _LOCK:
+        return {name: slot.users for name, slot in _SLOTS.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Which models can be measured
+# ---------------------------------------------------------------------------------------------
+
+
+def _implementation(module: nn.Module) -> str | None:
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def unavailable_reason(layers: Sequence[AttentionLayer]) -> str | None:
+    """``None`` if every layer's attention goes through transformers' attention interface in a
+    way this module reads; otherwise one line saying why ``max_logit``/``entropy`` are unavailable.
+    """
+    if not layers:
+        return "attention statistics are unavailable: no attention layers were found"
+    try:
+        modeling_utils = importlib.import_module("transformers.modeling_utils")
+    except ImportError:
+        return "attention statistics are unavailable: transformers is not installed"
+    local = getattr(modeling_utils.ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
+    for layer in layers:
+        module = layer.module
+        cls = type(module).__name__
+        if module is None:
+            return f"attention statistics are unavailable: {layer.name} has no module"
+        if "get_interface(" not in _forward_source(type(module)):
+            return (f"attention statistics are unavailable: {cls} ({layer.name}) does not call "
+                    "transformers' attention interface (ALL_ATTENTION_FUNCTIONS.get_interface)")
+        impl = _implementation(module)
+        if impl not in _FAMILIES:
+            return (f"attention statistics are unavailable: {cls} ({layer.name}) uses attention "
+                    f"implementation {impl!r}; measured: {', '.join(_FAMILIES)}")
+        if impl in local:
+            return (f"attention statistics are unavailable: {impl!r} is overridden locally in "
+                    "transformers' ALL_ATTENTION_FUNCTIONS, which a registered wrapper cannot see")
+        if impl == "eager" and eager_function(type(module)) is None:
+            return f"attention statistics are unavailable: no eager attention function found for {cls}"
+        config = getattr(module, "config", None)
+        if impl == "eager" and getattr(config, "reorder_and_upcast_attn", False):
+            return (f"attention statistics are unavailable: {cls} with reorder_and_upcast_attn=True "
+                    "computes eager attention itself, outside the attention interface")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The capture: one per watched model
+# ---------------------------------------------------------------------------------------------
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (a checkpointed forward being re-run)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class AttentionCapture:
+    """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
+
+    Construction registers, for each implementation name the layers use, a wrapper in
+    ``ALL_ATTENTION_FUNCTIONS`` (shared and reference-counted across captures, restored by the
+    last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators, adds a forward
+    pre-hook on the model for the 2D padding masks and one on each attention module for its
+    input norm), :meth:`disarm` ends it and removes the hooks, :meth:`collect` returns the
+    step's :class:`StepStats` (device tensors, no host sync). Raises ``ValueError`` with
+    :func:`unavailable_reason`'s line when the model cannot be measured.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        reason = unavailable_reason(layers)
+        if reason is not None:
+            raise ValueError(reason)
+        if chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be a positive integer, got {chunk_elements!r}")
+        self.root = unwrap(model)
+        self.layers = tuple(layers)
+        self.chunk_elements = int(chunk_elements)
+        self.names = tuple(layer.name for layer in self.layers)
+        self.heads = tuple(layer.num_heads for layer in self.layers)
+        self.index = {layer.module: i for i, layer in enumerate(self.layers)}
+        self._implementations = sorted({_implementation(layer.module) for layer in self.layers})
+        try:
+            params = inspect.signature(self.root.forward).parameters
+            self._mask_positions = {name: list(params).index(name) for name in
+                                    ("attention_mask", "decoder_attention_mask") if name in params}
+        except (TypeError, ValueError):
+            self._mask_positions = {}
+        self._hooks: list = []
+        self._armed = False
+        self._closed = False
+        self._masks: dict[str, Tensor | None] = {}
+        self._state: list[list[Tensor] | None] = [None] * len(self.layers)
+        self._norms: list[Tensor | None] = [None] * len(self.layers)
+        self._scaling: list[float | None] = [None] * len(self.layers)
+        self.observed: set[int] = set()
+        self.failures: list[str] = []
+        for impl in self._implementations:
+            _acquire(impl)
+
+    # -- step control -------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """Start a step: zero the accumulators, add the hooks, let the wrappers measure."""
+        if self._closed:
+            raise RuntimeError("AttentionCapture is closed")
+        if self._armed:
+            return
+        self._state = [None] * len(self.layers)
+        self._norms = [None] * len(self.layers)
+        self._masks = {}
+        self.observed = set()
+        self._hooks.append(self.root.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        for i, layer in enumerate(self.layers):
+            self._hooks.append(layer.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
+        with _LOCK:
+            for module, i in self.index.items():
+                _ARMED[module] = (self, i)
+        self._armed = True
+
+    def disarm(self) -> None:
+        """End the step: the wrappers pass straight through again and the hooks are removed."""
+        with _LOCK:
+            for module in self.index:
+                if _ARMED.get(module, (None,))[0] is self:
+                    del _ARMED[module]
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._masks = {}
+        self._armed = False
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def missing(self) -> list[str]:
+        """Names of watched layers whose attention did not pass through a wrapper this step."""
+        return [name for i, name in enumerate(self.names) if i not in self.observed]
+
+    def collect(self) -> StepStats:
+        """The step's values so far (see :class:`StepStats`), on the first layer's device."""
+        device = self._device()
+        parts_max, parts_ent, parts_tok = [], [], []
+        for i, h in enumerate(self.heads):
+            state = self._state[i]
+            if state is None:
+                parts_max.append(torch.full((h,), -math.inf, dtype=torch.float64, device=device))
+                parts_ent.append(torch.zeros(h, dtype=torch.float64, device=device))
+                parts_tok.append(torch.zeros(h, dtype=torch.float64, device=device))
+            else:
+                parts_max.append(state[0].to(device=device, dtype=torch.float64))
+                parts_ent.append(state[1].to(device=device, dtype=torch.float64))
+                parts_tok.append(state[2].to(device=device, dtype=torch.float64))
+        norms = [n.to(device=device, dtype=torch.float64).reshape(()) if n is not None
+                 else torch.tensor(-math.inf, dtype=torch.float64, device=device) for n in self._norms]
+        return StepStats(self.names, self.heads, torch.cat(parts_max), torch.cat(parts_ent),
+                         torch.cat(parts_tok), torch.stack(norms), tuple(self._scaling))
+
+    def close(self) -> None:
+        """Disarm and release the registry wrappers (the last user restores the previous entries)."""
+        if self._closed:
+            return
+        self.disarm()
+        for impl in self._implementations:
+            _release(impl)
+        self._closed = True
+
+    def __enter__(self) -> AttentionCapture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- hooks and the measurement ------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        for layer in self.layers:
+            for p in layer.module.parameters():
+                return p.device
+        return torch.device("cpu")
+
+    def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for name, pos in self._mask_positions.items():
+            mask = kwargs.get(name)
+            if mask is None and pos < len(args):  # the bound forward's parameters exclude self
+                mask = args[pos]
+            self._masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    def _query_mask(self, i: int, batch: int, q_len: int) -> Tensor | None:
+        group = self.layers[i].group
+        name = "decoder_attention_mask" if group in ("decoder", "cross") else "attention_mask"
+        mask = self._masks.get(name)
+        if mask is None or mask.shape[0] != batch or mask.shape[1] < q_len:
+            return None
+        return mask[:, -q_len:].bool()
+
+    def _input_hook(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if _in_backward():
+                return
+            x = args[0] if args else kwargs.get("hidden_states")
+            if not isinstance(x, Tensor) or x.dim() < 2:
+                return
+            try:
+                with torch.no_grad():
+                    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+                    norms = torch.linalg.vector_norm(x.detach().to(dtype), dim=-1)
+                    valid = self._query_mask(i, norms.shape[0], norms.shape[-1]) if norms.dim() == 2 else None
+                    if valid is not None and valid.shape == norms.shape:
+                        norms = norms.masked_fill(~valid.to(norms.device), -math.inf)
+                    top = norms.amax()
+                    prev = self._norms[i]
+                    self._norms[i] = top if prev is None else torch.maximum(prev, top)
+            except Exception as exc:  # never take training down
+                self._fail(f"input norm of {self.names[i]}: {exc!r}")
+
+        return hook
+
+    def _observe(self, i: int, family: str, module: nn.Module, query: Tensor, key: Tensor,
+                 attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
+        if _in_backward():
+            return  # a checkpointed forward re-run: already measured in the forward
+        self.observed.add(i)
+        try:
+            if args:
+                raise TypeError("positional arguments after the mask are not understood")
+            scaling = kwargs.get("scaling")
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            with torch.no_grad():
+                q_len, k_len = query.shape[2], key.shape[2]
+                rows = row_mask(family, module, attention_mask, kwargs, q_len, k_len, query.device)
+                sinks = kwargs.get("s_aux")
+                result = logit_stats(
+                    query, key, float(scaling), rows,
+                    query_valid=self._query_mask(i, query.shape[0], q_len),
+                    softcap=kwargs.get("softcap"), sinks=sinks, chunk_elements=self.chunk_elements,
+                )
+            self._scaling[i] = float(scaling)
+            state = self._state[i]
+            if state is None:
+                self._state[i] = list(result)
+            else:
+                state[0] = torch.maximum(state[0], result[0])
+                state[1] = state[1] + result[1]
+                state[2] = state[2] + result[2]
+        except Exception as exc:  # never take training down
+            self._fail(f"{self.names[i]}: {exc!r}")
+
+    def _fail(self, message: str) -> None:
+        if message not in self.failures:
+            self.failures.append(message)
+            warnings.warn(f"attn_probe: attention statistics skipped for {message}", RuntimeWarning, stacklevel=2)
+
+
+__all__ = [
+    "ATTENTION_METRICS",
+    "AttentionCapture",
+    "DEFAULT_CHUNK_ELEMENTS",
+    "StepStats",
+    "combine",
+    "eager_function",
+    "installed_wrappers",
+    "logit_bound_ratio",
+    "logit_stats",
+    "row_mask",
+    "unavailable_reason",
+]

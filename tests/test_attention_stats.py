@@ -1,0 +1,396 @@
+"""Measured attention logits and entropy (attn_probe.attention_stats) against explicit references.
+
+References are computed here from the models' own projections (and Llama's own rotary function)
+on the attention inputs, with explicit causal/padding masks, and from eager attention's
+probabilities (``output_attentions=True``); all in float64, compared to 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+import attn_probe.attention_stats as stats_module  # noqa: E402
+from attn_probe.attention_stats import (  # noqa: E402
+    AttentionCapture,
+    combine,
+    installed_wrappers,
+    logit_bound_ratio,
+    row_mask,
+    unavailable_reason,
+)
+from attn_probe.extraction import find_attention  # noqa: E402
+
+TOL = 1e-5
+L = 9  # sequence length
+
+
+def _llama(impl: str = "eager", seed: int = 0, **extra) -> LlamaModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=99, initializer_range=0.4, **extra)
+    model = LlamaModel(cfg).double().eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def _bert(impl: str = "eager", seed: int = 0) -> BertModel:
+    torch.manual_seed(seed)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=99, initializer_range=0.4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertModel(cfg, add_pooling_layer=False).double().eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def _gpt2(impl: str = "eager", seed: int = 0) -> GPT2Model:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, bos_token_id=0, eos_token_id=0,
+                     initializer_range=0.4, scale_attn_by_inverse_layer_idx=True,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2Model(cfg).double().eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+BUILDERS = {"bert": _bert, "llama": _llama, "gpt2": _gpt2}
+CAUSAL = {"bert": False, "llama": True, "gpt2": True}
+
+
+def _batch(padding: bool = True, seed: int = 1, batch: int = 3) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 99, (batch, L), generator=g)
+    if not padding:
+        return ids, None
+    mask = torch.ones(batch, L, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    mask[2, 3:] = 0
+    return ids, mask
+
+
+def _attention_inputs(model, layers, ids, mask):
+    """Each attention module's input hidden states, captured by a hook of the test's own."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(layers):
+        def hook(module, args, kwargs, i=i):
+            seen[i] = (args[0] if args else kwargs["hidden_states"]).detach()
+        hooks.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_attentions=True)
+    for h in hooks:
+        h.remove()
+    return seen, out.attentions
+
+
+def _reference_qk(arch, model, layer, x):
+    """(q (B, H, L, D), k (B, H, L, D) repeated to query heads, scaling) from the model's projections."""
+    B = x.shape[0]
+    attn = layer.module
+    H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if arch == "bert":
+        q, k = attn.query(x), attn.key(x)
+        scaling = D ** -0.5
+    elif arch == "gpt2":
+        q, k, _ = attn.c_attn(x).split(32, dim=2)
+        scaling = D ** -0.5 / (layer.layer + 1)  # scale_attn_by_inverse_layer_idx
+    else:
+        q, k = attn.q_proj(x), attn.k_proj(x)
+        scaling = D ** -0.5
+    q = q.view(B, L, H, D).transpose(1, 2)
+    k = k.view(B, L, Hkv, D).transpose(1, 2)
+    if arch == "llama":
+        position_ids = torch.arange(L)[None]
+        cos, sin = model.rotary_emb(x, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k.repeat_interleave(H // Hkv, dim=1), scaling
+
+
+def _reference(arch, model, ids, mask):
+    """Per layer (max_logit (1 + H), entropy (1 + H)), explicit."""
+    layers = find_attention(model)
+    inputs, probs = _attention_inputs(model, layers, ids, mask)
+    B = ids.shape[0]
+    pad = torch.ones(B, L, dtype=torch.bool) if mask is None else mask.bool()
+    visible = pad[:, None, None, :] & pad[:, None, :, None]
+    if CAUSAL[arch]:
+        visible = visible & torch.ones(L, L, dtype=torch.bool).tril()
+    out = []
+    for i, layer in enumerate(layers):
+        with torch.no_grad():
+            q, k, scaling = _reference_qk(arch, model, layer, inputs[i])
+            logits = (q @ k.transpose(-1, -2)) * scaling
+        head_max = torch.where(visible, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+        p = probs[i].detach()
+        row_entropy = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)  # (B, H, L)
+        q_valid = pad[:, None, :].expand_as(row_entropy)
+        head_ent = (row_entropy * q_valid).sum(dim=(0, 2)) / q_valid.sum(dim=(0, 2))
+        out.append((torch.cat([head_max.amax()[None], head_max]), torch.cat([head_ent.mean()[None], head_ent])))
+    return out
+
+
+def _measure(model, ids, mask, **kwargs):
+    capture = AttentionCapture(model, find_attention(model), **kwargs)
+    try:
+        capture.arm()
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+        capture.disarm()
+        assert capture.failures == [] and capture.missing() == []
+        return capture.collect()
+    finally:
+        capture.close()
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
+def test_against_explicit_reference(arch, padding):
+    model = BUILDERS[arch]("eager")
+    ids, mask = _batch(padding)
+    reference = _reference(arch, model, ids, mask)
+    measured = _measure(model, ids, mask).tables()
+    for (ref_max, ref_ent), table in zip(reference, measured, strict=True):
+        torch.testing.assert_close(table[0], ref_max, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(table[1], ref_ent, atol=TOL, rtol=TOL)
+    assert all(t[0, 0] > 1 for t in measured)  # logits large enough for the comparison to mean something
+
+
+@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
+def test_sdpa_equals_eager(arch, padding):
+    ids, mask = _batch(padding)
+    eager = _measure(BUILDERS[arch]("eager"), ids, mask).tables()
+    sdpa = _measure(BUILDERS[arch]("sdpa"), ids, mask).tables()
+    for a, b in zip(eager, sdpa, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
+
+
+def test_small_chunks_give_the_same_values():
+    ids, mask = _batch()
+    model = _llama()
+    whole = _measure(model, ids, mask).tables()
+    chunked = _measure(model, ids, mask, chunk_elements=1).tables()  # one query row at a time
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_gradient_accumulation_equals_one_forward_on_the_concatenated_batch():
+    model = _llama("sdpa")
+    ids, mask = _batch()
+    whole = _measure(model, ids, mask)
+    capture = AttentionCapture(model, find_attention(model))
+    capture.arm()
+    with torch.no_grad():
+        model(ids[:1], attention_mask=mask[:1])
+        model(ids[1:], attention_mask=mask[1:])
+    capture.disarm()
+    parts = capture.collect()
+    capture.close()
+    for a, b in zip(whole.tables(), parts.tables(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(parts.tokens, whole.tokens)
+
+
+def test_combine_over_two_ranks_equals_one_process():
+    """Each 'rank' measures its own micro-batch; reducing with max/sum gives the global batch."""
+    model = _llama("sdpa")
+    ids, mask = _batch()
+    whole = _measure(model, ids, mask)
+    ranks = [_measure(model, ids[:2], mask[:2]), _measure(model, ids[2:], mask[2:])]
+    calls = []
+
+    def reduce_with(other):
+        def reduce(tensor, op):
+            calls.append(op)
+            mine = len([c for c in calls if c == op]) - 1
+            theirs = [torch.cat([other.max_logit, other.input_norm]),
+                      torch.cat([other.entropy_sum, other.tokens])][0 if op == "max" else 1]
+            assert mine == 0
+            return torch.maximum(tensor, theirs) if op == "max" else tensor + theirs
+        return reduce
+
+    combined = combine(ranks[0], reduce_with(ranks[1]))
+    assert calls == ["max", "sum"]
+    for a, b in zip(whole.tables(), combined.tables(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(combined.input_norms(), whole.input_norms())
+
+
+def test_checkpointed_rerun_is_not_counted_twice():
+    ids, mask = _batch()
+    values = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=64, vocab_size=99,
+                                             initializer_range=0.4)).double()
+        model.set_attn_implementation("sdpa")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        capture = AttentionCapture(model, find_attention(model))
+        capture.arm()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        capture.disarm()
+        values.append(capture.collect())
+        capture.close()
+    torch.testing.assert_close(values[0].tokens, values[1].tokens)
+    for a, b in zip(values[0].tables(), values[1].tables(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_input_norm_and_bound_ratio():
+    """The largest input norm is over non-padding tokens; the ratio of a bias-free Llama is <= 1."""
+    model = _llama()
+    ids, mask = _batch()
+    layers = find_attention(model)
+    inputs, _ = _attention_inputs(model, layers, ids, mask)
+    step = _measure(model, ids, mask)
+    for i, layer in enumerate(layers):
+        norms = torch.linalg.vector_norm(inputs[i], dim=-1)[mask.bool()]
+        assert step.input_norms()[i].item() == pytest.approx(norms.max().item(), rel=1e-12)
+        wq, wk = layer.factors()
+        sq = torch.stack([torch.linalg.svdvals(w.double())[0] for w in wq])
+        sk = torch.stack([torch.linalg.svdvals(w.double())[0] for w in wk]).repeat_interleave(2)
+        head_bound = sq * sk
+        bound = torch.cat([head_bound.amax()[None], head_bound])
+        table = step.tables()[i]
+        ratio = logit_bound_ratio(table[0], bound, step.input_norms()[i], step.scaling[i])
+        expected = table[0] / (bound * norms.max() ** 2 * layer.head_dim ** -0.5)
+        torch.testing.assert_close(ratio, expected, atol=1e-12, rtol=1e-12)
+        assert (ratio > 0).all() and (ratio <= 1).all()
+
+
+def test_not_due_forward_calls_only_the_wrapper():
+    """Unarmed, the only attn_probe code run in a forward is the wrapper's flag check."""
+    model = _llama("sdpa")
+    ids, mask = _batch()
+    capture = AttentionCapture(model, find_attention(model))
+    calls = []
+
+    def profiler(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(stats_module.__file__.rsplit("/", 1)[0]):
+            calls.append(frame.f_code.co_name)
+
+    try:
+        sys.setprofile(profiler)
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+        sys.setprofile(None)
+        assert calls == ["wrapper"] * 2  # one per layer, nothing else from attn_probe
+        capture.arm()
+        sys.setprofile(profiler)
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+        sys.setprofile(None)
+        assert "logit_stats" in calls  # the profiler does see the measurement when armed
+    finally:
+        sys.setprofile(None)
+        capture.close()
+
+
+def test_registry_is_restored_and_reference_counted(tmp_path):
+    before = dict(AttentionInterface._global_mapping)
+    eager_a, sdpa_b = _llama("eager"), _bert("sdpa")
+    ids, mask = _batch()
+    a = AttentionCapture(eager_a, find_attention(eager_a))
+    b = AttentionCapture(sdpa_b, find_attention(sdpa_b))
+    b2 = AttentionCapture(sdpa_b, find_attention(sdpa_b))
+    assert installed_wrappers() == {"eager": 1, "sdpa": 2}
+    b.close()
+    b2.arm()
+    with torch.no_grad():
+        sdpa_b(ids, attention_mask=mask)
+    b2.disarm()
+    assert b2.missing() == []
+    b2.close()
+    assert AttentionInterface._global_mapping["sdpa"] is before["sdpa"]
+    a.close()
+    assert AttentionInterface._global_mapping == before
+    assert installed_wrappers() == {}
+
+
+def test_config_json_unchanged(tmp_path):
+    model = _llama("sdpa")
+    model.save_pretrained(tmp_path / "before")
+    ids, mask = _batch()
+    capture = AttentionCapture(model, find_attention(model))
+    capture.arm()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    model.save_pretrained(tmp_path / "during")
+    capture.close()
+    before = json.loads((tmp_path / "before" / "config.json").read_text())
+    during = json.loads((tmp_path / "during" / "config.json").read_text())
+    assert before == during
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unavailable_reasons():
+    gpt2 = _gpt2("eager")
+    gpt2.config.reorder_and_upcast_attn = True
+    assert "reorder_and_upcast_attn" in unavailable_reason(find_attention(gpt2))
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
+        AttentionCapture(gpt2, find_attention(gpt2))
+    mha = torch.nn.Sequential(torch.nn.MultiheadAttention(16, 2))
+    reason = unavailable_reason(find_attention(mha))
+    assert reason is not None and "does not call transformers' attention interface" in reason
+    llama = _llama("eager")
+    assert unavailable_reason(find_attention(llama)) is None
+    llama.config._attn_implementation_internal = "flex_attention"  # what set_attn_implementation records
+    assert "flex_attention" in (unavailable_reason(find_attention(llama)) or "")
+    assert installed_wrappers() == {}
+
+
+def test_flash_masks_match_transformers_masks():
+    """The flash-family mask (rebuilt from 2D padding, causal, sliding window, packing) equals
+    transformers' own 4D mask for the same inputs."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        find_packed_sequence_indices,
+        packed_sequence_mask_function,
+        sdpa_mask,
+        sliding_window_overlay,
+    )
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    pad = torch.ones(2, L, dtype=torch.bool)
+    pad[1, :2] = False  # left padding
+    for window in (None, 3):
+        fn = causal_mask_function if window is None else and_masks(causal_mask_function,
+                                                                     sliding_window_overlay(window))
+        expected = sdpa_mask(batch_size=2, q_length=L, kv_length=L, mask_function=fn, attention_mask=pad,
+                             allow_is_causal_skip=False)
+        rows = row_mask("flash", module, pad, {"sliding_window": window}, L, L, torch.device("cpu"))
+        allowed, bias = rows(2, 7)
+        assert bias is None
+        assert torch.equal(allowed.expand(2, 1, 5, L), expected[:, :, 2:7])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    packed = find_packed_sequence_indices(position_ids)
+    expected = sdpa_mask(batch_size=1, q_length=L, kv_length=L,
+                         mask_function=and_masks(causal_mask_function, packed_sequence_mask_function(packed)),
+                         allow_is_causal_skip=False)
+    rows = row_mask("flash", module, None, {"position_ids": position_ids}, L, L, torch.device("cpu"))
+    assert torch.equal(rows(0, L)[0], expected)
+    cu = torch.tensor([0, 3, 5, 9])
+    rows = row_mask("flash", module, None, {"cu_seq_lens_q": cu}, L, L, torch.device("cpu"))
+    assert torch.equal(rows(0, L)[0], expected)
