@@ -71,18 +71,53 @@ def _gpt2(impl: str = "eager", seed: int = 0) -> GPT2Model:
     return model
 
 
-BUILDERS = {"bert": _bert, "llama": _llama, "gpt2": _gpt2}
-CAUSAL = {"bert": False, "llama": True, "gpt2": True}
+def _gemma2(impl: str = "eager", seed: int = 0):
+    """Attention logit softcapping and a sliding window (layer 0)."""
+    from transformers import Gemma2Config, Gemma2Model
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=64, vocab_size=99, sliding_window=3,
+                       attn_logit_softcapping=2.0, query_pre_attn_scalar=6, initializer_range=0.4)
+    model = Gemma2Model(cfg).double().eval()
+    model.set_attn_implementation(impl)
+    return model
 
 
-def _batch(padding: bool = True, seed: int = 1, batch: int = 3) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _gpt_oss(impl: str = "eager", seed: int = 0):
+    """Attention sinks (``s_aux``) and a sliding window (layer 0)."""
+    from transformers import GptOssConfig, GptOssModel
+
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, intermediate_size=32, vocab_size=99, num_local_experts=2,
+                       num_experts_per_tok=1, sliding_window=3, initializer_range=0.4)
+    cfg._experts_implementation = "eager"  # the grouped-mm experts take no float64
+    model = GptOssModel(cfg).double().eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+BUILDERS = {"bert": _bert, "llama": _llama, "gpt2": _gpt2, "gemma2": _gemma2, "gpt_oss": _gpt_oss}
+CAUSAL = {"bert": False, "llama": True, "gpt2": True, "gemma2": True, "gpt_oss": True}
+
+
+def _batch(padding: bool = True, seed: int = 1, batch: int = 3,
+           right: tuple[int, int] = (6, 3)) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right padding in rows 1 and 2 from positions ``right``; with ``batch=4`` left padding in
+    row 3. Models whose eager attention upcasts to a float32 softmax get no query row that sees
+    only padding (no left padding, short right padding under a sliding window): a float64 mask's
+    minimum becomes -inf there, the row turns NaN, and the NaN reaches the real rows of the next
+    layer in the model itself (the measurement masks it out; the reference probabilities cannot)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 99, (batch, L), generator=g)
     if not padding:
         return ids, None
     mask = torch.ones(batch, L, dtype=torch.long)
-    mask[1, 6:] = 0  # right padding
-    mask[2, 3:] = 0
+    mask[1, right[0]:] = 0  # right padding
+    mask[2, right[1]:] = 0
+    if batch > 3:
+        mask[3, :4] = 0  # left padding
     return ids, mask
 
 
@@ -105,6 +140,7 @@ def _reference_qk(arch, model, layer, x):
     B = x.shape[0]
     attn = layer.module
     H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    n = x.shape[1]
     if arch == "bert":
         q, k = attn.query(x), attn.key(x)
         scaling = D ** -0.5
@@ -113,34 +149,41 @@ def _reference_qk(arch, model, layer, x):
         scaling = D ** -0.5 / (layer.layer + 1)  # scale_attn_by_inverse_layer_idx
     else:
         q, k = attn.q_proj(x), attn.k_proj(x)
-        scaling = D ** -0.5
-    q = q.view(B, L, H, D).transpose(1, 2)
-    k = k.view(B, L, Hkv, D).transpose(1, 2)
-    if arch == "llama":
-        position_ids = torch.arange(L)[None]
-        cos, sin = model.rotary_emb(x, position_ids)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        scaling = (model.config.query_pre_attn_scalar if arch == "gemma2" else D) ** -0.5
+    q = q.view(B, n, H, D).transpose(1, 2)
+    k = k.view(B, n, Hkv, D).transpose(1, 2)
+    if arch not in ("bert", "gpt2"):
+        rotary = apply_rotary_pos_emb if arch == "llama" else sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        cos, sin = model.rotary_emb(x, torch.arange(n)[None])
+        q, k = rotary(q, k, cos, sin)
     return q, k.repeat_interleave(H // Hkv, dim=1), scaling
 
 
-def _reference(arch, model, ids, mask):
-    """Per layer (max_logit (1 + H), entropy (1 + H)), explicit."""
+def _reference(arch, model, ids, mask, rows=slice(None)):
+    """Per layer (max_logit (1 + H), entropy (1 + H)), explicit, over query positions ``rows``."""
     layers = find_attention(model)
     inputs, probs = _attention_inputs(model, layers, ids, mask)
-    B = ids.shape[0]
-    pad = torch.ones(B, L, dtype=torch.bool) if mask is None else mask.bool()
-    visible = pad[:, None, None, :] & pad[:, None, :, None]
-    if CAUSAL[arch]:
-        visible = visible & torch.ones(L, L, dtype=torch.bool).tril()
+    B, n = ids.shape
+    pad = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
     out = []
     for i, layer in enumerate(layers):
+        visible = pad[:, None, None, :] & pad[:, None, :, None]
+        if CAUSAL[arch]:
+            visible = visible & torch.ones(n, n, dtype=torch.bool).tril()
+        window = getattr(layer.module, "sliding_window", None)
+        if window:
+            visible = visible & (torch.arange(n)[None, :] > torch.arange(n)[:, None] - window)
+        visible = visible[..., rows, :]
         with torch.no_grad():
             q, k, scaling = _reference_qk(arch, model, layer, inputs[i])
-            logits = (q @ k.transpose(-1, -2)) * scaling
+            logits = (q[..., rows, :] @ k.transpose(-1, -2)) * scaling
         head_max = torch.where(visible, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
-        p = probs[i].detach()
-        row_entropy = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)  # (B, H, L)
-        q_valid = pad[:, None, :].expand_as(row_entropy)
+        p = probs[i].detach()[..., rows, :]
+        row_entropy = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)  # (B, H, rows)
+        sink = 1 - p.sum(-1)  # gpt-oss: the probability left on the attention sink
+        if arch == "gpt_oss":
+            row_entropy = row_entropy - torch.where(sink > 0, sink * sink.log(), 0.0)
+        q_valid = pad[:, None, rows].expand_as(row_entropy)
         head_ent = (row_entropy * q_valid).sum(dim=(0, 2)) / q_valid.sum(dim=(0, 2))
         out.append((torch.cat([head_max.amax()[None], head_max]), torch.cat([head_ent.mean()[None], head_ent])))
     return out
@@ -159,11 +202,15 @@ def _measure(model, ids, mask, **kwargs):
         capture.close()
 
 
-@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
 def test_against_explicit_reference(arch, padding):
+    """gemma2: max_logit is the logit before the softcap (it exceeds the cap of 2), entropy is of
+    the capped softmax; gpt_oss: the sink is one more outcome of the entropy; both slide a
+    window of 3 in layer 0."""
     model = BUILDERS[arch]("eager")
-    ids, mask = _batch(padding)
+    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2", "gpt_oss") else 3,
+                       right=(7, 8) if arch == "gemma2" else (6, 3))
     reference = _reference(arch, model, ids, mask)
     measured = _measure(model, ids, mask).tables()
     for (ref_max, ref_ent), table in zip(reference, measured, strict=True):
@@ -175,11 +222,41 @@ def test_against_explicit_reference(arch, padding):
 @pytest.mark.parametrize("arch", ["bert", "llama", "gpt2"])
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
 def test_sdpa_equals_eager(arch, padding):
-    ids, mask = _batch(padding)
+    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2") else 3)
     eager = _measure(BUILDERS[arch]("eager"), ids, mask).tables()
     sdpa = _measure(BUILDERS[arch]("sdpa"), ids, mask).tables()
     for a, b in zip(eager, sdpa, strict=True):
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
+
+
+def test_softcap_is_not_applied_to_max_logit():
+    tables = _measure(_gemma2(), *_batch(right=(7, 8))).tables()
+    assert max(t[0, 0].item() for t in tables) > 2.0  # the cap
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_decode_step_with_cache(impl):
+    """One token after a cached prefill (q_len 1, keys from the cache), a padding hole: the last
+    query row of the explicit reference on all ten tokens."""
+    model = _llama(impl)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 99, (2, L + 1), generator=g)
+    mask = torch.ones(2, L + 1, dtype=torch.long)
+    mask[1, 2:5] = 0
+    reference = _reference("llama", _llama("eager"), ids, mask, rows=slice(L, L + 1))
+    with torch.no_grad():
+        past = model(ids[:, :L], attention_mask=mask[:, :L], use_cache=True).past_key_values
+    capture = AttentionCapture(model, find_attention(model))
+    capture.arm()
+    with torch.no_grad():
+        model(ids[:, L:], attention_mask=mask, past_key_values=past, use_cache=True)
+    capture.disarm()
+    step = capture.collect()
+    capture.close()
+    assert step.tokens.tolist() == [2.0] * 8
+    for (ref_max, ref_ent), table in zip(reference, step.tables(), strict=True):
+        torch.testing.assert_close(table[0], ref_max, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(table[1], ref_ent, atol=TOL, rtol=TOL)
 
 
 def test_small_chunks_give_the_same_values():
@@ -243,7 +320,7 @@ def test_checkpointed_rerun_is_not_counted_twice():
                                              initializer_range=0.4)).double()
         model.set_attn_implementation("sdpa")
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model.train()
         capture = AttentionCapture(model, find_attention(model))
         capture.arm()
