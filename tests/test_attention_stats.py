@@ -259,6 +259,34 @@ def test_decode_step_with_cache(impl):
         torch.testing.assert_close(table[1], ref_ent, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_model_outputs_unchanged(impl):
+    """Installed, armed or not, the capture changes nothing the model computes (bit for bit)."""
+    model = _llama(impl)
+    ids, mask = _batch()
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).last_hidden_state
+        capture = AttentionCapture(model, find_attention(model))
+        installed = model(ids, attention_mask=mask).last_hidden_state
+        capture.arm()
+        armed = model(ids, attention_mask=mask).last_hidden_state
+        capture.close()
+    assert torch.equal(plain, installed) and torch.equal(plain, armed)
+
+
+def test_eager_function_is_the_models_own_default():
+    """The registered "eager" wrapper delegates to the function each model passes as
+    get_interface's default, whatever its name."""
+    from transformers.models.gpt2 import modeling_gpt2
+    from transformers.models.llama import modeling_llama
+    from transformers.models.timesfm import modeling_timesfm
+
+    assert stats_module.eager_function(modeling_llama.LlamaAttention) is modeling_llama.eager_attention_forward
+    assert stats_module.eager_function(modeling_gpt2.GPT2Attention) is modeling_gpt2.eager_attention_forward
+    assert (stats_module.eager_function(modeling_timesfm.TimesFmAttention)
+            is modeling_timesfm.simple_eager_attention_forward)
+
+
 def test_small_chunks_give_the_same_values():
     ids, mask = _batch()
     model = _llama()
@@ -308,6 +336,56 @@ def test_combine_over_two_ranks_equals_one_process():
     for a, b in zip(whole.tables(), combined.tables(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(combined.input_norms(), whole.input_norms())
+
+
+def _gloo_worker(rank: int, port: int, out: str) -> None:
+    """One rank: measure its own micro-batch, combine over a real gloo group, save the tables."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    ids, mask = _batch()
+    part = slice(0, 2) if rank == 0 else slice(2, 3)  # uneven micro-batches
+    step = _measure(_llama("sdpa"), ids[part], mask[part])
+    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+    def reduce(tensor, op):
+        dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    combined = combine(step, reduce)
+    torch.save({"tables": combined.tables(), "norms": combined.input_norms()}, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(400)
+def test_combine_over_gloo_equals_one_process(tmp_path):
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_gloo_worker, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=180)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    ids, mask = _batch()
+    whole = _measure(_llama("sdpa"), ids, mask)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for a, b in zip(whole.tables(), got["tables"], strict=True):
+            torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(got["norms"], whole.input_norms())
 
 
 def test_checkpointed_rerun_is_not_counted_twice():
