@@ -182,7 +182,7 @@ class GGUFWeights:
                 raise GGUFError(f"{self.path}: metadata has no {arch}.{key}")
             return value
 
-        num_layers = int(required("block_count"))
+        num_layers = self._checked_block_count(arch, required("block_count"))
         hidden = int(required("embedding_length"))
         heads = _per_layer(required("attention.head_count"), f"{arch}.attention.head_count", num_layers)
         kv_raw = _field(self._reader, f"{arch}.attention.head_count_kv")
@@ -209,6 +209,21 @@ class GGUFWeights:
             head_dim=head_dim, tensor_types=tuple(sorted(t.name for t in types)),
             unpermuted=SUPPORTED_ARCHITECTURES[arch],
         )
+
+    def _checked_block_count(self, arch: str, value: Any) -> int:
+        """``{arch}.block_count`` checked against the blocks whose tensors the file holds, before
+        anything per layer is built: a hostile count (``2**32 - 1``) is an error, not an allocation."""
+        try:
+            count = int(value)
+        except (TypeError, ValueError, OverflowError):
+            raise GGUFError(f"{self.path}: {arch}.block_count is not a number ({value!r})") from None
+        blocks = {int(p[1]) for p in (n.split(".", 2) for n in self._tensors)
+                  if len(p) == 3 and p[0] == "blk" and p[1].isdigit() and len(p[1]) <= 9}
+        if count <= 0 or count > len(blocks):
+            raise GGUFError(f"{self.path}: the metadata says {arch}.block_count = {count}, but the file holds "
+                            f"tensors of {len(blocks)} block{'s' if len(blocks) != 1 else ''} (blk.N.*); "
+                            "the file is corrupt or was not written by llama.cpp's converter")
+        return count
 
     def _tensor(self, name: str) -> Any:
         tensor = self._tensors.get(name)

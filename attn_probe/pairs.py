@@ -61,7 +61,7 @@ class QKPair:
 
     def __init__(self, metrics: Sequence[str] | None = None, *, dtype: torch.dtype = torch.float32) -> None:
         self.core_metrics = check_metrics(metrics)
-        self.metrics = tuple(self.prefix + m for m in self.core_metrics)
+        self.metrics = tuple({"ov_qk_bound": "ov_gain_bound"}.get(self.prefix + m, self.prefix + m) for m in self.core_metrics)
         self.dtype = dtype
 
     def param_names(self, layer: AttentionLayer) -> tuple[str, ...]:
@@ -94,7 +94,7 @@ class OVPair(QKPair):
     Factors ``A_h = (W_o^h)^T`` (the head's block of output-projection columns) and
     ``B_g = W_v^g`` (grouped-query heads share value heads as they share key heads), so the
     core scores ``A_h^T B_{g(h)} = W_o^h W_v^h``. Metric names carry the prefix ``ov_``
-    (``ov_symmetry``, ``ov_spectral_norm``, ...; ``ov_qk_bound`` is
+    (``ov_symmetry``, ``ov_spectral_norm``, ...; ``ov_gain_bound`` is
     ``sigma_max(W_o^h) sigma_max(W_v^h)``). Where W_v/W_o live is
     :func:`attn_probe.extraction.ov.ov_layout`'s knowledge; an architecture it does not know
     raises :class:`~attn_probe.extraction.UnsupportedModelError` (:meth:`check`).

@@ -146,7 +146,7 @@ def explicit_metrics(m, w_os, w_vs):
     bound = max(float(torch.linalg.svdvals(o)[0] * torch.linalg.svdvals(v)[0]) for o, v in zip(w_os, w_vs, strict=True))
     return {"ov_symmetry": symmetry_score(m), "ov_directionality": directionality_score(m),
             "ov_spectral_norm": float(sv[0]), "ov_frobenius_norm": float(torch.linalg.norm(m)),
-            "ov_stable_rank": float(sv.square().sum() / sv[0] ** 2), "ov_qk_bound": bound}
+            "ov_stable_rank": float(sv.square().sum() / sv[0] ** 2), "ov_gain_bound": bound}
 
 
 def assert_metric(name, got, want, where):
@@ -188,11 +188,12 @@ def test_ov_pair_in_the_live_probe_gathers_its_parameters_and_writes_prefixed_me
     probe.close(final_snapshot=False)
     assert any("v_proj" in n for names in seen for n in names) and any("o_proj" in n for names in seen for n in names)
     metrics = {r.metric for r in snap.records}
-    assert metrics == set(attn_probe.metrics.DEFAULT_METRICS) | {"ov_" + m for m in attn_probe.metrics.DEFAULT_METRICS}
+    assert metrics == set(attn_probe.metrics.DEFAULT_METRICS) | {"ov_symmetry", "ov_directionality", "ov_spectral_norm",
+                                                              "ov_frobenius_norm", "ov_stable_rank", "ov_gain_bound"}
     assert ("self", "ov_spectral_norm", "max") in snap.stats and ("self", "ov_symmetry", "max") not in snap.stats
     with open(tmp_path / "run" / "attn_probe.jsonl") as f:
         written = {json.loads(line).get("metric") for line in f}
-    assert "ov_qk_bound" in written and "qk_bound" in written
+    assert "ov_gain_bound" in written and "qk_bound" in written and "ov_qk_bound" not in written
     refs = forward_reference(model, "llama-gqa")
     for layer in attn_probe.find_attention(model):
         matrices, heads_o, heads_v = refs[layer.name]
@@ -213,7 +214,8 @@ def test_an_architecture_without_known_ov_layout_raises_a_clear_error():
 def test_ov_metric_names_and_narrowing():
     pair = OVPair(["symmetry", "spectral_norm"])
     assert pair.metrics == ("ov_symmetry", "ov_spectral_norm")
-    assert OVPair().metrics == tuple("ov_" + m for m in attn_probe.metrics.DEFAULT_METRICS)
+    assert OVPair().metrics == ("ov_symmetry", "ov_directionality", "ov_spectral_norm", "ov_frobenius_norm",
+                               "ov_stable_rank", "ov_gain_bound")  # per head sigma(W_o^h) sigma(W_v^h)
     with pytest.raises(ValueError, match="unknown metric"):
         OVPair(["ov_symmetry"])
     assert math.isfinite(float(OVPair(["frobenius_norm"]).score(

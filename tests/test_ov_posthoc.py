@@ -34,7 +34,7 @@ from attn_probe.scores import directionality_score, symmetry_score
 
 D, H = 32, 4
 DH = D // H
-OV = tuple("ov_" + m for m in metrics_module.DEFAULT_METRICS)
+OV = tuple("ov_" + m for m in metrics_module.DEFAULT_METRICS if m != "qk_bound") + ("ov_gain_bound",)
 
 
 def bert():
@@ -98,7 +98,7 @@ def explicit(m, heads_o, heads_v):
                 for o, v in zip(heads_o, heads_v, strict=True))
     return {"ov_symmetry": symmetry_score(m), "ov_directionality": directionality_score(m),
             "ov_spectral_norm": float(sv[0]), "ov_frobenius_norm": float(torch.linalg.norm(m)),
-            "ov_stable_rank": float(sv.square().sum() / sv[0] ** 2), "ov_qk_bound": bound}
+            "ov_stable_rank": float(sv.square().sum() / sv[0] ** 2), "ov_gain_bound": bound}
 
 
 def near_reference(metric, got, want):

@@ -63,7 +63,7 @@ def expected(state: dict, model: str, layer: int) -> list[dict[str, float]]:
     def both(heads: list[int]) -> dict[str, float]:
         out = reference(sum(qk[h] for h in heads), [q[h] for h in heads], [k[h] for h in heads])
         ov_metrics = reference(sum(ov[h] for h in heads), [o[h] for h in heads], [v[h] for h in heads])
-        return {**out, **{"ov_" + m: x for m, x in ov_metrics.items()}}
+        return {**out, **{("ov_gain_bound" if m == "qk_bound" else "ov_" + m): x for m, x in ov_metrics.items()}}
 
     return [both(list(range(HEADS))), *(both([h]) for h in range(HEADS))]
 

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..metrics import is_magnitude
 from ..tags import METRICS
-from .summary import layer_quantiles, warn_missing
+from .summary import is_magnitude, layer_quantiles, warn_missing
 from .trajectory import TrajectoryError, as_frame, require
 
 if TYPE_CHECKING:  # pragma: no cover

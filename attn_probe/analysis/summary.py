@@ -17,7 +17,7 @@ from .trajectory import TrajectoryError, TrajectoryWarning, _pandas, as_frame
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["layer_quantiles", "summarize", "format_summary", "warn_missing"]
+__all__ = ["layer_quantiles", "summarize", "format_summary", "warn_missing", "is_magnitude"]
 
 
 def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
@@ -108,21 +108,41 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+def is_magnitude(metric: str) -> bool:
+    """:func:`attn_probe.metrics.is_magnitude`, also for a metric known by a new name
+    (:data:`~attn_probe.analysis.trajectory.RENAMED_METRICS`: ``ov_gain_bound`` as ``ov_qk_bound``)."""
+    from ..metrics import is_magnitude as core
+    from .trajectory import RENAMED_METRICS
+
+    old = {new: old for old, new in RENAMED_METRICS.items()}
+    return core(metric) or core(old.get(metric, metric))
+
+
 def format_summary(table: pd.DataFrame, digits: int = 2) -> str:
-    """Plain-text rendering of :func:`summarize`'s table: one block per run."""
-    def cell(m: float, lo: float, hi: float) -> str:
-        return f"{m:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    """Plain-text rendering of :func:`summarize`'s table: one block per run.
+
+    Scores in ``[-1, 1]`` (symmetry, directionality) carry their sign (``+0.41``); magnitudes
+    (norms, stable rank, bounds: :func:`is_magnitude`) are never negative and are printed
+    without one. Names are escaped (:func:`attn_probe.logdir.printable`): a run name cannot
+    clear the terminal or forge a line.
+    """
+    from ..logdir import printable
+
+    def cell(m: float, lo: float, hi: float, sign: str) -> str:
+        return f"{m:{sign}.{digits}f} [{lo:{sign}.{digits}f}, {hi:{sign}.{digits}f}]"
 
     lines: list[str] = []
     for run, part in table.groupby("run", sort=False):
         if lines:
             lines.append("")
-        lines.append(f"run {run}")
+        lines.append(f"run {printable(run)}")
         body = [("group", "score", "first step", "median [q25, q75]", "last step",
                  "median [q25, q75]", "layers")]
         for r in part.itertuples(index=False):
-            body.append((r.group, r.metric, str(r.first_step), cell(r.first_median, r.first_q25, r.first_q75),
-                         str(r.last_step), cell(r.last_median, r.last_q25, r.last_q75), str(r.layers)))
+            sign = "" if is_magnitude(r.metric) else "+"
+            body.append((printable(r.group), printable(r.metric), str(r.first_step),
+                         cell(r.first_median, r.first_q25, r.first_q75, sign),
+                         str(r.last_step), cell(r.last_median, r.last_q25, r.last_q75, sign), str(r.layers)))
         widths = [max(len(row[i]) for row in body) for i in range(len(body[0]))]
         right = {2, 4, 6}
         for row in body:

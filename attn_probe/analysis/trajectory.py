@@ -44,6 +44,10 @@ __all__ = [
     "find_runs",
     "load_trajectory",
     "read_table",
+    "RENAMED_METRICS",
+    "check_output_path",
+    "escape_formulas",
+    "unescape_formulas",
 ]
 
 PathLike = str | os.PathLike
@@ -58,6 +62,10 @@ FORMATS: dict[str, tuple[str, ...]] = {
     "jsonl": (".jsonl", ".ndjson"),
 }
 _KEY = ["run", "group", "metric", "layer", "head", "step"]
+#: metric names written by earlier versions -> their names now; every loader renames on read
+RENAMED_METRICS: dict[str, str] = {"ov_qk_bound": "ov_gain_bound"}
+#: first characters that make a spreadsheet read a CSV cell as a formula (or smuggle one in)
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
 class TrajectoryError(ValueError):
@@ -709,7 +717,8 @@ def _str_column(s: pd.Series) -> tuple[Any, Any]:
 def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     """Coerce a long table to the canonical dtypes, drop duplicate steps (keep last), sort.
 
-    Rows whose ``step`` is not an integer within int64 (missing, fractional, ``1e30``,
+    Metric names of earlier versions are renamed (:data:`RENAMED_METRICS`: ``ov_qk_bound`` is
+    ``ov_gain_bound``). Rows whose ``step`` is not an integer within int64 (missing, fractional, ``1e30``,
     text), whose ``layer``/``head`` is not such an integer or missing, or whose ``value`` is
     not a number are dropped with one :class:`TrajectoryWarning` counting them
     (``source`` names where they came from).
@@ -728,13 +737,16 @@ def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     bad = bad_step | bad_layer | bad_head | bad_value
     for _, b in cols.values():
         bad |= b
+    metric = cols["metric"][0]
+    if metric.isin(list(RENAMED_METRICS)).any():  # runs written before a metric was renamed
+        metric = metric.replace(RENAMED_METRICS)
     out = pd.DataFrame({
         "run": cols["run"][0],
         "group": cols["group"][0],
         "step": step.fillna(0).astype("int64"),
         "layer": layer,
         "head": head,
-        "metric": cols["metric"][0],
+        "metric": metric,
         "value": pd.Series(value, index=df.index, dtype="float64"),
     })
     if bad.any():
@@ -748,6 +760,23 @@ def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     out = out.drop_duplicates(subset=_KEY, keep="last")
     out = out.sort_values(_KEY, na_position="first", kind="stable").reset_index(drop=True)
     return out
+
+
+def escape_formulas(values: pd.Series) -> pd.Series:
+    """Text cells made inert for spreadsheets: a leading ``'`` before ``=``, ``+``, ``-``, ``@``,
+    tab or carriage return (OWASP's CSV-injection rule), and before a leading ``'`` too, so that
+    :func:`unescape_formulas` restores every name exactly. Only for text columns: numbers that
+    start with ``-`` are values, not formulas."""
+    text = values.astype(str)
+    risky = text.str.startswith((*FORMULA_START, "'"))
+    return text.where(~risky, "'" + text)
+
+
+def unescape_formulas(values: pd.Series) -> pd.Series:
+    """Inverse of :func:`escape_formulas` (a CSV written by ``export``, read back)."""
+    text = values.astype(str)
+    escaped = text.str.startswith(tuple("'" + c for c in (*FORMULA_START, "'")))
+    return text.where(~escaped, text.str[1:])
 
 
 def _rows_frame(run: str, rows: list[tuple]) -> pd.DataFrame:
@@ -864,25 +893,48 @@ def export_trajectory(df_or_runs: Any, path: PathLike, format: str | None = None
 
     The format comes from ``format`` or the suffix (``.csv``, ``.parquet``/``.pq``,
     ``.jsonl``/``.ndjson``). Values are written losslessly (CSV and JSONL use the shortest
-    repr that round-trips; NaN and ``<NA>`` become empty cells / ``null``). Read the file
-    back with :func:`read_table`. Returns the path written.
+    repr that round-trips; NaN and ``<NA>`` become empty cells / ``null``). CSV has RFC 4180
+    line ends (``\\r\\n``: a name holding ``\\r`` or ``\\n`` is quoted), and names that a
+    spreadsheet would run as a formula get a leading ``'`` (:func:`escape_formulas`), which
+    :func:`read_table` removes again. Read the file back with :func:`read_table`. Returns the
+    path written. Raises ``OSError`` with a one-line message when the file cannot be written
+    (checked before anything is read where possible: a parent that is a file, a directory).
     """
     fmt = resolve_format(path, format)
     if fmt == "parquet":
         require("pyarrow", "pandas")
-    df = as_frame(df_or_runs)
     out = Path(path)
-    if out.parent and not out.parent.exists():
+    check_output_path(out)  # before reading anything
+    df = as_frame(df_or_runs)
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "csv":
-        df.to_csv(out, index=False)
-    elif fmt == "parquet":
-        df.to_parquet(out, index=False, engine="pyarrow")
-    else:
-        with open(out, "w", encoding="utf-8") as fh:
-            for rec in _records(df):
-                fh.write(json.dumps(rec, allow_nan=False) + "\n")
+        if fmt == "csv":
+            escaped = df.copy()
+            for column in ("run", "group", "metric"):
+                escaped[column] = escape_formulas(escaped[column])
+            escaped.to_csv(out, index=False, lineterminator="\r\n")  # RFC 4180: a name's \r is quoted too
+        elif fmt == "parquet":
+            df.to_parquet(out, index=False, engine="pyarrow")
+        else:
+            with open(out, "w", encoding="utf-8") as fh:
+                for rec in _records(df):
+                    fh.write(json.dumps(rec, allow_nan=False) + "\n")
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {out}: {exc.strerror or exc}") from exc
     return out
+
+
+def check_output_path(path: PathLike) -> None:
+    """Raise ``NotADirectoryError``/``IsADirectoryError`` with a one-line message when ``path``
+    cannot be a file: it is a directory, or one of its parents is a file."""
+    out = Path(path)
+    if out.is_dir():
+        raise IsADirectoryError(f"cannot write {out}: it is a directory; name a file")
+    for parent in out.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"cannot write {out}: {parent} is a file, not a directory")
+            return
 
 
 def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
@@ -898,9 +950,19 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
         df = pd.read_csv(p, keep_default_na=False,
                          na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"]},
                          dtype={"run": str, "group": str, "metric": str}, **exact)
+        for column in ("run", "group", "metric"):
+            if column in df.columns:
+                df[column] = unescape_formulas(df[column])
     elif fmt == "parquet":
         require("pyarrow", "pandas")
-        df = pd.read_parquet(p, engine="pyarrow")
+        try:
+            df = pd.read_parquet(p, engine="pyarrow")
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyarrow/pandas refuse it: unreadable, hostile metadata
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise TrajectoryError(f"{p}: pandas/pyarrow refused this Parquet table "
+                                  f"({type(exc).__name__}: {first})") from exc
     else:
         recs, bad = [], 0
         with open(p, "rb") as fh:

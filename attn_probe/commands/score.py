@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
+
+#: config.json keys that count layers (at the top or in a nested sub-config, e.g. text_config)
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                    "num_encoder_layers", "num_decoder_layers")
+#: a config.json larger than this is not a model configuration
+_MAX_CONFIG_BYTES = 16 << 20
 
 
 def _finite_float(text: str) -> float:
@@ -118,10 +125,57 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_layer_counts(directory: str | Path) -> None:
+    """Refuse a ``config.json`` whose layer counts exceed the tensors saved beside it, before any model is built.
+
+    Every layer of a model owns at least one saved tensor (ALBERT's shared layer counts once and
+    its count stays below its tensors), so a count ``N`` > the number of saved tensors cannot
+    describe these weights: a config claiming 1,000,000 layers for a 2-layer checkpoint would
+    otherwise build a skeleton of that size, for minutes and gigabytes, before a tensor is read.
+    Reads the JSON and the weight files' headers only. Raises
+    :class:`~attn_probe.checkpoint.CheckpointError`; a directory without ``config.json`` passes
+    (the scorer reports it).
+    """
+    from ..checkpoint import CheckpointError, CheckpointWeights
+
+    directory = Path(directory).expanduser()
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return
+    try:
+        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{config_path}: {config_path.stat().st_size} bytes is not a model configuration")
+        config = json.loads(config_path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{config_path}: unreadable ({type(exc).__name__}: {exc})") from None
+    counts = []
+
+    def walk(node: Any, where: str, depth: int) -> None:
+        if not isinstance(node, dict) or depth > 4:
+            return
+        for key, value in node.items():
+            if key in LAYER_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+                counts.append((f"{where}{key}", value))
+            elif isinstance(value, dict):
+                walk(value, f"{where}{key}.", depth + 1)
+
+    walk(config, "", 0)
+    if not counts:
+        return
+    tensors = len(CheckpointWeights(directory).keys())
+    for key, value in counts:
+        if value > tensors:
+            raise CheckpointError(
+                f"{config_path}: {key} = {value}, but the checkpoint holds {tensors} tensor"
+                f"{'s' if tensors != 1 else ''} and every layer needs at least one; config.json does not "
+                "describe these weights (corrupt or hostile)")
+
+
 def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any]]:
     """``attn-probe score model.gguf``: llama.cpp's format, architecture from its metadata."""
     import sys
 
+    from ..analysis import error_message
     from ..cli import CommandError
 
     if args.pairs is not None and args.pairs != ["qk"]:
@@ -137,17 +191,20 @@ def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any
         return score_gguf(args.paths[0], per_head=args.per_head, num_std=args.num_std, metrics=args.metrics,
                           progress=sys.stderr.isatty())
     except (GGUFError, ImportError, ValueError) as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(error_message(exc)) from None
 
 
 def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], bool, list[Any]]:
     import sys
 
+    from ..analysis import error_message
     from ..checkpoint import CheckpointError, find_checkpoints, score_checkpoint, write_checkpoint_trajectory
     from ..cli import CommandError
 
     try:
         checkpoints = find_checkpoints(args.paths, step=args.step)
+        for _step, path in checkpoints:
+            check_layer_counts(path)
         many = len(checkpoints) > 1 or args.trajectory is not None
         if args.trajectory is not None:
             rows = write_checkpoint_trajectory(checkpoints, args.trajectory, per_head=args.per_head,
@@ -163,5 +220,5 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
             rows = score_checkpoint(checkpoints[0][1], per_head=args.per_head, num_std=args.num_std,
                                     metrics=args.metrics, pairs=args.pairs)
     except CheckpointError as exc:
-        raise CommandError(str(exc)) from None
+        raise CommandError(error_message(exc)) from None
     return rows, many, checkpoints

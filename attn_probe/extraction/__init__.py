@@ -70,6 +70,40 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
     return seen, guess, fused
 
 
+#: model types without softmax attention (no query-key product): state-space and recurrent models
+_NO_SOFTMAX_ATTENTION = {
+    "mamba": "a state-space model: its layers mix tokens with a selective scan",
+    "mamba2": "a state-space model: its layers mix tokens with a selective scan",
+    "falcon_mamba": "a state-space model: its layers mix tokens with a selective scan",
+    "rwkv": "a recurrent model: its time-mixing layers use a decaying linear recurrence",
+    "xlstm": "a recurrent model: its layers are mLSTM/sLSTM cells",
+}
+#: model types whose attention layout docs/supported-models.md lists as not supported
+_UNSUPPORTED_LAYOUTS = {
+    "squeezebert": "its query and key projections are grouped nn.Conv1d layers (SqueezeBERT)",
+    "reformer": "its LSH attention uses one shared query-key projection (Reformer)",
+}
+#: the same, recognised by module class when the model has no config
+_CLASS_HINTS = {"MambaMixer": "mamba", "Mamba2Mixer": "mamba2", "FalconMambaMixer": "falcon_mamba",
+                "RwkvSelfAttention": "rwkv", "SqueezeBertSelfAttention": "squeezebert",
+                "LSHSelfAttention": "reformer"}
+
+
+def _known_unsupported(model: nn.Module, cfg: Any) -> str | None:
+    """Why a model attn_probe knows it cannot read has no W_qk for it, or ``None``."""
+    kind = str(getattr(cfg, "model_type", "") or "")
+    if kind not in _NO_SOFTMAX_ATTENTION and kind not in _UNSUPPORTED_LAYOUTS:
+        kind = next((_CLASS_HINTS[type(m).__name__] for m in model.modules() if type(m).__name__ in _CLASS_HINTS), "")
+    name = f"{type(model).__name__} (model type {kind!r})"
+    if kind in _NO_SOFTMAX_ATTENTION:
+        return (f"attn_probe cannot score {name}: it has no softmax attention ({_NO_SOFTMAX_ATTENTION[kind]}, "
+                "not query-key dot products), so there is no W_qk = W_q W_k^T to measure.")
+    if kind in _UNSUPPORTED_LAYOUTS:
+        return (f"attn_probe cannot score {name}: {_UNSUPPORTED_LAYOUTS[kind]}, a layout listed as not "
+                "supported in docs/supported-models.md.")
+    return None
+
+
 def _latent_attention(model: nn.Module) -> str | None:
     """The path of a multi-head latent attention module (low-rank keys), if ``model`` has one."""
     for path, module in model.named_modules():
@@ -151,6 +185,9 @@ def find_attention(
             )
         )
     if not found:
+        reason = _known_unsupported(root, cfg)
+        if reason is not None:
+            raise UnsupportedModelError(reason)
         latent = _latent_attention(root)
         if latent is not None:
             raise UnsupportedModelError(
