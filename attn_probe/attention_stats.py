@@ -696,13 +696,16 @@ class AttentionCapture:
         try:
             if args:
                 raise TypeError("positional arguments after the mask are not understood")
+            if query.shape[1] != self.heads[i]:
+                raise ValueError(f"the attention received {query.shape[1]} query heads, the layer has "
+                                 f"{self.heads[i]} (heads sharded by tensor parallelism are not measured)")
             scaling = kwargs.get("scaling")
             if scaling is None:
                 scaling = query.shape[-1] ** -0.5
             with torch.no_grad():
                 q_len, k_len = query.shape[2], key.shape[2]
                 rows = row_mask(family, module, attention_mask, kwargs, q_len, k_len, query.device)
-                sinks = kwargs.get("s_aux")
+                sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
                 result = logit_stats(
                     query, key, float(scaling), rows,
                     query_valid=self._query_mask(i, query.shape[0], q_len),

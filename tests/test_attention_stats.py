@@ -98,8 +98,20 @@ def _gpt_oss(impl: str = "eager", seed: int = 0):
     return model
 
 
-BUILDERS = {"bert": _bert, "llama": _llama, "gpt2": _gpt2, "gemma2": _gemma2, "gpt_oss": _gpt_oss}
-CAUSAL = {"bert": False, "llama": True, "gpt2": True, "gemma2": True, "gpt_oss": True}
+def _t5(impl: str = "eager", seed: int = 0):
+    """Relative position biases (``position_bias``), no scaling."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    cfg = T5Config(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, vocab_size=99,
+                   initializer_factor=8.0, dropout_rate=0.0)
+    model = T5EncoderModel(cfg).double().eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+BUILDERS = {"bert": _bert, "llama": _llama, "gpt2": _gpt2, "gemma2": _gemma2, "gpt_oss": _gpt_oss, "t5": _t5}
+CAUSAL = {"bert": False, "llama": True, "gpt2": True, "gemma2": True, "gpt_oss": True, "t5": False}
 
 
 def _batch(padding: bool = True, seed: int = 1, batch: int = 3,
@@ -144,6 +156,9 @@ def _reference_qk(arch, model, layer, x):
     if arch == "bert":
         q, k = attn.query(x), attn.key(x)
         scaling = D ** -0.5
+    elif arch == "t5":
+        q, k = attn.q(x), attn.k(x)
+        scaling = 1.0
     elif arch == "gpt2":
         q, k, _ = attn.c_attn(x).split(32, dim=2)
         scaling = D ** -0.5 / (layer.layer + 1)  # scale_attn_by_inverse_layer_idx
@@ -152,7 +167,7 @@ def _reference_qk(arch, model, layer, x):
         scaling = (model.config.query_pre_attn_scalar if arch == "gemma2" else D) ** -0.5
     q = q.view(B, n, H, D).transpose(1, 2)
     k = k.view(B, n, Hkv, D).transpose(1, 2)
-    if arch not in ("bert", "gpt2"):
+    if arch not in ("bert", "gpt2", "t5"):
         rotary = apply_rotary_pos_emb if arch == "llama" else sys.modules[type(attn).__module__].apply_rotary_pos_emb
         cos, sin = model.rotary_emb(x, torch.arange(n)[None])
         q, k = rotary(q, k, cos, sin)
@@ -202,14 +217,14 @@ def _measure(model, ids, mask, **kwargs):
         capture.close()
 
 
-@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2", "gemma2", "gpt_oss", "t5"])
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
 def test_against_explicit_reference(arch, padding):
     """gemma2: max_logit is the logit before the softcap (it exceeds the cap of 2), entropy is of
     the capped softmax; gpt_oss: the sink is one more outcome of the entropy; both slide a
-    window of 3 in layer 0."""
+    window of 3 in layer 0; t5: max_logit without, entropy with the relative position bias."""
     model = BUILDERS[arch]("eager")
-    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2", "gpt_oss") else 3,
+    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2", "gpt_oss", "t5") else 3,
                        right=(7, 8) if arch == "gemma2" else (6, 3))
     reference = _reference(arch, model, ids, mask)
     measured = _measure(model, ids, mask).tables()
@@ -219,10 +234,10 @@ def test_against_explicit_reference(arch, padding):
     assert all(t[0, 0] > 1 for t in measured)  # logits large enough for the comparison to mean something
 
 
-@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["bert", "llama", "gpt2", "t5"])
 @pytest.mark.parametrize("padding", [True, False], ids=["padded", "unpadded"])
 def test_sdpa_equals_eager(arch, padding):
-    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2") else 3)
+    ids, mask = _batch(padding, batch=4 if arch in ("bert", "gpt2", "t5") else 3)
     eager = _measure(BUILDERS[arch]("eager"), ids, mask).tables()
     sdpa = _measure(BUILDERS[arch]("sdpa"), ids, mask).tables()
     for a, b in zip(eager, sdpa, strict=True):
@@ -285,6 +300,30 @@ def test_eager_function_is_the_models_own_default():
     assert stats_module.eager_function(modeling_gpt2.GPT2Attention) is modeling_gpt2.eager_attention_forward
     assert (stats_module.eager_function(modeling_timesfm.TimesFmAttention)
             is modeling_timesfm.simple_eager_attention_forward)
+
+
+def test_a_failing_measurement_warns_and_training_goes_on():
+    """Heads sharded away (here: a layer record claiming 8 heads where the model has 4) skip that
+    layer with one warning; the forward's result is unchanged and the other layer is measured."""
+    import dataclasses
+
+    model = _llama("sdpa")
+    ids, mask = _batch()
+    layers = find_attention(model)
+    layers[1] = dataclasses.replace(layers[1], num_heads=8)
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).last_hidden_state
+    capture = AttentionCapture(model, layers)
+    capture.arm()
+    with pytest.warns(RuntimeWarning, match="layers.1.self_attn.*8 query heads|4 query heads"):
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask).last_hidden_state
+    capture.disarm()
+    tables = capture.collect().tables()
+    capture.close()
+    assert torch.equal(out, plain)
+    assert len(capture.failures) == 1 and "tensor parallelism" in capture.failures[0]
+    assert torch.isfinite(tables[0]).all() and torch.isnan(tables[1]).all()
 
 
 def test_small_chunks_give_the_same_values():
