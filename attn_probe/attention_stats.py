@@ -12,7 +12,10 @@ key ``j`` the logit is
 
 with ``s`` the ``scaling`` passed to the function (``head_dim ** -0.5`` when it is ``None``).
 Over the *counted* entries (key ``j`` not masked for ``(b, i)``, query token ``(b, i)`` not
-padding, at least one key visible) the two metrics are
+padding, at least one key visible) the two metrics are as follows. Padding queries are read
+from the 2D ``attention_mask`` the model was called with (``decoder_attention_mask`` for
+decoder and cross-attention layers), captured by a forward pre-hook on the model while armed;
+without a 2D mask every query token counts.
 
 - ``max_logit[h] = max |l_bhij|``; the layer value is the max over heads;
 - ``entropy[h]``: the mean over counted query tokens of ``-sum_j p_bhij log p_bhij`` (nats),
@@ -25,21 +28,25 @@ added. ``entropy`` is the entropy of the distribution the model actually uses:
 ``z = cap * tanh(l / cap)`` under softcapping, plus the additive biases, and attention sinks
 (``s_aux``, gpt-oss) count as one more outcome of the softmax (the row's probabilities over
 real keys then sum to less than 1). Sliding windows, chunked attention and packed sequences
-are whatever the mask passed to the function says (eager/sdpa); under flash attention they are
-rebuilt from ``sliding_window``, ``cu_seq_lens_*``/``position_ids`` and the 2D padding mask.
+are whatever the mask passed to the function says (eager/sdpa; sdpa's ``None`` mask is causal,
+upper-left, when the call is causal and ``q_len > 1``); under flash attention the mask is rebuilt
+from causality (bottom-right), ``sliding_window``, ``cu_seq_lens_q``/packed ``position_ids`` and
+the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt there).
 Flex attention (a ``BlockMask``), paged attention and user-registered implementation names are
 not measured (:func:`unavailable_reason` says so).
 
 **Memory.** Logits are formed ``C`` query positions at a time, ``C = max(1, chunk_elements //
 (B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)`` float32 buffers
-(float64 for float64 models), i.e. ``6 * 4 * max(chunk_elements, B H L_k)`` bytes
-(96 MiB at the default ``chunk_elements = 2**22``), on the attention's device, freed per chunk.
+(float64 for float64 models) and two boolean masks of that shape, i.e. about
+``26 * max(chunk_elements, B H L_k)`` bytes (104 MiB at the default ``chunk_elements = 2**22``),
+on the attention's device, freed per chunk; plus a float32 copy of q and k.
 
 **Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
 <AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
 (max over all of them, entropy averaged over all their counted tokens), so the step's values
 equal one forward on the concatenated batch. A forward re-run inside backward (gradient
-checkpointing) is skipped, so it neither costs a second measurement nor counts twice.
+checkpointing; detected with ``torch._C._current_graph_task_id()``) is skipped, so it neither
+costs a second measurement nor counts twice.
 :func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
 entropy sums and token counts), so combined values equal one process on the global batch.
 

@@ -34,6 +34,7 @@ from attn_probe.attention_stats import (  # noqa: E402
     combine,
     installed_wrappers,
     logit_bound_ratio,
+    logit_stats,
     row_mask,
     unavailable_reason,
 )
@@ -324,6 +325,27 @@ def test_a_failing_measurement_warns_and_training_goes_on():
     assert torch.equal(out, plain)
     assert len(capture.failures) == 1 and "tensor parallelism" in capture.failures[0]
     assert torch.isfinite(tables[0]).all() and torch.isnan(tables[1]).all()
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_logits_are_formed_in_chunks(softcap):
+    """No allocation exceeds one float32 chunk of ``chunk_elements`` (the full logits would be 32x)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, H, Hkv, n = 2, 4, 2, 512
+    q, k = torch.randn(B, H, n, 8), torch.randn(B, Hkv, n, 8)
+    chunk = B * H * n * 16  # 16 query rows
+
+    def causal(r0, r1):
+        return (torch.arange(n)[None] <= torch.arange(r0, r1)[:, None])[None, None], None
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        chunked = logit_stats(q, k, 0.3, causal, softcap=softcap, chunk_elements=chunk)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest <= 4 * chunk
+    whole = logit_stats(q, k, 0.3, causal, softcap=softcap, chunk_elements=B * H * n * n)
+    for a, b in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_small_chunks_give_the_same_values():
