@@ -449,6 +449,66 @@ def test_combine_over_gloo_equals_one_process(tmp_path):
         torch.testing.assert_close(got["norms"], whole.input_norms())
 
 
+@pytest.mark.timeout(300)
+def test_trainer_step_with_gradient_accumulation(tmp_path):
+    """In a real Trainer (2 micro-batches of 2 per step), armed at on_step_begin and disarmed at
+    on_pre_optimizer_step, step 3's values equal one forward of that step's weights on the 4
+    sequences it trained on."""
+    import copy
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=99,
+                                         initializer_range=0.4)).double()
+    model.set_attn_implementation("sdpa")
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            ids = torch.randint(1, 99, (L,), generator=torch.Generator().manual_seed(i))
+            mask = torch.ones(L, dtype=torch.long)
+            mask[L - i % 4:] = 0  # right padding of 0-3 tokens
+            return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    capture = AttentionCapture(model, find_attention(model))
+    seen, result = [], {}
+
+    def record(module, args, kwargs):
+        if capture.armed:
+            seen.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone()))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+
+    class Arm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 2:
+                result["weights"] = copy.deepcopy(model.state_dict())
+                capture.arm()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            if capture.armed:
+                capture.disarm()
+                result["step"] = capture.collect()
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, learning_rate=1e-2, report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=Data(), callbacks=[Arm()]).train()
+    capture.close()
+    assert len(seen) == 2
+    reference_model = copy.deepcopy(model)
+    reference_model.load_state_dict(result["weights"])
+    ids = torch.cat([b[0] for b in seen])
+    mask = torch.cat([b[1] for b in seen])
+    reference = _measure(reference_model.eval(), ids, mask)
+    torch.testing.assert_close(result["step"].tokens, reference.tokens)
+    for a, b in zip(reference.tables(), result["step"].tables(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+
+
 def test_checkpointed_rerun_is_not_counted_twice():
     ids, mask = _batch()
     values = []
