@@ -554,9 +554,10 @@ def test_input_norm_and_bound_ratio():
         assert (ratio > 0).all() and (ratio <= 1).all()
 
 
-def test_not_due_forward_calls_only_the_wrapper():
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_not_due_forward_calls_only_the_wrapper(impl):
     """Unarmed, the only attn_probe code run in a forward is the wrapper's flag check."""
-    model = _llama("sdpa")
+    model = _llama(impl)
     ids, mask = _batch()
     capture = AttentionCapture(model, find_attention(model))
     calls = []
