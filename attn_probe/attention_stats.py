@@ -273,8 +273,9 @@ def logit_bound_ratio(max_logit: Tensor, qk_bound: Tensor, input_norm: Tensor | 
     ``qk_bound`` as the weight metric of that name (per head; the layer value is the max over
     heads), ``input_norm`` the largest ``||x||_2`` of the attention's input on the step, ``s`` the
     scaling. At most 1 for bias-free q/k projections without QK-norm or position biases (rotary
-    embeddings are rotations); q/k biases (BERT, GPT-2) can make it exceed 1. NaN where the
-    bound is 0 or either side is missing.
+    embeddings are rotations; an attention factor in them, as in YaRN, scales the logits by its
+    square); q/k biases (BERT, GPT-2) can make it exceed 1. NaN where the bound is 0 or either
+    side is missing.
     """
     bound = qk_bound.to(torch.float64) * torch.as_tensor(input_norm, dtype=torch.float64) ** 2 * scaling
     ratio = max_logit.to(torch.float64) / bound
