@@ -275,3 +275,18 @@ def test_a_url_log_dir_is_a_log_dir_error(tmp_path, monkeypatch):
     with pytest.raises(LogDirError, match=r"'s3://bucket/runs/x' as its log directory: it looks like a URL"):
         attn_probe.watch(model, log_dir="s3://bucket/runs/x", every=10)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.xfail(strict=True, reason="lead: watching.announce must print attn_probe.logdir.printable(line)")
+def test_the_attach_announcement_escapes_control_characters(tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    import attn_probe
+
+    model = BertModel(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=20, max_position_embeddings=8))
+    probe = attn_probe.watch(model, log_dir=str(tmp_path / "run\nattn_probe: forged\x1b[2J"), every=10)
+    probe.close(final_snapshot=False)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("attn_probe:")]
+    assert len(lines) == 1 and "\x1b" not in err and "run\\nattn_probe: forged\\x1b[2J" in lines[0]
