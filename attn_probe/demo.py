@@ -634,8 +634,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Any:
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    # The trainer's id order is not deterministic across runs (ties); the vocabulary set is.
-    # Renumber it (special tokens first, then sorted) so that runs are exactly reproducible.
+    # The trainer's id order is not deterministic across runs, and where merges tie in frequency
+    # a few entries can differ too (seen with the default corpus and 4,096 entries). Renumber
+    # (special tokens first, then sorted) so that equal vocabularies give equal ids; a resumed
+    # demo reuses the tokenizer it saved.
     learned = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
     vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *learned])}
     tok.model = models.WordPiece(vocab=vocab, unk_token="[UNK]")
