@@ -16,7 +16,8 @@ from .extraction import (
     register_adapter,
     unregister_adapter,
 )
-from .scores import directionality_score, factored_scores, symmetry_score
+from .metrics import factored_scores
+from .scores import directionality_score, symmetry_score
 from .scoring import score_model
 
 __version__ = "0.1.0"

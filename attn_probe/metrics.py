@@ -18,20 +18,29 @@ the TensorBoard tag segment and the row key, unchanged everywhere.
 
 No host transfer happens here: results stay on the factors' device until a caller moves
 many layers' tables to the host in one transfer. :func:`score_factor_stack` scores many layers
-of one shape at once (the live probe's path). ``sigma_max`` is exact for problems up to
-:func:`lanczos_threshold` (a dense eigensolver on CPU, repeated squaring elsewhere) and comes
-from a fixed-step Lanczos iteration above it.
-Off CPU nothing calls ``eigh``/``eigvalsh`` (they read their error flag on the host, which
-waits for the device): largest eigenvalues come from repeated squaring
-(:func:`_lambda_max_by_squaring`), matrix products only. The one exception is the first use
-of a Lanczos size, which copies its fixed start vector to the device (cached afterwards).
+of one shape at once (the live probe's path). The algorithm is chosen per device in one place,
+:func:`gpu_algorithm`:
+
+* **GPU algorithm** (every device but CPU; on CPU tensors under :func:`gpu_algorithm_on_cpu`
+  or ``ATTN_PROBE_GPU_ALGORITHM=1``): every largest-eigenvalue problem of a stack
+  (``sigma_max`` of ``M``, of the query and of the key factors, per head too) is registered
+  with one :class:`Spectra` and solved by batched repeated squaring
+  (:func:`lambda_max_by_squaring`, at most about ``ln(m) / 2^20`` relative below
+  ``lambda_max``), one chain per problem size: a fixed number of operations per stack,
+  whatever the numbers of layers and heads; matrix products only, so nothing waits for the
+  device and no dense eigensolver runs.
+* **CPU algorithm**: LAPACK ``eigh``/``eigvalsh`` for problems up to
+  :func:`lanczos_threshold`, a fixed-step Lanczos iteration above it (faster on CPU).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -48,6 +57,12 @@ __all__ = [
     "check_metrics",
     "score_factors",
     "score_factor_stack",
+    "factored_scores",
+    "FactoredScores",
+    "gpu_algorithm",
+    "gpu_algorithm_on_cpu",
+    "lambda_max_by_squaring",
+    "Spectra",
     "table_entries",
     "table_rows",
 ]
@@ -56,36 +71,237 @@ Tensor = torch.Tensor
 Row = dict[str, Any]
 
 
+# ------------------------------------------------------------------ the algorithm per device
+#: environment variable that runs the GPU algorithm on CPU tensors too (``1``), see :func:`gpu_algorithm`
+GPU_ALGORITHM_ENV = "ATTN_PROBE_GPU_ALGORITHM"
+_forced_gpu_algorithm = 0
+
+
+def gpu_algorithm(device: torch.device) -> bool:
+    """Whether the core runs the GPU algorithm on ``device``: the one place the algorithm is chosen.
+
+    The GPU algorithm (every device but CPU): all largest-eigenvalue problems of a stack by one
+    batched repeated-squaring chain per problem size (:func:`lambda_max_by_squaring`), no dense
+    eigensolver and no Lanczos, stacks sized from the device's free memory
+    (:func:`attn_probe.pairs.stack_budget`), bf16/fp16 factors entering Gram products as they
+    are with float32 output where torch supports it (:func:`gram_out_dtype_supported`).
+    The CPU algorithm: LAPACK ``eigh``/``eigvalsh`` up to :func:`lanczos_threshold`, Lanczos
+    above it, cache-sized stacks (faster there, docs/performance.md).
+
+    On CPU tensors the GPU algorithm runs inside :func:`gpu_algorithm_on_cpu` or with the
+    environment variable ``ATTN_PROBE_GPU_ALGORITHM=1``: the same operations (a fixed stack
+    budget, :data:`attn_probe.pairs.STACK_BYTES_CAP`, and float32 copies where CUDA multiplies
+    bf16 with float32 output, which has no CPU kernel), so that its operation count
+    (:mod:`attn_probe.op_count`) and its numbers can be checked without a GPU.
+    """
+    if device.type != "cpu":
+        return True
+    return _forced_gpu_algorithm > 0 or os.environ.get(GPU_ALGORITHM_ENV, "") not in ("", "0")
+
+
+@contextmanager
+def gpu_algorithm_on_cpu() -> Iterator[None]:
+    """Run the GPU algorithm on CPU tensors inside the block (process-wide; see :func:`gpu_algorithm`)."""
+    global _forced_gpu_algorithm
+    _forced_gpu_algorithm += 1
+    try:
+        yield
+    finally:
+        _forced_gpu_algorithm -= 1
+
+
+def host_eigensolver(device: torch.device) -> bool:
+    """Whether dense eigensolvers (``eigh``/``eigvalsh``) are used on ``device``: the CPU algorithm only.
+
+    Elsewhere they check their error flag on the host, a synchronisation the core avoids, and
+    are slow for small matrices (docs/performance.md): :func:`lambda_max_by_squaring` instead.
+    """
+    return not gpu_algorithm(device)
+
+
+def lanczos_threshold(device: torch.device) -> int | float:
+    """Largest problem size solved exactly on ``device``; larger ones use Lanczos (CPU algorithm only).
+
+    On CPU LAPACK's ``eigvalsh`` is cheaper up to a few hundred (measured, docs/performance.md);
+    the GPU algorithm solves every size by repeated squaring (``inf``: never Lanczos).
+    """
+    return 384 if host_eigensolver(device) else math.inf
+
+
+_OUT_DTYPE_OK: dict[torch.device, bool] = {}
+
+
+def gram_out_dtype_supported(device: torch.device) -> bool:
+    """Whether ``torch.bmm(a, b, out_dtype=torch.float32)`` runs on ``device`` for bf16 ``a, b`` (tried once)."""
+    if device.type == "cpu":
+        return False  # no CPU kernel (torch 2.13): the GPU algorithm on CPU upcasts instead
+    if device not in _OUT_DTYPE_OK:
+        try:
+            x = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
+            _OUT_DTYPE_OK[device] = torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK[device] = False
+    return _OUT_DTYPE_OK[device]
+
+
+# --------------------------------------------------------------------- largest eigenvalues
+#: squarings of :func:`lambda_max_by_squaring`: ``lambda_max`` is underestimated by at most
+#: about ``ln(m) / 2^20`` relative (< 1e-5 for ``m`` up to 36,000), ``sigma_max`` by half that
+SQUARINGS = 20
+
+#: the chain's dtype (float64: its rounding stays far below the bound above; as fast as float32
+#: on an H100, docs/performance.md)
+CHAIN_DTYPE = torch.float64
+
+
+def renormalise_every(m: int, dtype: torch.dtype) -> int:
+    """Squarings between two renormalisations of an ``m x m`` chain in ``dtype``.
+
+    After a renormalisation (trace 1) the largest eigenvalue is at least ``1/m``; ``k``
+    squarings take it to at least ``m^(-2^k)``, which must stay a normal number:
+    ``2^k log10(m) <= 0.9 * |log10(tiny)|``.
+    """
+    digits = 0.9 * -math.log10(torch.finfo(dtype).tiny)
+    k = int(math.floor(math.log2(digits / max(math.log10(max(m, 2)), 1e-3))))
+    return max(1, min(k, SQUARINGS))
+
+
+def lambda_max_by_squaring(c: Tensor, squarings: int = SQUARINGS, dtype: torch.dtype = CHAIN_DTYPE) -> Tensor:
+    """Largest eigenvalue of each ``c[..., :, :]`` from ``P = c^(2^s)``: ``tr(c P) / tr(P)``, in ``dtype``.
+
+    ``c`` is symmetric PSD or a product of two PSD matrices (``G_B G_A``: real non-negative
+    eigenvalues, diagonalisable), ``m x m``. With eigenvalues ``l_1 >= l_i >= 0`` the ratio is
+    ``sum l_i^(N+1) / sum l_i^N`` (``N = 2^s``): never above ``l_1`` and, whatever the gap,
+    at most about ``l_1 ln(m) / N`` below it in exact arithmetic (so ``sigma_max = sqrt(l_1)``
+    at most about ``ln(m) / 2^(s+1)`` relative). ``P`` is divided by its trace every
+    :func:`renormalise_every` squarings (no overflow or underflow of the top eigenvalue), so
+    a chain costs ``s`` batched matrix products and a few reductions, whatever the batch:
+    no host synchronisation, no eigensolver. Zero padding adds zero eigenvalues only.
+    A non-finite matrix gives NaN, a zero matrix 0.
+    """
+    p = c.to(dtype)
+    finite = torch.isfinite(p).flatten(-2).all(-1)
+    p = p.nan_to_num(0.0, 0.0, 0.0)
+    c0 = p
+    tiny = torch.finfo(dtype).tiny
+    every = renormalise_every(c.shape[-1], dtype)
+    p = p / _trace(p).clamp_min(tiny)[..., None, None]
+    for i in range(squarings):
+        p = p @ p
+        if (i + 1) % every == 0 and i + 1 < squarings:
+            p = p / _trace(p).clamp_min(tiny)[..., None, None]
+    top = (c0 * p.mT).sum((-1, -2))  # tr(c P)
+    lam = top / _trace(p).clamp_min(tiny)  # 0 / tiny = 0 for a zero matrix
+    return lam.masked_fill(~finite, math.nan)
+
+
+#: the GPU algorithm pads the problems of a stack to one size (one chain) when the padded work,
+#: in ``m^3`` units over the batch, stays under this many (or under twice the unpadded work):
+#: then one chain of launches is cheaper than two (launch-bound sizes, docs/performance.md)
+PAD_FREE_WORK = 1 << 28
+
+
+class Spectra:
+    """The largest-eigenvalue problems of one stack of layers, solved together on first use.
+
+    :meth:`add` registers a problem under a key: ``matrix()`` gives a batch ``(..., m, m)`` of
+    symmetric PSD matrices or products of two PSD matrices, ``host()`` its largest eigenvalues
+    by the CPU algorithm. :meth:`get` solves every problem registered and not yet solved.
+    With the GPU algorithm the batches are concatenated (problems of a smaller size
+    zero-padded to the largest where :data:`PAD_FREE_WORK` allows) and each size solved by one
+    :func:`lambda_max_by_squaring` chain: the operation count is set by the number of sizes
+    (at most two: the layer's ``r`` and the head's ``head_dim``), not by layers or heads.
+    """
+
+    def __init__(self, squaring: bool) -> None:
+        self.squaring = squaring
+        self._pending: dict[Any, tuple[Callable[[], Tensor], Callable[[], Tensor]]] = {}
+        self._done: dict[Any, Tensor] = {}
+
+    def add(self, key: Any, matrix: Callable[[], Tensor], host: Callable[[], Tensor]) -> None:
+        if key not in self._done:
+            self._pending.setdefault(key, (matrix, host))
+
+    def get(self, key: Any) -> Tensor:
+        """Largest eigenvalues of problem ``key`` (shape of its batch), float64 on the GPU algorithm."""
+        if key not in self._done:
+            pending, self._pending = self._pending, {}
+            self._done.update(self._solve_chains(pending) if self.squaring
+                              else {k: host() for k, (_, host) in pending.items()})
+        return self._done[key]
+
+    @staticmethod
+    def _solve_chains(pending: dict[Any, tuple[Callable[[], Tensor], Callable[[], Tensor]]]) -> dict[Any, Tensor]:
+        mats = {key: matrix() for key, (matrix, _) in pending.items()}
+        sizes: dict[int, int] = {}
+        for c in mats.values():
+            sizes[c.shape[-1]] = sizes.get(c.shape[-1], 0) + math.prod(c.shape[:-2])
+        big = max(sizes)
+        work = sum(n * m**3 for m, n in sizes.items())
+        padded = sum(sizes.values()) * big**3
+        target = {m: (big if padded <= max(2 * work, PAD_FREE_WORK) else m) for m in sizes}
+        out: dict[Any, Tensor] = {}
+        for size in sorted(set(target.values()), reverse=True):
+            keys = [k for k, c in mats.items() if target[c.shape[-1]] == size]
+            flat = [_pad_to(mats[k].reshape(-1, *mats[k].shape[-2:]), size) for k in keys]
+            lam = lambda_max_by_squaring(flat[0] if len(flat) == 1 else torch.cat(flat))
+            start = 0
+            for k, f in zip(keys, flat, strict=True):
+                out[k] = lam[start: start + f.shape[0]].reshape(mats[k].shape[:-2])
+                start += f.shape[0]
+        return out
+
+
+def _pad_to(c: Tensor, size: int) -> Tensor:
+    m = c.shape[-1]
+    return c if m == size else torch.nn.functional.pad(c, (0, size - m, 0, size - m))
+
+
+# ------------------------------------------------------------------------------- products
 class Products:
     """Shared quantities of a batch of matrices ``M_{n,j} = A_{n,j}^T B_n``, computed on demand.
 
     ``a``: ``(n, G, r, d)``, ``b``: ``(n, r, d)`` (the ``G`` query-side factors of a group
-    share one key-side factor). Both are rescaled by their largest entry first, which keeps
-    squares and Gram products inside the dtype's range; the scores are scale-invariant, and
-    the norms multiply the scale back in float64 (:attr:`scale`). With ``r`` small against
-    ``d`` (:func:`attn_probe.scores.gram_is_cheaper`) everything comes from the ``r x r``
-    Gram matrices ``G_A = A A^T``, ``G_B = B B^T``:
+    share one key-side factor). Both are divided by a power of two near their largest entry
+    (exact, also in bf16), which keeps squares and Gram products inside the dtype's range;
+    the scores are scale-invariant, and the norms multiply the scale back in float64
+    (:attr:`scale`). :func:`score_factor_stack` passes factors it scaled itself
+    (``scale_a``, ``scale_b``: one power of two per layer) and a :class:`Spectra` shared by
+    the layer and head products. With ``r`` small against ``d``
+    (:func:`attn_probe.scores.gram_is_cheaper`) everything comes from the ``r x r`` Gram
+    matrices ``G_A = A A^T``, ``G_B = B B^T``:
 
     * ``||M||_F^2 = tr(G_A G_B)``, ``<M, M^T>_F = tr((B A^T)^2)``;
     * row norms ``r_i^2 = diag(A^T G_B A)``, column norms ``c_j^2 = diag(B^T G_A B)``;
-    * ``sigma_max(M)^2 = lambda_max(F^T G_B F)`` with ``G_A = F F^T`` (``r x r``);
+    * ``sigma_max(M)^2 = lambda_max(G_B G_A)`` (``r x r``; on the CPU algorithm
+      ``lambda_max(F^T G_B F)`` with ``G_A = F F^T``);
 
-    otherwise ``M`` is formed explicitly. ``parts`` (a callable) gives the products of the
-    unsummed heads whose sum this layer matrix is, for metrics defined per head (``qk_bound``).
+    otherwise ``M`` is formed explicitly. ``low`` (bf16/fp16 copies of ``a``, ``b`` or
+    ``None``s) enter the Gram and cross products with float32 output on CUDA.
+    ``parts`` (a callable) gives the products of the unsummed heads whose sum this layer matrix
+    is, for metrics defined per head (``qk_bound``).
     """
 
     def __init__(self, a: Tensor, b: Tensor, num_std: float, dtype: torch.dtype,
-                 parts: Callable[[], Products] | None = None) -> None:
-        self.a, scale_a = _rescaled(a)
-        self.b, scale_b = _rescaled(b)
-        #: the largest entry of each factor, float64: ``M = scale_a * scale_b * (a^T b)``
+                 parts: Callable[[], Products] | None = None, *, scale_a: Tensor | None = None,
+                 scale_b: Tensor | None = None, spectra: Spectra | None = None,
+                 low: tuple[Tensor | None, Tensor | None] = (None, None)) -> None:
+        if scale_a is None or scale_b is None:
+            a, scale_a = _rescaled(a, 2)
+            b, scale_b = _rescaled(b, 2)
+            scale_b = scale_b[:, None]
+        self.a, self.b = a, b
+        #: the power-of-two scale of each factor, float64: ``M = scale_a * scale_b * (a^T b)``
         self.scale_a = scale_a  # (n, G)
-        self.scale_b = scale_b[:, None]  # (n, 1)
+        self.scale_b = scale_b  # (n, 1)
+        self.low_a, self.low_b = low
         self.num_std = num_std
         self.eps = torch.finfo(dtype).eps
         n, G, r, d = a.shape
         self.shape = (n, G)
         self.explicit = not gram_is_cheaper(r, d)
+        self.squaring = gpu_algorithm(a.device)
+        self.spectra = spectra if spectra is not None else Spectra(self.squaring)
         self._parts = parts
 
     @property
@@ -101,11 +317,16 @@ class Products:
     # -- building blocks ---------------------------------------------------------------------
     @cached_property
     def gram_a(self) -> Tensor:
-        return _gram(self.a)  # (n, G, r, r)
+        return self._gram(self.a, self.low_a)  # (n, G, r, r)
 
     @cached_property
     def gram_b(self) -> Tensor:
-        return _gram(self.b)  # (n, r, r)
+        return self._gram(self.b, self.low_b)  # (n, r, r)
+
+    def _gram(self, x: Tensor, low: Tensor | None) -> Tensor:
+        if low is not None:
+            return _matmul_out(low, low.mT, x.dtype)
+        return x @ x.mT if self.squaring else _gram(x)
 
     @cached_property
     def matrix(self) -> Tensor:
@@ -127,13 +348,19 @@ class Products:
             m = self.matrix
             return (m * m.mT).sum((-1, -2))
         n, G, r, d = self.a.shape
-        cross = (self.b @ self.a.reshape(n, G * r, d).mT).reshape(n, r, G, r).transpose(1, 2)  # B A_j^T
+        if self.low_a is not None and self.low_b is not None:
+            cross = _matmul_out(self.low_b, self.low_a.reshape(n, G * r, d).mT, self.a.dtype)
+        else:
+            cross = self.b @ self.a.reshape(n, G * r, d).mT
+        cross = cross.reshape(n, r, G, r).transpose(1, 2)  # B A_j^T
         return (cross * cross.mT).sum((-1, -2))
 
     @cached_property
     def factor_sq(self) -> tuple[Tensor, Tensor]:
         """``||A||_F^2`` ``(n, G)`` and ``||B||_F^2`` ``(n, 1)``."""
-        return self.a.square().sum((-1, -2)), self.b.square().sum((-1, -2))[:, None]
+        if self.explicit:
+            return self.a.square().sum((-1, -2)), self.b.square().sum((-1, -2))[:, None]
+        return _trace(self.gram_a), _trace(self.gram_b)[:, None]
 
     @cached_property
     def row_norms(self) -> Tensor:
@@ -158,18 +385,42 @@ class Products:
         frob = self.frob_sq
         return torch.isfinite(frob) & (frob > 16 * self.eps * a_sq * b_sq)
 
+    # -- largest eigenvalues, through the shared Spectra -----------------------------------------
+    def request(self, *kinds: str) -> None:
+        """Register this batch's eigenvalue problems (``"m"``: ``sigma_max(M)``, ``"factors"``:
+        ``sigma_max`` of ``A`` and ``B``) with :attr:`spectra`, to be solved with the others."""
+        for kind in kinds:
+            if kind == "m":
+                self.spectra.add((id(self), "m"), self._m_problem, self._m_host)
+            else:
+                self.spectra.add((id(self), "a"), lambda: _small_gram(self.a, lambda: self.gram_a),
+                                 lambda: _lambda_max(_small_gram(self.a, lambda: self.gram_a)))
+                self.spectra.add((id(self), "b"), lambda: _small_gram(self.b, lambda: self.gram_b),
+                                 lambda: _lambda_max(_small_gram(self.b, lambda: self.gram_b)))
+
     @cached_property
     def sigma_max_sq(self) -> Tensor:
-        """``sigma_max(M)^2`` of the rescaled ``M``, ``(n, G)`` in the compute dtype; NaN if not finite.
+        """``sigma_max(M)^2`` of the rescaled ``M``, ``(n, G)``; NaN if not finite.
 
-        The largest eigenvalue of a symmetric PSD matrix with the same non-zero spectrum as
-        ``M M^T``. Problems of size ``m = min(r, d)`` up to :func:`lanczos_threshold` are
-        solved exactly: on CPU ``F^T G_B F`` (``r x r``, ``G_A = F F^T`` from ``eigh(G_A)``)
-        when ``r < d``, else ``M^T M`` (``d x d``); elsewhere ``G_B G_A`` or ``M^T M`` by
-        repeated squaring. Larger ones use :func:`lanczos_lambda_max`
-        on the operator ``v -> A^T G_B A v`` (Gram path) or ``v -> M^T M v`` (``M`` formed):
-        a fixed number of steps from a fixed start vector, nothing carried between calls.
+        The largest eigenvalue of a matrix with the same non-zero spectrum as ``M M^T``:
+        ``G_B G_A`` (``r x r``) on the Gram path, ``M^T M`` (``d x d``) on the explicit one.
+        GPU algorithm: :func:`lambda_max_by_squaring`, batched with the stack's other problems
+        (:class:`Spectra`). CPU algorithm: problems of size ``m = min(r, d)`` up to
+        :func:`lanczos_threshold` exactly (``eigvalsh`` of ``F^T G_B F``, ``G_A = F F^T``
+        from ``eigh(G_A)``, or of ``M^T M``); larger ones by :func:`lanczos_lambda_max` on
+        the operator ``v -> A^T G_B A v`` or ``v -> M^T M v``: a fixed number of steps from a
+        fixed start vector, nothing carried between calls.
         """
+        self.request("m")
+        return self.spectra.get((id(self), "m"))
+
+    def _m_problem(self) -> Tensor:
+        if self.explicit:
+            m = self.matrix
+            return m.mT @ m
+        return self.gram_b[:, None] @ self.gram_a
+
+    def _m_host(self) -> Tensor:
         r, d = self.a.shape[-2:]
         if min(r, d) > lanczos_threshold(self.a.device):
             if self.explicit:
@@ -178,10 +429,6 @@ class Products:
             a, gb = self.a, self.gram_b[:, None]
             return lanczos_lambda_max(lambda v: _mtv(a, _mv(gb, _mv(a, v))), (*self.shape, d), a,
                                       steps=lanczos_steps(r))  # rank <= r: the Krylov space too
-        if r < d and not host_eigensolver(self.a.device):  # no eigh: it would wait for the device
-            gb_ga = self.gram_b[:, None] @ self.gram_a  # same spectrum as F^T G_B F
-            c0, finite = _finite_or_zero(gb_ga)
-            return torch.where(finite, _lambda_max_by_squaring(c0).to(c0.dtype).clamp_min(0), float("nan"))
         if r < d:
             s, u = _eigh(self.gram_a)
             f = u * s.clamp_min(0).sqrt()[..., None, :]  # G_A = F F^T
@@ -194,25 +441,45 @@ class Products:
     @cached_property
     def factor_sigma_max(self) -> tuple[Tensor, Tensor]:
         """``sigma_max(A)`` ``(n, G)`` and ``sigma_max(B)`` ``(n, 1)``, true scale, float64."""
-        return (_lambda_max(_small_gram(self.a, self.gram_a)).double().sqrt() * self.scale_a,
-                _lambda_max(_small_gram(self.b, self.gram_b)).double().sqrt()[:, None] * self.scale_b)
+        self.request("factors")
+        la, lb = self.spectra.get((id(self), "a")), self.spectra.get((id(self), "b"))
+        return (la.double().clamp_min(0).sqrt() * self.scale_a,
+                lb.double().clamp_min(0).sqrt()[:, None] * self.scale_b)
 
 
-def _rescaled(t: Tensor) -> tuple[Tensor, Tensor]:
-    """Each matrix ``t[..., :, :]`` divided by its largest entry, and that entry (float64).
+def _matmul_out(x: Tensor, y: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x @ y`` of low-precision stacks with ``dtype`` output (``torch.bmm(..., out_dtype=)``)."""
+    lead = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    x3 = x.expand(*lead, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+    y3 = y.expand(*lead, *y.shape[-2:]).reshape(-1, *y.shape[-2:])
+    return torch.bmm(x3, y3, out_dtype=dtype).reshape(*lead, x.shape[-2], y.shape[-1])
 
-    A non-finite entry makes its whole matrix non-finite (and its scale inf or NaN), so it
-    is reported as undefined; a zero matrix keeps scale 0.
+
+def _pow2_scale(t: Tensor, dims: int) -> Tensor:
+    """A power of two near the largest ``|entry|`` of each trailing ``dims``-dimensional block of ``t``.
+
+    ``2^floor(log2 max|t|)`` (the largest entry scaled into ``[1, 2)``; dividing by it is exact
+    in every binary float type); ``tiny`` for a zero block, 1 for a non-finite one (its
+    non-finite entries then give NaN downstream, its finite ones stay in range). Float32 for
+    half-precision input, else ``t``'s dtype.
     """
-    amax = t.abs().amax((-1, -2), keepdim=True)
-    scaled = t * torch.where(amax > 0, amax.reciprocal(), torch.ones_like(amax))
-    return scaled, amax[..., 0, 0].to(torch.float64)
+    amax = t.abs().amax(tuple(range(-dims, 0)))
+    if amax.dtype in (torch.float16, torch.bfloat16):
+        amax = amax.float()
+    return torch.exp2(torch.floor(torch.log2(amax.clamp_min(torch.finfo(amax.dtype).tiny)))).nan_to_num(1.0, 1.0, 1.0)
 
 
-def _small_gram(x: Tensor, gram: Tensor) -> Tensor:
-    """The smaller of ``x x^T`` (``gram``, computed lazily) and ``x^T x``: same non-zero spectrum."""
+def _rescaled(t: Tensor, dims: int = 2) -> tuple[Tensor, Tensor]:
+    """Each trailing ``dims``-dimensional block of ``t`` divided by :func:`_pow2_scale`, and that scale (float64)."""
+    scale = _pow2_scale(t, dims)
+    shaped = scale.reshape(*scale.shape, *([1] * dims))
+    return t / shaped.to(t.dtype), scale.to(torch.float64)
+
+
+def _small_gram(x: Tensor, gram: Callable[[], Tensor]) -> Tensor:
+    """The smaller of ``x x^T`` (``gram()``, computed lazily) and ``x^T x``: same non-zero spectrum."""
     r, d = x.shape[-2:]
-    return x.mT @ x if d < r else gram
+    return x.mT @ x if d < r else gram()
 
 
 def _finite_or_zero(c: Tensor) -> tuple[Tensor, Tensor]:
@@ -230,39 +497,15 @@ def _eigh(c: Tensor) -> tuple[Tensor, Tensor]:
 def _lambda_max(c: Tensor) -> Tensor:
     """Largest eigenvalue (clamped at 0) of each symmetric PSD ``c[..., :, :]``; NaN if not finite.
 
-    ``eigvalsh`` on CPU; elsewhere :func:`_lambda_max_by_squaring`, which needs no host
-    synchronisation (a dense eigensolver checks its error flag on the host).
+    ``eigvalsh`` on the CPU algorithm; else :func:`lambda_max_by_squaring`, which needs no
+    host synchronisation (a dense eigensolver checks its error flag on the host).
     """
+    if not host_eigensolver(c.device):
+        return lambda_max_by_squaring(c).to(c.dtype).clamp_min(0)
     c0, finite = _finite_or_zero(c)
     c0 = (c0 + c0.mT) * 0.5
-    if host_eigensolver(c.device):
-        lam = torch.linalg.eigvalsh(c0)[..., -1]
-    else:
-        lam = _lambda_max_by_squaring(c0).to(c.dtype)
+    lam = torch.linalg.eigvalsh(c0)[..., -1]
     return torch.where(finite, lam.clamp_min(0), float("nan"))
-
-
-#: squarings in :func:`_lambda_max_by_squaring`: relative error at most about ``ln(n) / 2^s``
-SQUARINGS = 32
-
-
-def _lambda_max_by_squaring(c: Tensor, squarings: int = SQUARINGS) -> Tensor:
-    """Largest eigenvalue of PSD ``c`` from ``P = c^(2^s)``: ``tr(c P) / tr(P)``, float64.
-
-    ``c`` may also be a product of two PSD matrices (``G_B G_A``: real, non-negative
-    eigenvalues, diagonalisable), whose traces behave alike.
-
-    With eigenvalues ``l_i`` the ratio is ``sum l_i w_i / sum w_i``, ``w_i = (l_i / l_1)^(2^s)``,
-    so it lies within about ``l_1 ln(n) / 2^s`` below ``l_1`` (``n`` the size) whatever the gap. Each square is divided
-    by its trace (no overflow); only matrix products, so nothing waits for the device.
-    """
-    p = c.to(torch.float64)
-    p = p / _trace(p).clamp_min(torch.finfo(torch.float64).tiny)[..., None, None]
-    for _ in range(squarings):
-        p = p @ p
-        p = p / _trace(p).clamp_min(torch.finfo(torch.float64).tiny)[..., None, None]
-    top = _trace(c.to(torch.float64) @ p)
-    return torch.where(_trace(p) > 0, top / _trace(p).clamp_min(torch.finfo(torch.float64).tiny), 0.0)
 
 
 def _trace(x: Tensor) -> Tensor:
@@ -272,24 +515,6 @@ def _trace(x: Tensor) -> Tensor:
 #: Lanczos steps for problems up to 2048 (more, as ``m^(1/3)``, beyond: the relative gap at
 #: the top of a random-like spectrum shrinks as ``m^(-2/3)``); see docs/scores.md
 LANCZOS_STEPS = 48
-
-
-def host_eigensolver(device: torch.device) -> bool:
-    """Whether dense eigensolvers (``eigh``/``eigvalsh``) are used on ``device``: on CPU only.
-
-    Elsewhere they check their error flag on the host, a synchronisation the core avoids
-    (:func:`_lambda_max_by_squaring` instead).
-    """
-    return device.type == "cpu"
-
-
-def lanczos_threshold(device: torch.device) -> int:
-    """Largest problem size solved exactly on ``device``; larger ones use Lanczos.
-
-    Exactly: ``eigvalsh`` on CPU, repeated squaring elsewhere. On CPU LAPACK's ``eigvalsh`` is cheaper up to a few hundred (measured, docs/performance.md);
-    on other devices a dense eigensolver is slow for small matrices and waits for the device.
-    """
-    return 384 if host_eigensolver(device) else 64
 
 
 def lanczos_steps(m: int) -> int:
@@ -354,8 +579,8 @@ def lanczos_lambda_max(op: Callable[[Tensor], Tensor], shape: tuple[int, ...], l
     (:func:`lanczos_steps`) from a fixed start vector, with full reorthogonalisation (twice),
     then the largest Ritz value of ``H = V^T op(V)`` (``steps x steps``). A Krylov space that
     closes early (rank-deficient operator) gives zero vectors, which add zero Ritz values.
-    Non-finite operators give NaN. No host synchronisation except the final small
-    ``eigvalsh`` (replaced by :func:`_lambda_max_by_squaring` off CPU).
+    Non-finite operators give NaN. Used by the CPU algorithm only (its final small ``eigvalsh``
+    waits for the device elsewhere, and the step loop is hundreds of launches).
     """
     *batch, m = shape
     k = lanczos_steps(m) if steps is None else min(steps, m)
@@ -526,18 +751,102 @@ def score_factor_stack(
     names = check_metrics(metrics)
     n_layers, group = queries.shape[0], num_heads // num_kv
     with torch.no_grad():
-        # contiguous: a strided view (fused projections) and a stacked copy then round alike
-        q = queries.detach().to(dtype).contiguous()
-        k = keys.detach().to(dtype).contiguous()
+        q, scale_q, low_q = _stack_factor(queries.detach(), dtype)
+        k, scale_k, low_k = _stack_factor(keys.detach(), dtype)
+        spectra = Spectra(gpu_algorithm(q.device))
+        # one power of two per layer and factor, shared by the layer and its heads
+        head_scale_q = scale_q[:, None, None].expand(n_layers, num_kv, group).reshape(n_layers * num_kv, group)
+        head_scale_k = scale_k[:, None, None].expand(n_layers, num_kv, 1).reshape(n_layers * num_kv, 1)
+        heads = _Lazy(lambda: Products(
+            q.reshape(n_layers * num_kv, group, head_dim, d), k.reshape(n_layers * num_kv, head_dim, d),
+            num_std, dtype, scale_a=head_scale_q, scale_b=head_scale_k, spectra=spectra,
+            low=(None if low_q is None else low_q.reshape(n_layers * num_kv, group, head_dim, d),
+                 None if low_k is None else low_k.reshape(n_layers * num_kv, head_dim, d))))
         q_grouped = q.reshape(n_layers, num_kv, group, head_dim, d).sum(2) if group > 1 else q
-        heads = _Lazy(lambda: Products(q.reshape(n_layers * num_kv, group, head_dim, d),
-                                       k.reshape(n_layers * num_kv, head_dim, d), num_std, dtype))
         layer = Products(q_grouped.reshape(n_layers, 1, num_kv * head_dim, d),
-                         k.reshape(n_layers, num_kv * head_dim, d), num_std, dtype, parts=heads.get)
+                         k.reshape(n_layers, num_kv * head_dim, d), num_std, dtype, parts=heads.get,
+                         scale_a=scale_q[:, None], scale_b=scale_k[:, None], spectra=spectra,
+                         low=(None if low_q is None or group > 1 else low_q.reshape(n_layers, 1, num_kv * head_dim, d),
+                              None if low_k is None else low_k.reshape(n_layers, num_kv * head_dim, d)))
+        # every largest-eigenvalue problem the metrics need, registered before any is solved:
+        # the GPU algorithm solves them in one chain per size
+        if any(m in _NEEDS_SIGMA for m in names):
+            layer.request("m")
+            if per_head:
+                heads.get().request("m")
+        if any(m in _NEEDS_FACTOR_SIGMA for m in names):
+            heads.get().request("factors")
         columns = [_metric_table(layer, names, n_layers)]
         if per_head:
             columns.append(_metric_table(heads.get(), names, n_layers))
         return torch.cat(columns, 2)
+
+
+#: metrics that read ``sigma_max(M)`` / the factors' ``sigma_max`` (their problems are batched)
+_NEEDS_SIGMA = frozenset({"spectral_norm", "stable_rank"})
+_NEEDS_FACTOR_SIGMA = frozenset({"qk_bound"})
+
+
+def _stack_factor(t: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A stack ``(L, heads, head_dim, d)`` divided by one power of two per layer, in ``dtype``.
+
+    Returns the scaled stack in ``dtype``, the scales (float64 ``(L,)``) and, for bf16/fp16
+    input on a device with float32-output matrix products (:func:`gram_out_dtype_supported`),
+    the scaled stack in its own dtype (exact: a power of two) for the Gram products.
+    """
+    scale = _pow2_scale(t, 3)  # (L,), float32 or t's dtype
+    shaped = scale[:, None, None, None]
+    if torch.promote_types(t.dtype, dtype) == dtype:  # one division, promoting to dtype
+        scaled = t / shaped.to(dtype)
+    else:
+        scaled = t.to(dtype) / shaped.to(dtype)
+    low = None
+    if (t.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+            and gram_out_dtype_supported(t.device)):
+        low = t / shaped.to(t.dtype)
+    return scaled, scale.to(torch.float64), low
+
+
+# ------------------------------------------------------------------ host view of one layer
+@dataclass
+class FactoredScores:
+    """Scores of one layer: the layer-level matrix and, optionally, every head."""
+
+    symmetry: float
+    directionality: float
+    head_symmetry: list[float] | None = None
+    head_directionality: list[float] | None = None
+
+
+def factored_scores(
+    query: Tensor,
+    key: Tensor,
+    *,
+    per_head: bool = False,
+    layer: bool = True,
+    num_std: float = 2.0,
+    dtype: torch.dtype = torch.float32,
+) -> FactoredScores:
+    """Symmetry and directionality of ``M = sum_h Q_h^T K_{g(h)}`` from per-head factors, on the host.
+
+    ``query`` is ``(num_heads, head_dim, d)`` and ``key`` is ``(num_kv_heads, head_dim, d)``
+    (``nn.Linear`` weight rows split per head); query head ``h`` pairs with key head
+    ``g(h) = h // (num_heads / num_kv_heads)``. A host-side view of :func:`score_factors`
+    (one device-to-host transfer); ``layer=False`` leaves the layer scores ``nan``.
+
+    Example:
+        >>> q = torch.randn(4, 8, 32)
+        >>> s = factored_scores(q, q, per_head=True)  # W_q = W_k: every M_h is symmetric
+        >>> round(s.symmetry, 4), [round(x, 4) for x in s.head_symmetry]
+        (1.0, [1.0, 1.0, 1.0, 1.0])
+    """
+    table = score_factors(query, key, ("symmetry", "directionality"), per_head=per_head,
+                          num_std=num_std, dtype=dtype).cpu().tolist()
+    nan = float("nan")
+    out = FactoredScores(table[0][0] if layer else nan, table[1][0] if layer else nan)
+    if per_head:
+        out.head_symmetry, out.head_directionality = table[0][1:], table[1][1:]
+    return out
 
 
 class _Lazy:

@@ -25,9 +25,11 @@ from typing import Protocol
 import torch
 
 from .extraction import AttentionLayer
-from .metrics import DEFAULT_METRICS, check_metrics, score_factor_stack, score_factors
+from .metrics import DEFAULT_METRICS, check_metrics, gpu_algorithm, score_factor_stack, score_factors
+from .scores import gram_is_cheaper
 
-__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "stack_layers", "score_stacks", "Stack"]
+__all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "stack_layers", "score_stacks",
+           "Stack", "stack_budget", "stack_layer_bytes"]
 
 Tensor = torch.Tensor
 ParamGetter = Callable[[str], Tensor]
@@ -146,12 +148,40 @@ def pair_metric_names(pairs: Sequence[ScorePair]) -> list[str]:
     return names
 
 
-#: bytes a stack of layers may take in :func:`stack_layers` (factors in the compute dtype, their
-#: rescaled copies and a ``d x d`` product per layer); larger groups are scored in chunks. On
-#: a GPU a stack saves kernel launches; on CPU a stack larger than the caches makes the
-#: element-wise passes memory-bound, so chunks stay cache-sized there (docs/performance.md)
-STACK_BYTES = 256 << 20
+#: the most bytes a stack of layers may take in :func:`stack_layers` on the GPU algorithm
+#: (:func:`attn_probe.metrics.gpu_algorithm`): on CUDA the budget is the smaller of this cap and
+#: :data:`FREE_MEMORY_SHARE` of the device's free memory; the GPU algorithm on CPU tensors uses
+#: the cap. One stack per shape saves kernel launches (docs/performance.md)
+STACK_BYTES = 8 << 30
+#: share of the device's free memory (``torch.cuda.mem_get_info``) a stack may take
+FREE_MEMORY_SHARE = 0.5
+#: the budget on the CPU algorithm: a stack larger than the caches makes the element-wise
+#: passes memory-bound, so chunks stay cache-sized there (docs/performance.md)
 CPU_STACK_BYTES = 8 << 20
+
+
+def stack_budget(device: torch.device) -> int:
+    """Bytes one stack of layers may take on ``device`` (see :data:`STACK_BYTES`)."""
+    if not gpu_algorithm(device):
+        return CPU_STACK_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, min(STACK_BYTES, int(free * FREE_MEMORY_SHARE)))
+    return STACK_BYTES
+
+
+def stack_layer_bytes(q_shape: Sequence[int], k_shape: Sequence[int], dtype: torch.dtype,
+                      compute: torch.dtype) -> int:
+    """Bytes one layer takes in a stack: its stacked copy, the core's scaled copies in the compute
+    dtype and in its own (bf16 Gram products), and any ``d x d`` products the core forms."""
+    heads, head_dim, d = q_shape[-3:]
+    numel = math.prod(q_shape) + math.prod(k_shape)
+    formed = 0
+    if not gram_is_cheaper(k_shape[-3] * head_dim, d):
+        formed += d * d
+    if not gram_is_cheaper(head_dim, d):
+        formed += heads * d * d
+    return 2 * (dtype.itemsize + compute.itemsize) * numel + compute.itemsize * formed
 
 
 #: :meth:`QKPair.score` as defined here: a subclass, or a patch of the class, that replaces it
@@ -182,8 +212,9 @@ def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, c
     """Group layers for :func:`score_stacks`: one stack per shape, dtype and device, in chunks.
 
     For a pair that scores through the core (:class:`QKPair` and subclasses that keep its
-    ``score``), layers of one shape are stacked in the compute dtype in chunks of at most
-    :data:`STACK_BYTES` (:data:`CPU_STACK_BYTES` on CPU); a chunk of one layer and any other pair's layers stay single.
+    ``score``), layers of one shape are stacked (``torch.stack``, one operation per chunk
+    whatever the layer count, in the weights' dtype: the core converts) in chunks within
+    :func:`stack_budget`; a chunk of one layer and any other pair's layers stay single.
     ``copy=True`` copies single layers too (``clone``), so that the result no longer reads the
     weights (the asynchronous mode scores it while training goes on).
     """
@@ -199,23 +230,16 @@ def stack_layers(pair: ScorePair, factors: Sequence[tuple[Tensor, Tensor]], *, c
     for i, (a, b) in enumerate(factors):
         groups.setdefault((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, a.device, b.device), []).append(i)
     stacks: list[Stack] = []
-    item = dtype.itemsize
-    for (q_shape, k_shape, *_), indices in groups.items():
-        d = q_shape[-1]
-        per_layer = (3 * (math.prod(q_shape) + math.prod(k_shape)) + d * d) * item
-        budget = CPU_STACK_BYTES if factors[indices[0]][0].device.type == "cpu" else STACK_BYTES
-        size = max(1, budget // per_layer)
+    for (q_shape, k_shape, q_dtype, _, device, _), indices in groups.items():
+        per_layer = stack_layer_bytes(q_shape, k_shape, q_dtype, dtype)
+        size = max(1, stack_budget(device) // per_layer)
         for start in range(0, len(indices), size):
             chunk = indices[start: start + size]
             if len(chunk) == 1:
                 stacks.append(single(chunk[0]))
                 continue
-            a0, b0 = factors[chunk[0]]
-            queries = torch.empty((len(chunk), *q_shape), dtype=dtype, device=a0.device)
-            keys = torch.empty((len(chunk), *k_shape), dtype=dtype, device=b0.device)
-            for j, i in enumerate(chunk):  # copy_ converts: one copy, in the compute dtype
-                queries[j].copy_(factors[i][0])
-                keys[j].copy_(factors[i][1])
+            queries = torch.stack([factors[i][0] for i in chunk])
+            keys = torch.stack([factors[i][1] for i in chunk])
             stacks.append(Stack(chunk, queries, keys, stacked=True))
     return stacks
 

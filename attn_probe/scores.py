@@ -46,13 +46,14 @@ with factors ``A, B`` of shape ``(r, d)`` and ``M = A^T B``,
 which costs at most ``5 r^2 d`` multiply-adds instead of ``r d^2`` plus a few passes over
 the ``d x d`` matrix (:func:`gram_is_cheaper` picks the cheaper one); large symmetric Gram
 matrices are computed block-wise. The factored computation itself lives in the scoring core,
-:mod:`attn_probe.metrics`; this module keeps the definitions and their explicit-matrix forms.
+:mod:`attn_probe.metrics` (with :func:`~attn_probe.metrics.factored_scores`, its host-side
+view); this module keeps the definitions and their explicit-matrix forms and imports nothing
+from the core (the core imports it).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,11 +63,8 @@ __all__ = [
     "directionality_score",
     "directionality_from_norms",
     "symmetry_from_inner_products",
-    "factored_scores",
-    "FactoredScores",
     "pair_kv_heads",
     "gram_is_cheaper",
-    "factored_scores_tensor",
 ]
 
 Tensor = torch.Tensor
@@ -235,16 +233,6 @@ def pair_kv_heads(num_heads: int, num_kv_heads: int) -> Tensor:
     return torch.arange(num_heads) // (num_heads // num_kv_heads)
 
 
-@dataclass
-class FactoredScores:
-    """Scores of one layer: the layer-level matrix and, optionally, every head."""
-
-    symmetry: float
-    directionality: float
-    head_symmetry: list[float] | None = None
-    head_directionality: list[float] | None = None
-
-
 def _check_factors(query: Tensor, key: Tensor) -> tuple[int, int, int, int]:
     if not isinstance(query, Tensor) or not isinstance(key, Tensor):
         raise ValueError("factors must be torch tensors")
@@ -286,57 +274,3 @@ def _gram(x: Tensor, block: int = 256) -> Tensor:
         g[..., s:e, s:] = rows
         g[..., s:, s:e] = rows.mT
     return g
-
-
-def factored_scores(
-    query: Tensor,
-    key: Tensor,
-    *,
-    per_head: bool = False,
-    layer: bool = True,
-    num_std: float = 2.0,
-    dtype: torch.dtype = torch.float32,
-) -> FactoredScores:
-    """Scores of ``M = sum_h Q_h^T K_{g(h)}`` from per-head factors, without forming it when thin.
-
-    ``query`` is ``(num_heads, head_dim, d)`` and ``key`` is ``(num_kv_heads, head_dim, d)``
-    (``nn.Linear`` weight rows split per head); query head ``h`` pairs with key head
-    ``g(h) = h // (num_heads / num_kv_heads)``. A host-side view of the scoring core
-    :func:`attn_probe.metrics.score_factors` (one device-to-host transfer).
-    ``layer=False`` leaves the layer scores ``nan``.
-
-    Example:
-        >>> import torch
-        >>> q = torch.randn(4, 8, 32)
-        >>> s = factored_scores(q, q, per_head=True)  # W_q = W_k: every M_h is symmetric
-        >>> round(s.symmetry, 4), [round(x, 4) for x in s.head_symmetry]
-        (1.0, [1.0, 1.0, 1.0, 1.0])
-    """
-    from .metrics import score_factors
-
-    table = score_factors(query, key, ("symmetry", "directionality"), per_head=per_head,
-                          num_std=num_std, dtype=dtype).cpu().tolist()
-    nan = float("nan")
-    out = FactoredScores(table[0][0] if layer else nan, table[1][0] if layer else nan)
-    if per_head:
-        out.head_symmetry, out.head_directionality = table[0][1:], table[1][1:]
-    return out
-
-
-def factored_scores_tensor(
-    query: Tensor,
-    key: Tensor,
-    *,
-    per_head: bool = False,
-    num_std: float = 2.0,
-    dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """:func:`factored_scores` as a float64 device tensor ``(2, 1 + num_heads * per_head)``.
-
-    Row 0 symmetry, row 1 directionality; column 0 the layer matrix, then one column per
-    head. Kept for existing callers: :func:`attn_probe.metrics.score_factors` is the core.
-    """
-    from .metrics import score_factors
-
-    return score_factors(query, key, ("symmetry", "directionality"), per_head=per_head,
-                         num_std=num_std, dtype=dtype)

@@ -16,7 +16,7 @@ paper's two scores against the default metrics (the two scores plus spectral_nor
 frobenius_norm, stable_rank, qk_bound), and the norms' largest relative difference from
 ``torch.linalg.svdvals`` of the explicit float64 matrix.
 
-Factored: :func:`attn_probe.scores.factored_scores`. Both run in float32 on the same random
+Factored: :func:`attn_probe.metrics.factored_scores`. Both run in float32 on the same random
 weights (std 0.02), alternately (so that both see the same machine load); the script prints
 the median wall time of each, the speed-up and the largest absolute difference between
 their scores. Timings depend on the machine and its
@@ -36,9 +36,9 @@ from functools import partial
 
 import torch
 
+from attn_probe.metrics import factored_scores
 from attn_probe.scores import (
     directionality_from_norms,
-    factored_scores,
     pair_kv_heads,
     symmetry_from_inner_products,
 )

@@ -1,13 +1,19 @@
 """What a snapshot costs against reading the weights once (issue: "snapshot at memory speed").
 
 For each shape it builds the model from a config on the meta device, materialises it with
-``to_empty`` and fills every parameter with ``normal_(0, 0.02)`` (uninitialised memory can hold
-denormals and NaNs that skew timings), then times, median of ``--repeats``:
+``to_empty``, fills every parameter with ``normal_(0, 0.02)`` (uninitialised memory can hold
+denormals and NaNs that skew timings) and copies every buffer (rotary ``inv_freq``, ...) from a
+one-layer model of the same config built for real, then times, median of ``--repeats``:
 
 * ``snapshot``: ``probe.snapshot()`` of a probe made by ``attn_probe.watch(model, log_dir=tmp)``
   with the default metrics and sinks (what a training step pays when a snapshot is due);
 * ``read_once``: ``torch._foreach_norm`` over every W_q/W_k tensor (reading them once);
 * their ratio;
+* ``ops``: the non-view ATen ops one synchronous ``probe.snapshot()`` dispatches on the calling
+  thread (:mod:`attn_probe.op_count`), and on CPU ``ops (GPU alg.)``, the same with the GPU
+  algorithm run on CPU tensors (:func:`attn_probe.metrics.gpu_algorithm_on_cpu`); with
+  ``--kernels`` on CUDA, ``torch.profiler``'s count of CUDA kernel launches (kernels, memcpy and
+  memset) of the same snapshot, to calibrate the op count against the launches it stands for;
 * with ``async_scoring=True``, what ``snapshot()`` costs the training thread (the walk and the
   copies; the worker's scoring is waited for outside the timing);
 
@@ -55,6 +61,9 @@ def sync(device: torch.device) -> None:
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import copy
+    import re
+
     from transformers import AutoModelForCausalLM
 
     cfg = SHAPES[name]()
@@ -65,6 +74,16 @@ def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Modul
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
+    # to_empty leaves buffers (rotary inv_freq) uninitialised: copy them from a real one-layer model
+    small_cfg = copy.deepcopy(cfg)
+    small_cfg.num_hidden_layers, small_cfg.vocab_size, small_cfg.intermediate_size = 1, 8, 8
+    small = dict(AutoModelForCausalLM.from_config(small_cfg, dtype=dtype).named_buffers())
+    with torch.no_grad():
+        for buf_name, buf in model.named_buffers():
+            source = small.get(re.sub(r"\.layers\.\d+\.", ".layers.0.", buf_name))
+            if source is None or source.shape != buf.shape:
+                raise RuntimeError(f"no initial value for buffer {buf_name} of {name}")
+            buf.copy_(source)
     return model
 
 
@@ -90,12 +109,28 @@ def qk_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int, per_head: bool) -> dict[str, Any]:
+def cuda_kernel_count(fn) -> int:
+    """CUDA launches (kernels, memcpy, memset) of one ``fn()``, by ``torch.profiler``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int, per_head: bool,
+               kernels: bool = False) -> dict[str, Any]:
     import attn_probe
+    from attn_probe.metrics import gpu_algorithm_on_cpu
+    from attn_probe.op_count import snapshot_op_count
 
     model = build(name, device, dtype)
     tensors = qk_tensors(model)
     read_once = median_time(lambda: torch._foreach_norm(tensors), device, repeats)
+    counts: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         probe = attn_probe.watch(model, log_dir=d, every=None, per_head=per_head)
         step = [1]
@@ -105,6 +140,13 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
             step[0] += 1
 
         snapshot = median_time(snap, device, repeats)
+        counts["ops"] = snapshot_op_count(probe, snapshot=lambda _: snap()).total
+        if device.type == "cpu":
+            with gpu_algorithm_on_cpu():
+                snap()  # warm-up on this algorithm
+                counts["ops_gpu_algorithm"] = snapshot_op_count(probe, snapshot=lambda _: snap()).total
+        elif kernels and device.type == "cuda":
+            counts["cuda_kernels"] = cuda_kernel_count(snap)
         probe.close(final_snapshot=False)
     with tempfile.TemporaryDirectory() as d:  # async_scoring: what the training thread pays
         probe = attn_probe.watch(model, log_dir=d, every=None, per_head=per_head, async_scoring=True,
@@ -124,7 +166,7 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
     return {"shape": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "per_head": per_head, "snapshot_ms": snapshot * 1e3, "read_once_ms": read_once * 1e3,
             "async_training_thread_ms": async_thread * 1e3,
-            "ratio": snapshot / read_once, "qk_mb": qk_bytes / 2**20}
+            "ratio": snapshot / read_once, "qk_mb": qk_bytes / 2**20, **counts}
 
 
 def trainer_ratio(device: torch.device, every: int, steps: int, repeats: int) -> dict[str, Any]:
@@ -194,6 +236,7 @@ def main() -> None:
     p.add_argument("--trainer-steps", type=int, default=200, help="0 skips the Trainer ratio")
     p.add_argument("--trainer-repeats", type=int, default=3)
     p.add_argument("--every", type=int, default=None, help="Trainer snapshot interval (default 20 CPU, 10 GPU)")
+    p.add_argument("--kernels", action="store_true", help="on CUDA, also count one snapshot's kernels (profiler)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,16 +248,18 @@ def main() -> None:
     print(f"{hardware}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.1f}")
     results: dict[str, Any] = {"hardware": hardware, "torch": torch.__version__, "shapes": []}
+    count_col = "ops (GPU alg.)" if device.type == "cpu" else "CUDA kernels"
     print("| shape | device | dtype | per head | snapshot ms | read-once ms | ratio | async: training thread ms "
-          "| W_q+W_k MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| W_q+W_k MB | ops | {count_col} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in shapes:
         for per_head in ([False, True] if args.per_head else [False]):
-            r = time_shape(name, device, dtype, args.repeats, per_head)
+            r = time_shape(name, device, dtype, args.repeats, per_head, kernels=args.kernels)
             results["shapes"].append(r)
+            other = r.get("ops_gpu_algorithm", r.get("cuda_kernels", "-"))
             print(f"| {r['shape']} | {r['device']} | {r['dtype']} | {per_head} | {r['snapshot_ms']:.2f} | "
                   f"{r['read_once_ms']:.3f} | {r['ratio']:.1f}x | {r['async_training_thread_ms']:.2f} | "
-                  f"{r['qk_mb']:.1f} |", flush=True)
+                  f"{r['qk_mb']:.1f} | {r['ops']} | {other} |", flush=True)
     if args.trainer_steps > 0:
         every = args.every or (10 if device.type == "cuda" else 20)
         t = trainer_ratio(device, every, args.trainer_steps, args.trainer_repeats)

@@ -1,5 +1,7 @@
 """The GPU paths, where a GPU is present (skipped elsewhere): the core on CUDA against float64
-references, no host synchronisation inside it, and the asynchronous mode on CUDA streams.
+references, no host synchronisation inside it, bf16 Gram products with float32 output, the
+stack budget from the free memory, the operation count beside the profiler's kernel count, and
+the asynchronous mode on CUDA streams.
 
 Run on a GPU machine with ``python -m pytest -q tests/test_cuda.py``.
 """
@@ -36,7 +38,7 @@ def test_no_host_synchronisation_inside_the_core(shape):
     q, k = factors(shape, seed=1)
     queries = torch.stack([q, 2 * q]).cuda()
     keys = torch.stack([k, k]).cuda()
-    score_factor_stack(queries, keys, per_head=True)  # first use: the Lanczos start vector is copied once
+    score_factor_stack(queries, keys, per_head=True)  # first use: the out_dtype feature test runs once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -64,6 +66,56 @@ def test_bf16_weights_on_cuda_match_float64_references():
     check_table(table.cpu(), q16.double(), k16.double())
 
 
+def test_bf16_gram_products_use_float32_output_where_supported():
+    device = torch.device("cuda")
+    supported = core.gram_out_dtype_supported(device)
+    q, k = factors((4, 4, 32, 256), seed=6)
+    seen = []
+    real = torch.bmm
+
+    def spy(*args, **kwargs):
+        seen.append((args[0].dtype, kwargs.get("out_dtype")))
+        return real(*args, **kwargs)
+
+    torch.bmm = spy
+    try:
+        table = score_factors(q.bfloat16().cuda(), k.bfloat16().cuda(), per_head=True)
+    finally:
+        torch.bmm = real
+    check_table(table.cpu(), q.bfloat16().double(), k.bfloat16().double())
+    assert ((torch.bfloat16, torch.float32) in seen) == supported
+    assert torch.get_float32_matmul_precision() == "highest"  # no global flag changed
+
+
+def test_stack_budget_comes_from_the_free_memory():
+    from attn_probe import pairs
+
+    free, _ = torch.cuda.mem_get_info()
+    budget = pairs.stack_budget(torch.device("cuda"))
+    assert 0 < budget <= pairs.STACK_BYTES
+    assert budget <= free * pairs.FREE_MEMORY_SHARE * 1.05 + (64 << 20)
+
+
+def test_op_count_on_cuda_equals_the_gpu_algorithm_on_cpu(tmp_path):
+    """The device-independent count (GPU algorithm on CPU tensors) is the count on CUDA, float32
+    weights, up to the host transfers (no-ops on CPU); bf16 adds the two half-precision copies
+    that enter the Gram products."""
+    from attn_probe.op_count import snapshot_op_count
+
+    counts = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, num_hidden_layers=16,
+                                             num_attention_heads=8, num_key_value_heads=2, intermediate_size=64,
+                                             max_position_embeddings=64)).to(device)
+        probe = attn_probe.watch(model, log_dir=str(tmp_path / device), every=None)
+        with core.gpu_algorithm_on_cpu():
+            probe.snapshot(1)
+            counts[device] = snapshot_op_count(probe, 2).total
+        probe.close(final_snapshot=False)
+    assert counts["cpu"] <= counts["cuda"] <= counts["cpu"] + 2, counts
+
+
 def _llama():
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -88,6 +140,7 @@ def test_async_mode_on_cuda_equals_the_synchronous_mode(tmp_path):
         gen = torch.Generator(device="cuda").manual_seed(0)
         probe = attn_probe.watch(model, log_dir=str(tmp_path / str(mode)), every=1, optimizer=opt,
                                  per_head=True, async_scoring=mode)
+        probe.flush()  # the attach snapshot is scored before step 1 comes due (else step 1 is skipped)
         for _ in range(4):
             ids = torch.randint(0, 64, (4, 16), device="cuda", generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()

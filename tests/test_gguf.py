@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from attn_probe.extraction import find_attention
-from attn_probe.scores import directionality_score, factored_scores
+from attn_probe.metrics import factored_scores
+from attn_probe.scores import directionality_score
 from attn_probe.scoring import score_layer, score_model
 
 gguf = pytest.importorskip("gguf")

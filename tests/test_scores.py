@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from attn_probe import scores
+from attn_probe import metrics, scores
+from attn_probe.metrics import factored_scores, score_factors
 from attn_probe.scores import (
     directionality_from_norms,
     directionality_score,
-    factored_scores,
     gram_is_cheaper,
     pair_kv_heads,
     symmetry_from_inner_products,
@@ -407,6 +407,20 @@ def test_docstring_examples_run():
     result = doctest.testmod(scores, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5
     assert result.failed == 0
+    result = doctest.testmod(metrics, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3
+    assert result.failed == 0
+
+
+def test_scores_module_does_not_import_the_core():
+    """No metrics <-> scores circle: scores.py is the definitions, the core imports it."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(scores))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and "metrics" in m for m in imported), imported
 
 
 @pytest.mark.parametrize("rank_deficient", [False, True], ids=["cholesky", "singular-fallback"])
@@ -432,14 +446,12 @@ def test_large_layer_path_matches_definitions(rank_deficient):
 
 @pytest.mark.parametrize("shape", [(8, 2, 8, 64), (4, 4, 16, 32), (6, 1, 4, 12)], ids=["gqa", "mha", "mqa"])
 def test_device_tensor_variant_matches_explicit_definitions(shape):
-    """factored_scores_tensor (used by the live probe) against explicit d x d matrices."""
-    from attn_probe.scores import factored_scores_tensor
-
+    """score_factors (the core, as the live probe calls it) against explicit d x d matrices."""
     H, Hk, dh, d = shape
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(H, dh, d, generator=gen, dtype=torch.float64)
     k = torch.randn(Hk, dh, d, generator=gen, dtype=torch.float64)
-    out = factored_scores_tensor(q, k, per_head=True, dtype=torch.float64)
+    out = score_factors(q, k, ("symmetry", "directionality"), per_head=True, dtype=torch.float64)
     heads = [q[h].T @ k[h // (H // Hk)] for h in range(H)]
     mats = [sum(heads)] + heads
     expected_sym = [symmetry_score(m) for m in mats]
