@@ -673,6 +673,8 @@ MAGNITUDES: frozenset[str] = frozenset({"spectral_norm", "frobenius_norm", "stab
 
 def is_magnitude(metric: str) -> bool:
     """Whether ``metric`` (possibly with a pair prefix such as ``ov_``) is one of :data:`MAGNITUDES`."""
+    if metric == "ov_gain_bound":  # the OV pair's name for its qk_bound (pairs.OVPair)
+        return True
     return any(metric == m or metric.endswith("_" + m) for m in MAGNITUDES)
 
 

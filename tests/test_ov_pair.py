@@ -220,3 +220,16 @@ def test_ov_metric_names_and_narrowing():
         OVPair(["ov_symmetry"])
     assert math.isfinite(float(OVPair(["frobenius_norm"]).score(
         None, torch.randn(2, 3, 5), torch.randn(1, 3, 5), per_head=False, num_std=2.0)[0, 0]))
+
+
+def test_every_ov_metric_the_pair_writes_that_bounds_or_measures_size_gets_a_max_tag():
+    """The OV pair renames its qk_bound to ov_gain_bound; it is still a magnitude (TensorBoard max tag)."""
+    from attn_probe.pairs import OVPair
+    from attn_probe.tags import stats_for
+
+    names = OVPair().metrics
+    assert "ov_gain_bound" in names and "ov_qk_bound" not in names
+    for name in names:
+        bare = name.removeprefix("ov_")
+        want_max = bare in ("spectral_norm", "frobenius_norm", "stable_rank", "gain_bound")
+        assert ("max" in stats_for(name)) == want_max, name
