@@ -382,8 +382,41 @@ def _lines(fh: Any) -> Iterator[str | None]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def _read_trajectory_file(path: Path) -> list[tuple]:
-    rows: list[tuple] = []
+class _RunSplitter:
+    """Tells apart the runs that one trajectory file holds, row by row, in file order.
+
+    A probe's steps only increase, and a resumed run first cuts the file before its resume step
+    (:func:`attn_probe.sinks.trajectory.truncate_trajectory`), so a value (``group, layer, head,
+    metric``) is written again at a step at or before its last one only where a fresh run was
+    started in a ``log_dir`` that already held one (its sink warns and appends), and such a run
+    counts from step 0. A value written again at a step ``s`` starts a new run when ``s`` is at or
+    before the first step of the current run, and otherwise continues it: a resume appended
+    without the cut, whose rows from ``s`` on replace the earlier ones (the value written last
+    counts, :func:`normalize`). Values are compared one by one, so rows in any order within a
+    run (a file written by hand metric by metric) stay one run.
+    """
+
+    def __init__(self) -> None:
+        self.runs: list[list[tuple]] = []
+        self._first = 0  # the current run's first step
+        self._last: dict[tuple, int] = {}  # (group, layer, head, metric) -> its last step in the current run
+
+    def add(self, row: tuple) -> None:
+        group, step, layer, head, metric, _ = row
+        key = (group, layer, head, metric)
+        last = self._last.get(key)
+        if not self.runs or (last is not None and step <= last and step <= self._first):
+            self.runs.append([])  # the first run, or one that starts again
+            self._last.clear()
+            self._first = step
+        self._first = min(self._first, step)
+        self._last[key] = step
+        self.runs[-1].append(row)
+
+
+def _read_trajectory_file(path: Path) -> list[list[tuple]]:
+    """The valid rows of a trajectory file, one list per run it holds (:class:`_RunSplitter`)."""
+    runs = _RunSplitter()
     bad = 0
     with open(path, "rb") as fh:
         for line in _lines(fh):
@@ -393,14 +426,14 @@ def _read_trajectory_file(path: Path) -> list[tuple]:
             if parsed is None:
                 bad += 1
             else:
-                rows.append(parsed)
+                runs.add(parsed)
     if bad:
         warnings.warn(
             f"{path}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
             TrajectoryWarning,
             stacklevel=4,
         )
-    return rows
+    return runs.runs
 
 
 # TFRecord framing of event files: u64 length, masked crc32c of the length, data, masked crc32c
@@ -605,15 +638,18 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     return rows
 
 
-def _read_run(run_dir: Path) -> list[tuple]:
+def _read_run(run_dir: Path) -> list[list[tuple]]:
+    """The rows of the run(s) in ``run_dir``: one list per run its trajectory file holds, or one
+    list from its event files (empty lists when there is nothing)."""
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
-        rows = _read_trajectory_file(traj)
-        if rows or not has_event_files(str(run_dir)):
-            return rows
+        runs = _read_trajectory_file(traj)
+        if runs or not has_event_files(str(run_dir)):
+            return runs
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
-    return _read_event_files(run_dir)
+    rows = _read_event_files(run_dir)
+    return [rows] if rows else []
 
 
 def _is_na(v: Any) -> bool:
@@ -802,9 +838,13 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     ``runs`` is a run directory, a parent of run directories (``encoder/`` and ``decoder/``
     give two runs), a table written by :func:`export_trajectory`, a list of those, or
     ``{name: directory}``. Duplicate steps of a resumed
-    run keep the value written last. Corrupt or truncated trajectory lines are skipped with
-    one :class:`TrajectoryWarning` per file; directories without probe data are skipped with
-    a warning, and :class:`TrajectoryError` is raised when nothing usable is left.
+    run keep the value written last. A trajectory file that holds several runs (a fresh run
+    started in a ``log_dir`` that already held one appends to it: its steps start again) loads
+    as separate runs, named ``NAME``, ``NAME#2``, ``NAME#3``... in the order they were written,
+    with one :class:`TrajectoryWarning` saying so; a resumed run stays one run
+    (:class:`_RunSplitter` says how they are told apart). Corrupt or truncated trajectory lines
+    are skipped with one :class:`TrajectoryWarning` per file; directories without probe data are
+    skipped with a warning, and :class:`TrajectoryError` is raised when nothing usable is left.
 
     Example:
         >>> df = load_trajectory("runs/encoder")                      # doctest: +SKIP
@@ -814,13 +854,28 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     tables, dirs = _split_tables(runs)
     frames = [read_table(t) for t in tables]
     found = find_runs(dirs) if dirs or not tables else []
-    empty = []
+    taken = {n for n, _ in found}.union(*(set(f["run"]) for f in frames))
+    empty, several = [], []
     for name, run_dir in found:
-        rows = _read_run(run_dir)
-        if not rows:
+        runs = _read_run(run_dir)
+        if not runs:
             empty.append(str(run_dir))
             continue
-        frames.append(_rows_frame(name, rows))
+        names, k = [name], 1
+        for _ in runs[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
+            k += 1
+            while f"{name}#{k}" in taken:
+                k += 1
+            names.append(f"{name}#{k}")
+            taken.add(names[-1])
+        for run_name, rows in zip(names, runs, strict=True):
+            frames.append(_rows_frame(run_name, rows))
+        if len(runs) > 1:
+            several.append(_runs_text(run_dir / TRAJECTORY_FILENAME, names, runs))
+    if several:
+        warnings.warn("; ".join(several) + ". A fresh run started in a log_dir that already holds a trajectory "
+                      "appends to it: give each run a log_dir of its own (resuming keeps one run)",
+                      TrajectoryWarning, stacklevel=2)
     if not frames:
         raise TrajectoryError(
             f"no probe data in {', '.join(empty)}: no valid {TRAJECTORY_FILENAME} line and no "
@@ -829,6 +884,15 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     for d in empty:
         warnings.warn(f"{d}: no probe data, skipped", TrajectoryWarning, stacklevel=2)
     return normalize(pd.concat(frames, ignore_index=True))
+
+
+def _runs_text(path: Path, names: list[str], runs: list[list[tuple]]) -> str:
+    """``PATH holds N runs, loaded as separate runs: NAME (steps a to b), NAME#2 (...)``."""
+    parts = []
+    for name, rows in zip(names, runs, strict=True):
+        first, last = min(r[1] for r in rows), max(r[1] for r in rows)
+        parts.append(f"{name} (step {first})" if first == last else f"{name} (steps {first} to {last})")
+    return f"{path} holds {len(runs)} runs (the steps start again), loaded as separate runs: {', '.join(parts)}"
 
 
 def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
