@@ -173,14 +173,14 @@ def test_a_pair_declares_the_parameters_it_needs(tmp_path):
     model = bert()
     probe = attn_probe.watch(model, log_dir=str(tmp_path), every=1, pairs=[QKPair(), SelfPair(("symmetry",))])
     seen = set()
-    orig = probe._param_names
+    orig = probe.measurement.param_names  # the documented seam: what the walk gathers per layer
 
     def spy(layer):
         names = orig(layer)
         seen.update(names)
         return names
 
-    probe._param_names = spy
+    probe.measurement.param_names = spy
     snap = probe.snapshot(1)
     probe.close(final_snapshot=False)
     assert any("query" in n for n in seen) and any("key" in n for n in seen)
@@ -218,8 +218,8 @@ def test_no_import_circle_between_watch_probe_and_integrations():
     code = (
         "import sys, attn_probe.integrations.accelerate, attn_probe.probe;"
         "assert 'attn_probe.watching' not in sys.modules, 'probe/accelerate import watch';"
-        "from attn_probe.probe import Probe, LogDirError, QKPair, watch;"
-        "import attn_probe.watching as w; assert watch is w.watch"
+        "from attn_probe.probe import Probe, LogDirError, QKPair;"
+        "from attn_probe import watch; import attn_probe.watching as w; assert watch is w.watch"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -43,9 +43,13 @@ from torch import nn
 
 from ..config import ProbeConfig
 from ..counting import EngineSteps
+from ..isolation import safe_warn
 from ..probe import Probe
 
-__all__ = ["AcceleratorTrackersSink", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
+#: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
+ACCELERATE_OPTIONS = ("trackers", "trackers_per_head")
+
+__all__ = ["ACCELERATE_OPTIONS", "AcceleratorTrackersSink", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
 
 
 def tensorboard_tracker_writer(accelerator: Any) -> Any:
@@ -182,8 +186,6 @@ def _warn_if_trackers_not_started(accelerator: Any, log_dir: str | None, tracker
               for t in (getattr(accelerator, "log_with", None) or [])]
     if not wanted or getattr(accelerator, "trackers", None) or (log_dir is not None and trackers is False):
         return
-    from ..sinks.dispatch import safe_warn
-
     safe_warn(f"attn_probe: the accelerator logs with {', '.join(wanted)}, but accelerator.init_trackers() has "
               "not run yet, so the probe sends nothing to those trackers and writes TensorBoard files "
               f"{'to ' + log_dir if log_dir else 'to its own default directory'}. Call attn_probe.watch(...) after "
@@ -193,28 +195,30 @@ def _warn_if_trackers_not_started(accelerator: Any, log_dir: str | None, tracker
 def watch_accelerated(
     model: nn.Module,
     accelerator: Any,
-    config: ProbeConfig | None = None,
+    config: ProbeConfig,
     *,
-    log_dir: str | None = None,
     optimizer: Any = None,
     trackers: bool | Sequence[str] = True,
     trackers_per_head: bool = False,
-    **options: Any,
 ) -> Probe:
     """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0.
 
     ``optimizer`` is the optimizer to count (prepared or not); without it, the accelerator's
     prepared optimizers (read from the private ``accelerator._optimizers``, for want of a
     public accessor). ``trackers``/``trackers_per_head`` choose what the accelerator's
-    non-TensorBoard trackers get. ``options`` are :class:`~attn_probe.config.ProbeConfig`
-    fields and the probe's wiring arguments (``sinks``, ``is_main_process``...).
+    non-TensorBoard trackers get. ``config`` is passed whole; this adds the accelerator's
+    TensorBoard writer (without ``log_dir``), its main-process flag (unless given) and the
+    tracker fan-out to it.
     """
     if not isinstance(trackers, bool):
         trackers = tuple(trackers)
         if not all(isinstance(t, str) for t in trackers):
             raise TypeError(f"trackers must be True, False or tracker names, got {trackers!r}")
-    writer = tensorboard_tracker_writer(accelerator) if log_dir is None else None
-    options.setdefault("is_main_process", bool(accelerator.is_main_process))
+    log_dir = config.log_dir
+    main = bool(accelerator.is_main_process) if config.is_main_process is None else config.is_main_process
+    changes: dict[str, Any] = {"is_main_process": main}
+    if log_dir is None and config.writer is None:
+        changes["writer"] = tensorboard_tracker_writer(accelerator)
     engine_wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if optimizer is not None:
         optimizers = [_inner_optimizer(optimizer)]
@@ -225,13 +229,13 @@ def watch_accelerated(
             "attn_probe.watch(accelerator=...) found no prepared optimizer: call it after "
             "accelerator.prepare(model, optimizer, ...)"
         )
-    if options["is_main_process"]:
+    if main:
         _warn_if_trackers_not_started(accelerator, log_dir, trackers)
         others = other_trackers(accelerator, trackers)
         if others:
-            options["sinks"] = [*(options.get("sinks") or []),
+            changes["sinks"] = [*(config.sinks or []),
                                 AcceleratorTrackersSink(others, per_head=trackers_per_head)]
-    probe = Probe(model, config, log_dir=log_dir, writer=writer, **options)
+    probe = Probe(model, config.replace(**changes))
     try:
         if engine_wrapper is not None:
             probe.add_hook_handle(EngineSteps(engine_wrapper.engine, probe))
@@ -241,8 +245,6 @@ def watch_accelerated(
     except Exception:
         probe.close(final_snapshot=False)
         raise
-    from ..watching import announce
-
-    announce(probe, every=probe.config.every, unit="optimizer steps")
+    probe.announce(every=probe.config.every, unit="optimizer steps")
     probe.snapshot(probe.step)
     return probe

@@ -32,15 +32,17 @@ from transformers.trainer_callback import ExportableState
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
-from ..probe import Probe, check_probe_options, default_log_dir
+from ..isolation import safe_warn
+from ..logdir import default_log_dir
+from ..probe import Probe
 from ..schedules import ScheduleLike
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
-#: options of the callback itself (wiring), beside the ProbeConfig fields
-#: options of the probe's machinery (not of what it measures) the callback passes through
-PROBE_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
-CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head", *PROBE_OPTIONS)
+#: options of the callback itself, beside the ProbeConfig fields
+CALLBACK_OPTIONS = ("trackers", "trackers_per_head")
+#: options of how the probe writes, left out of the checkpoint state (as before they were fields)
+_WRITING_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
 
 
 def _find_callback_handler() -> Any:
@@ -112,9 +114,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
-        self.sink_options = {k: options.pop(k) for k in PROBE_OPTIONS if k in options}
-        check_probe_options(**self.sink_options)  # bad values fail here, not at on_train_begin
-        self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
+        self.config: ProbeConfig = config_from_options(every=every, log_dir=log_dir, sinks=sinks,
+                                                       allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
             trackers = tuple(trackers)
             if not all(isinstance(t, str) for t in trackers):
@@ -129,7 +130,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
         self.run_log_dir_relative: str | None = None
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
-                                             trackers_per_head=trackers_per_head, **options)
+                                             trackers_per_head=trackers_per_head,
+                                             **{k: v for k, v in options.items() if k not in _WRITING_OPTIONS})
 
     # -- checkpoints (transformers' ExportableState) ------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -247,17 +249,10 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         def build(where: str | None) -> Probe:
-            return Probe(
-                model,
-                self.config.replace(start_step=step),
-                log_dir=where,
-                sinks=sinks or None,
-                is_main_process=main,
-                purge_stale=purge_stale,
-                restart=restart,
-                extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
-                **self.sink_options,
-            )
+            return Probe(model, self.config.replace(
+                start_step=step, log_dir=where, sinks=sinks or None, is_main_process=main, purge_stale=purge_stale,
+                restart=restart, extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
+            ))
 
         try:
             self.probe = build(log_dir)
@@ -280,9 +275,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.run_log_dir = log_dir
         self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
         if main:
-            from ..watching import announce
-
-            announce(self.probe, every=self.config.every, unit="optimizer steps")
+            self.probe.announce(every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)
 
     @staticmethod
@@ -331,8 +324,6 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 # ------------------------------------------------------------------------------------ helpers
 def _warn(message: str) -> None:
     """A RuntimeWarning that cannot raise (``python -W error`` turns warnings into exceptions)."""
-    from ..sinks.dispatch import safe_warn
-
     safe_warn(message, RuntimeWarning, stacklevel=3)
 
 
@@ -584,11 +575,16 @@ def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> At
     and the callback is put first in the Trainer's callback list, so that a resumed run's
     directory is chosen before the Trainer's TensorBoard writer opens and the final snapshot
     reaches the trackers before they end their runs. Options as :class:`AttnProbeCallback`.
+    Attached after ``trainer.train()`` it warns: it measures only during a later ``train()``.
     """
     callback = AttnProbeCallback(every, **options)
     handler = trainer.callback_handler
     if any(isinstance(cb, AttnProbeCallback) for cb in handler.callbacks):
         raise ValueError("this Trainer already has an AttnProbeCallback")
+    trained = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+    if trained > 0:
+        _warn(f"attn_probe.attach: this Trainer has already trained ({trained} steps); the probe measures "
+              "nothing until trainer.train() runs again. Attach before calling trainer.train().")
     if getattr(trainer, "model", None) is not None:
         callback._check_model(trainer.model)
     callback.handler = handler

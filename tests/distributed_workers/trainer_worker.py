@@ -123,7 +123,7 @@ def main() -> None:
 
     class Record(TrainerCallback):
         def on_step_end(self, args, s, control, **kwargs):
-            sinks["count"] = len(callback.probe._sinks) if callback.probe is not None else None
+            sinks["count"] = len(callback.probe.outputs.sinks) if callback.probe is not None else None
             sinks["main"] = callback.probe.is_main_process if callback.probe is not None else None
 
     trainer.add_callback(Record())  # after the probe callback: runs while the probe is open
