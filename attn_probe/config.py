@@ -19,7 +19,9 @@ from typing import Any
 
 from .asynchronous import DEFAULT_ASYNC_BYTES
 from .metrics import DEFAULT_METRICS, check_metrics
+from .pairs import QKPair
 from .schedules import Schedule, ScheduleLike, as_schedule
+from .scoring import resolve_pairs
 from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
 
 __all__ = ["ProbeConfig", "config_from_options"]
@@ -129,8 +131,6 @@ class ProbeConfig:
             if not pairs:
                 raise ValueError("pairs is empty: nothing would be measured; leave it out for the W_qk pair")
             if any(isinstance(p, str) for p in pairs):  # "qk", "ov": named pairs with ``metrics``
-                from .scoring import resolve_pairs
-
                 pairs = tuple(resolve_pairs(pairs, self.metrics))
             for p in pairs:
                 if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
@@ -182,8 +182,6 @@ class ProbeConfig:
         """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``."""
         if self.pairs is not None:
             return list(self.pairs)
-        from .pairs import QKPair
-
         return [QKPair(self.metrics)]
 
     def replace(self, **changes: Any) -> ProbeConfig:

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from helpers import tiny_bert, tiny_llama
 
 import attn_probe
 from attn_probe.pairs import QKPair
@@ -17,9 +17,7 @@ from attn_probe.stages.measurement import Measurement
 
 
 def llama(layers=4):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_llama(0, layers)
 
 
 def jsonl(log_dir):
@@ -174,9 +172,7 @@ def tiny_trainer_setup(tmp_path, max_steps):
     """A tiny BERT, random MLM data and CPU TrainingArguments with ``max_steps``."""
     from transformers import TrainingArguments
 
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=48, max_position_embeddings=16))
+    model = tiny_bert(0, vocab=40, seq=16, intermediate=48)
     data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=max_steps,
                              report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)

@@ -10,13 +10,10 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_bert, tiny_llama
 from transformers import (
-    BertConfig,
-    BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 import attn_probe
@@ -28,8 +25,7 @@ from attn_probe.scores import directionality_score, symmetry_score
 
 
 def bert():
-    return BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=48, max_position_embeddings=16))
+    return tiny_bert(None, vocab=40, seq=16, intermediate=48)
 
 
 def gpt2():
@@ -37,8 +33,7 @@ def gpt2():
 
 
 def llama_gqa():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_llama(None)
 
 
 MODELS = {"bert": bert, "gpt2-fused": gpt2, "llama-gqa": llama_gqa}
