@@ -73,7 +73,7 @@ with warnings.catch_warnings(record=True) as record:
             server.proc.wait()
     time.sleep(1)  # the lanes take the last snapshot
     out["before_close"] = [vars(s) for s in probe.sink_stats() if s.sink == "MlflowSink"][0]
-    dispatcher = probe._dispatcher  # probe.sink_stats() is empty once closed
+    dispatcher = probe.outputs.dispatcher  # probe.sink_stats() is empty once closed
     t = time.monotonic()
     probe.close()
     out["close_s"] = time.monotonic() - t

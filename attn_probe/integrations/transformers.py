@@ -244,8 +244,10 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
             trackers = _reporting_callbacks(handler, self.trackers)
             if trackers:
-                sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head,
-                                                 begin_kwargs={"model": model, **kwargs}))
+                from ..sinks.trackers import TrackerFanOut
+
+                sinks.append(TrackerFanOut(trainer_targets(trackers, args, state, begin_kwargs={"model": model, **kwargs}),
+                                           per_head=self.trackers_per_head))
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         def build(where: str | None) -> Probe:
@@ -451,84 +453,42 @@ def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]
     return [cb for cb in handler.callbacks if isinstance(cb, tuple(wanted))]
 
 
-class TrainerTrackersSink:
-    """Send each snapshot to the Trainer's tracker callbacks through their own ``on_log``.
+def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
+                    begin_kwargs: dict[str, Any] | None = None) -> list[Any]:
+    """The Trainer's tracker callbacks as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of
+    the probe's tracker fan-out: each gets the values through its own ``on_log``.
 
     Each tracker applies its own conventions (W&B's ``train/`` prefix and its
     ``train/global_step`` axis, MLflow's step, ...) in the Trainer's own run. Nothing goes
     through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
     TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
-
-    Resume: before the first snapshot goes to a callback, the sink learns which tracker run it
-    logs into (the W&B run id, the active MLflow run, the current trackio run; an integration
-    it does not know by its class name) and, on a resumed run, the last probe step that run
-    already holds (:class:`~attn_probe.sinks.trackers.ResendGuard`: MLflow is read back, the
-    others come from the probe's record); the snapshots up to that step are not sent to it
-    again. A callback that has not set itself up yet (with :func:`attach` the probe's
-    ``on_train_begin`` runs first) gets the ``on_train_begin`` it was about to get, with the
-    Trainer's arguments (``begin_kwargs``: the model, ...), so that its run exists; its own
-    ``on_train_begin`` then finds it set up, as it would after its own first ``on_log``.
+    Its run is identified (:func:`trainer_tracker_run`) before its first snapshot; a callback
+    that has not set itself up yet (with :func:`attach` the probe's ``on_train_begin`` runs
+    first) gets the ``on_train_begin`` it was about to get, with the Trainer's arguments
+    (``begin_kwargs``: the model, ...), so that its run exists.
     """
+    import copy
 
-    def __init__(self, callbacks: Sequence[Any], args: Any, state: Any, *, per_head: bool = False,
-                 begin_kwargs: dict[str, Any] | None = None) -> None:
-        self.callbacks = list(callbacks)
-        self.args = args
-        self.state = state
-        self.per_head = per_head
-        self.begin_kwargs = dict(begin_kwargs or {})
-        self.run_dir: str | None = None
-        self.resume_step: int | None = None
-        #: per callback (by id), its guard once known (``None``: send everything)
-        self.guards: dict[int, Any] = {}
+    from transformers import TrainerControl
 
-    def bind_run_dir(self, run_dir: str | None) -> None:
-        self.run_dir = run_dir
+    from ..sinks.trackers import TrackerTarget
 
-    def start(self, run: Any) -> None:
-        self.resume_step = getattr(run, "resume_step", None)
+    begin = dict(begin_kwargs or {})
 
-    def _guard(self, cb: Any) -> Any:
-        """The callback's :class:`~attn_probe.sinks.trackers.ResendGuard`, made at its first snapshot."""
-        if id(cb) in self.guards:
-            return self.guards[id(cb)]
-        from transformers import TrainerControl
+    def target(cb: Any) -> TrackerTarget:
+        def run() -> Any:
+            if getattr(cb, "_initialized", None) is False and not getattr(state, "is_hyper_param_search", False):
+                cb.on_train_begin(args, state, TrainerControl(), **begin)
+            return trainer_tracker_run(cb)
 
-        from ..sinks.trackers import make_guard
+        def send(values: dict[str, float], step: int) -> None:
+            at = copy.copy(state)
+            at.global_step = step
+            cb.on_log(args, at, TrainerControl(), logs=values)
 
-        if getattr(cb, "_initialized", None) is False and not getattr(self.state, "is_hyper_param_search", False):
-            cb.on_train_begin(self.args, self.state, TrainerControl(), **self.begin_kwargs)
-        guard = make_guard(lambda: trainer_tracker_run(cb), self.run_dir, self.resume_step)
-        self.guards[id(cb)] = guard
-        return guard
+        return TrackerTarget(type(cb).__name__, run, send)
 
-    def log(self, snapshot: Any) -> None:
-        import copy
-
-        from transformers import TrainerControl
-
-        from ..sinks.trackers import tracker_metrics
-
-        step = int(snapshot.step)
-        values = tracker_metrics(snapshot, per_head=self.per_head)
-        state = copy.copy(self.state)
-        state.global_step = step
-        errors = []
-        for cb in self.callbacks:
-            try:
-                guard = self._guard(cb)
-                if guard is not None and not guard.wants(step):
-                    continue  # this tracker run holds the step from before the resume
-                cb.on_log(self.args, state, TrainerControl(), logs=dict(values))
-                if guard is not None:
-                    guard.sent(step)
-            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
-                errors.append(f"{type(cb).__name__}: {type(exc).__name__}: {exc}")
-        if errors:
-            raise RuntimeError("tracker callback failed: " + "; ".join(errors))
-
-    def finish(self) -> None:
-        self.begin_kwargs = {}  # the model, optimizer and loaders: held no longer than needed
+    return [target(cb) for cb in callbacks]
 
 
 def trainer_tracker_run(cb: Any) -> Any:
@@ -559,10 +519,10 @@ def trainer_tracker_run(cb: Any) -> Any:
             client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
             return mlflow_run(client, run_id, label=f"the Trainer's MLflow run {run_id}")
     elif kind("TrackioCallback"):
-        from ..sinks.trackio import _current_run
+        from ..sinks.trackers import current_trackio_run
 
         trackio = sys.modules.get("trackio")
-        run = _current_run(trackio) if trackio is not None else None
+        run = current_trackio_run(trackio) if trackio is not None else None
         if run is not None:
             return trackio_run(run, label=f"the Trainer's trackio run {getattr(run, 'name', None)!r}")
     return TrackerRun(f"trainer:{name}", None, f"the Trainer's {name}")

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import os
 
+from ..isolation import safe_warn
 from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
-from . import RunInfo, Snapshot
+from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TrajectorySink", "truncate_trajectory", "last_complete_line_end"]
 
@@ -119,7 +120,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-class TrajectorySink:
+class TrajectorySink(Sink):
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
     #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
@@ -135,13 +136,14 @@ class TrajectorySink:
         #: how many times the file was found deleted or replaced and recreated
         self.recreated = 0
 
+    def directory(self) -> str:
+        return os.path.dirname(self.path) or "."
+
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if run.resume_step is not None:
             truncate_trajectory(self.path, run.resume_step)
         elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            from .dispatch import safe_warn
-
             safe_warn(
                 f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "
                 "and its rows are appended after the old ones. Use a fresh log_dir for a new run.",
@@ -247,8 +249,6 @@ class TrajectorySink:
         if restore_lock(directory) is False:  # a no-op while the lock file is still in place
             lock_note = (" The directory's lock file went too and could not be locked again (another "
                          "writer took it?): a second writer would not be refused now.")
-        from .dispatch import safe_warn
-
         others = (" The other files of the directory (TensorBoard's event files) went with it."
                   if how.endswith("with its directory") else "")
         where = ("appended to the file now at that path, after the rows it already holds" if self._inherited
