@@ -35,11 +35,10 @@ from .isolation import Failures, never_raise, safe_warn
 from .logdir import LogDirError, LogDirInUseError
 from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
 from .sinks import Snapshot
-from .sinks.dispatch import SinkStats
 from .stages.assembly import Assembler
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measured, Measurement
-from .stages.outputs import Outputs, announce_line, at_interpreter_exit, run_info
+from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
 
 __all__ = [
     "Probe",

@@ -24,7 +24,7 @@ from ..logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, de
 from ..sinks import RunInfo, Sink, Snapshot
 from ..sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
 
-__all__ = ["Outputs", "run_info", "announce_line", "at_interpreter_exit"]
+__all__ = ["Outputs", "SinkStats", "run_info", "announce_line", "at_interpreter_exit"]
 
 
 def at_interpreter_exit(hook: Callable[[float], None]) -> None:
