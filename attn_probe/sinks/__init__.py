@@ -63,6 +63,9 @@ class Sink:
     * ``finish()``: close; a run or writer handed in by the user stays open.
     * ``background`` (default ``False``): ``True`` when the sink may be driven from a thread
       of its own (one per sink, calls never overlap); otherwise it runs on the training thread.
+    * ``lossless`` (default ``False``): ``True`` when a full lane should make the training
+      thread wait (bounded) for room rather than drop a snapshot (the trajectory file).
+    * ``log_batch(snapshots)`` (default: none): write several waiting snapshots at once.
     * ``flush()`` (default: nothing): make what was logged durable (``probe.flush()``).
     * ``recover()`` (default: nothing): called before the next ``log`` after a failed one
       (reopen a file or a writer); raising means "still broken" and loses that snapshot.
@@ -76,7 +79,9 @@ class Sink:
     """
 
     background: bool = False
+    lossless: bool = False
     run_dir: str | None = None
+    log_batch: Callable[[list[Snapshot]], None] | None = None
 
     def start(self, run: RunInfo) -> None:
         raise NotImplementedError
@@ -107,6 +112,8 @@ class SinkMembers(NamedTuple):
     log: Callable[[Snapshot], None]
     finish: Callable[[], None]
     background: bool
+    lossless: bool
+    log_batch: Callable[[list[Snapshot]], None] | None
     flush: Callable[[], None] | None
     recover: Callable[[], None] | None
     bind_run_dir: Callable[[str | None], None] | None
@@ -132,5 +139,6 @@ def sink_members(sink: Any) -> SinkMembers:
 
     directory = optional("directory")
     return SinkMembers(*required, background=getattr(sink, "background", False) is True,
+                       lossless=getattr(sink, "lossless", False) is True, log_batch=optional("log_batch"),
                        flush=optional("flush"), recover=optional("recover"),
                        bind_run_dir=optional("bind_run_dir"), directory=directory() if directory else None)

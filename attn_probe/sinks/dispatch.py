@@ -15,39 +15,28 @@
 * module level: :func:`before_exit_flush`, :class:`SinkStats`, :func:`describe_steps`,
   :func:`sink_name`, ``DEFAULT_QUEUE_SIZE``, ``DEFAULT_TIMEOUT``, ``EXIT_TIMEOUT``.
 
-Each sink gets a *lane*, a bounded queue drained by a daemon thread, so that
+Each sink gets a *lane*: a bounded queue drained by a daemon thread (``background`` sinks), or
+delivery on the caller's thread (the others, and every sink with ``background=False``), so that
 
-* a slow or blocked sink (MLflow retrying a dead server, a stopped W&B service) delays neither
-  the training step nor any other sink;
-* a failing sink never silences another: an exception from its ``log`` is caught in its lane,
-  the snapshot counts as lost for that sink only, and the user is warned once when the sink
-  stops and once when it resumes (naming the sink, the steps lost and the step it resumed at);
-* a failed sink is retried at every later snapshot: its ``recover()``, then ``log`` again.
+* a slow or blocked sink delays neither the training step nor another sink; a full lane drops
+  its *oldest* waiting snapshot (counted, warned once, reported at ``close()``), except that a
+  ``lossless`` sink first makes the caller wait for room, up to :data:`BACKPRESSURE_TIMEOUT`
+  seconds (once per stall: a lane that made no progress in a whole wait is not waited for
+  again until it does); a sink with ``log_batch`` gets all its waiting snapshots in one call;
+* a failing sink silences no other: the snapshot counts as lost for that sink only, one warning
+  when it stops and one when it resumes; it is retried (``recover()``, then ``log``) at every
+  later snapshot;
+* ``flush``/``close`` wait at most their timeout: a lane still busy at ``close()`` is given up,
+  the steps it did not deliver named (``unconfirmed_steps``); an inline sink's ``flush()`` and
+  ``finish()`` run on a short-lived daemon thread, and while one outlives its deadline that
+  sink's snapshots are dropped (never two threads in one sink); an ``atexit`` hook flushes
+  dispatchers never closed, within :data:`EXIT_TIMEOUT`, after the :func:`before_exit_flush`
+  hooks;
+* background deliveries run in a copy of the caller's :mod:`contextvars` context (trackio
+  keeps its current run in a ``ContextVar``).
 
-**Queue full.** A lane holds at most ``queue_size`` snapshots; a new one arriving at a full
-lane drops the *oldest* waiting one (the newest state is the one worth showing once the sink
-catches up), counted, warned about at the first drop and reported at ``close()``.
-
-**flush / close.** ``flush(timeout)`` returns once every snapshot submitted before it reached
-its sink and the sink's ``flush()`` ran, or ``False`` when ``timeout`` passed. ``close(timeout)``
-does the same, then calls each sink's ``finish()``; a lane still busy at the deadline is
-abandoned: its waiting snapshots and the one in flight are counted and named
-(``undelivered``, ``unconfirmed_steps``) in a warning, and its daemon thread finishes the sink
-if the blocked call ever returns. Nothing waits without a bound; an ``atexit`` hook flushes
-dispatchers never closed, bounded by :data:`EXIT_TIMEOUT`, after the :func:`before_exit_flush`
-hooks hand it the snapshots unclosed probes are still scoring.
-
-**Which thread.** A sink with ``background = True`` gets a background lane. Any other sink is
-delivered inline, on the caller's thread, with the same isolation and warnings (a library that
-keeps its current run per thread breaks silently when called from another); its ``flush()`` and
-``finish()`` run on a short-lived daemon thread, bounded by the same deadline, and while one
-outlives it that lane's snapshots are dropped and counted (a sink is never called from two
-threads at once). ``SinkDispatcher(background=False)`` delivers every sink inline (debugging,
-tests). Background deliveries run in a copy of the caller's :mod:`contextvars` context taken
-at submission, so libraries keeping their current run in a ``ContextVar`` (trackio) see it.
-
-**Never raises** after ``start``: warnings go through :func:`attn_probe.isolation.safe_warn`
-(re-exported here), which falls back to stderr under ``python -W error``.
+Warnings go through :func:`attn_probe.isolation.safe_warn` (never raises, even under
+``python -W error``). The user-facing account is docs/live-probe.md, the contract docs/sinks.md.
 """
 
 from __future__ import annotations
@@ -77,6 +66,8 @@ DEFAULT_QUEUE_SIZE = 64
 DEFAULT_TIMEOUT = 60.0
 #: seconds the interpreter-exit hook waits for dispatchers that were never closed
 EXIT_TIMEOUT = 10.0
+#: seconds the caller waits for room in a full lane of a ``lossless`` sink before dropping
+BACKPRESSURE_TIMEOUT = 10.0
 
 
 def sink_name(sink: Any) -> str:
@@ -169,8 +160,10 @@ class _Lane:
         self._warned_flush = False
         #: inline lanes: the short-lived thread running the sink's flush()/finish(), if any
         self._helper: threading.Thread | None = None
-        #: what the lane's thread is handling now: the item, or None
-        self._current: _Item | None = None
+        #: what the lane's thread is handling now (a batch of snapshots, or one request)
+        self._current: list[_Item] = []
+        self._progress = 0  # items the lane's thread finished
+        self._stalled = False  # a lossless lane made no progress during a whole wait
 
     def _helper_busy(self) -> bool:
         return self._helper is not None and self._helper.is_alive()
@@ -196,6 +189,8 @@ class _Lane:
                 return
             dropped: int | None = None
             if item.kind == "snapshot":
+                if self._waiting >= self.capacity and self.members.lossless and not self._stalled:
+                    self._wait_for_room()
                 if self._waiting >= self.capacity:
                     old = next(i for i in self._items if i.kind == "snapshot")
                     self._items.remove(old)
@@ -210,6 +205,16 @@ class _Lane:
             self._cond.notify_all()
         if dropped is not None:
             self._drop_warning(dropped, f"is {self.capacity} snapshots behind (slow or blocked)")
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure (``self._cond`` held): wait until the lane has room, bounded."""
+        deadline, progress = time.monotonic() + BACKPRESSURE_TIMEOUT, self._progress
+        while self._waiting >= self.capacity and not (self._finished or self._abandoned):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._stalled = self._progress == progress
+                return
+            self._cond.wait(left)
 
     def _submit_inline(self, item: _Item, *, helper: bool = True) -> None:
         """Inline lane: a snapshot is delivered now, on the caller's thread; ``flush()``/``finish()``
@@ -256,18 +261,30 @@ class _Lane:
             with self._cond:
                 while not self._items:
                     self._cond.wait()
-                item = self._items.popleft()
-                if item.kind == "snapshot":
-                    self._waiting -= 1
-                self._current = item
+                batch = [self._items.popleft()]
+                if batch[0].kind == "snapshot" and self.members.log_batch is not None:
+                    while self._items and self._items[0].kind == "snapshot":
+                        batch.append(self._items.popleft())
+                if batch[0].kind == "snapshot":
+                    self._waiting -= len(batch)
+                self._current = batch
+                self._cond.notify_all()  # room for a caller waiting on a full lane
+            item = batch[0]
             try:
-                if not (self._abandoned and item.kind == "snapshot"):
+                if item.kind != "snapshot":
                     item.context.run(self._handle, item)
+                elif not self._abandoned:
+                    item.context.run(self._deliver, [i.snapshot for i in batch])
             except BaseException:  # noqa: BLE001 - the lane never dies (SystemExit included)
                 pass
             finally:
-                self._current = None
-                item.done.set()
+                with self._cond:
+                    self._current = []
+                    self._progress += len(batch)
+                    self._stalled = False
+                    self._cond.notify_all()
+                for done in batch:
+                    done.done.set()
             if item.kind == "finish":
                 return
 
@@ -276,7 +293,7 @@ class _Lane:
     def _handle(self, item: _Item) -> None:
         try:
             if item.kind == "snapshot":
-                self._deliver(item.snapshot)  # type: ignore[arg-type]
+                self._deliver([item.snapshot])  # type: ignore[list-item]
             elif item.kind == "flush":
                 self._flush_sink()
             elif item.kind == "finish":
@@ -284,19 +301,24 @@ class _Lane:
         except Exception:  # noqa: BLE001 - nothing escapes a lane
             pass
 
-    def _deliver(self, snapshot: Snapshot) -> None:
+    def _deliver(self, snapshots: list[Snapshot]) -> None:
+        """``log`` one snapshot, or ``log_batch`` several; a failure loses all of them."""
         if self._finished:
             return
         try:
             if self.stats.failing and self.members.recover is not None:
                 self.members.recover()
-            self.members.log(snapshot)
+            if len(snapshots) > 1 and self.members.log_batch is not None:
+                self.members.log_batch(snapshots)
+            else:
+                self.members.log(snapshots[0])
         except Exception as exc:  # noqa: BLE001 - one sink must not stop training or the others
-            self._failed(snapshot.step, exc)
+            for snapshot in snapshots:
+                self._failed(snapshot.step, exc)
             return
-        self.stats.delivered += 1
+        self.stats.delivered += len(snapshots)
         if self.stats.failing:
-            self._resumed(snapshot.step)
+            self._resumed(snapshots[0].step)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         s = self.stats
@@ -348,8 +370,7 @@ class _Lane:
         delivered (the snapshot in flight first, then those waiting)."""
         with self._cond:
             self._abandoned = True
-            current = self._current
-            busy = [current.snapshot.step] if current is not None and current.snapshot is not None else []
+            busy = [i.snapshot.step for i in self._current if i.snapshot is not None]
             steps = busy + [i.snapshot.step for i in self._items if i.kind == "snapshot"]  # type: ignore[union-attr]
             self._items = deque(i for i in self._items if i.kind != "snapshot")
             self._waiting = 0

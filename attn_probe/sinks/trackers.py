@@ -384,10 +384,9 @@ class TrackerSink(Sink):
     logged into, once open). ``finish()`` finishes only a run the sink created; a run handed in
     by the user stays open.
 
-    Resume: the dispatcher tells the sink the probe's run directory (:meth:`bind_run_dir`)
-    before ``start()``; ``start()`` builds the sink's :class:`ResendGuard`, and ``log`` skips
-    the snapshots the tracker run already holds and records each successful send (subclasses
-    whose sends complete later override ``_sent``).
+    Resume: the dispatcher binds the probe's run directory before ``start()``, which builds the
+    sink's :class:`ResendGuard`; ``log`` skips the snapshots the tracker run already holds and
+    records each step once ``_send`` returned.
     """
 
     #: module imported in ``start()`` and the pip extra that installs it

@@ -1,7 +1,10 @@
 """The lossless trajectory sink: ``attn_probe.jsonl`` beside the event files.
 
-Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Every snapshot is
-appended with ``os.write`` and fsync'd, so a crash loses at most the snapshot being written.
+Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Snapshots are
+appended with ``os.write`` and fsync'd; the snapshots waiting in the sink's lane go out in one
+write and one fsync (:meth:`TrajectorySink.log_batch`), so a crash loses at most the
+snapshots being written. It is a ``lossless`` sink: when its lane is full the training thread
+waits (bounded) for room instead of dropping a snapshot (:mod:`attn_probe.sinks.dispatch`).
 
 The file only ever holds complete lines:
 
@@ -123,8 +126,8 @@ def _write_all(fd: int, data: bytes) -> None:
 class TrajectorySink(Sink):
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
-    #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
     background = True
+    lossless = True
 
     def __init__(self, log_dir: str, filename: str = TRAJECTORY_FILENAME) -> None:
         self.path = os.path.join(log_dir, filename)
@@ -178,20 +181,26 @@ class TrajectorySink(Sink):
                 pass
 
     def log(self, snapshot: Snapshot) -> None:
+        self.log_batch([snapshot])
+
+    def log_batch(self, snapshots: list[Snapshot]) -> None:
+        """Append the snapshots' rows in one write and one fsync (all of them, or none)."""
         if self._fd is None:
             raise RuntimeError("TrajectorySink.log() before start() or after a failure it could not undo")
         lines = []
-        for r in snapshot.records:
-            row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
-                                    r.metric, encode_value(r.value)), strict=True))
-            lines.append(json.dumps(row, allow_nan=False) + "\n")
+        for snapshot in snapshots:
+            for r in snapshot.records:
+                row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
+                                        r.metric, encode_value(r.value)), strict=True))
+                lines.append(json.dumps(row, allow_nan=False) + "\n")
         data = "".join(lines).encode("utf-8")
-        self._reopen_if_detached(snapshot.step)
+        step, last = snapshots[0].step, snapshots[-1].step
+        self._reopen_if_detached(step)
         self._append(data)
-        if self._reopen_if_detached(snapshot.step):  # deleted while this snapshot was written: again
+        if self._reopen_if_detached(step):  # deleted while these snapshots were written: again
             self._append(data)
-        first, _, count = self._written or (snapshot.step, snapshot.step, 0)
-        self._written = (first, snapshot.step, count + 1)
+        first, _, count = self._written or (step, step, 0)
+        self._written = (first, last, count + len(snapshots))
 
     def _append(self, data: bytes) -> None:
         assert self._fd is not None
