@@ -289,7 +289,7 @@ def test_mlflow_resumed_into_its_run_holds_each_step_once(tmp_path, mlflow_env, 
 
     before, after, notes = crash_and_resume(log_dir, MlflowSink(run_id), MlflowSink(run_id), tamper)
     assert_same_series(mlflow_series(client, run_id), kept_then_resumed(before, after, FIRST))
-    assert recorded == [FIRST]  # recorded once the asynchronous batches were stored
+    assert recorded == [FIRST]  # recorded once its batches were stored
     assert len(notes) == 1, notes
     assert f"MLflow run {run_id} already holds the probe's snapshots up to step {FIRST} (read back" in notes[0]
     assert f"steps {RESUME_AT} to {FIRST} are not sent to it again" in notes[0]

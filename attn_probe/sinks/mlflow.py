@@ -64,8 +64,7 @@ class MlflowSink(TrackerSink):
         self.experiment = experiment
         self.run_name = run_name
         self.tags = dict(tags or {})
-        self.synchronous = True
-        del synchronous  # batches are always synchronous (on the sink's own background lane)
+        del synchronous  # accepted for compatibility: batches are always synchronous, on the sink's lane
         self.client: Any = None
         self.run_id: str | None = None
 
