@@ -36,9 +36,7 @@ class AsyncScorer:
     """Runs one scoring job at a time on a worker thread; its result is collected by :meth:`take`."""
 
     def __init__(self, max_bytes: int = DEFAULT_ASYNC_BYTES) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"async_max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes  # validated with the options (ProbeConfig.async_max_bytes)
         #: snapshots skipped because the previous one was still being scored
         self.skipped = 0
         self._thread: threading.Thread | None = None

@@ -34,6 +34,7 @@ from .scoring import (
     row_metrics,
     score_layer_pairs,
 )
+from .stages.assembly import snapshot_from_rows
 from .tags import layer_stats
 
 __all__ = [
@@ -400,10 +401,7 @@ def write_checkpoint_trajectory(
     ``pairs=[QKPair(), OVPair()]`` does). One layer of one checkpoint is in memory at a time.
     Returns every row, each with its ``step``.
     """
-    import time
-
-    from .probe import Probe
-    from .sinks import Record, RunInfo, Snapshot
+    from .sinks import RunInfo
     from .sinks.tensorboard import TensorBoardSink
     from .sinks.trajectory import TrajectorySink
 
@@ -438,9 +436,7 @@ def write_checkpoint_trajectory(
                 sinks = [TensorBoardSink(str(run_dir)), TrajectorySink(str(run_dir))]
                 for sink in sinks:
                     sink.start(run)
-            records = [Record(r["group"], r["layer"], r["head"], m, float(r[m])) for r in rows for m in names]
-            snapshot = Snapshot(step=int(step), wall_time=time.time(), records=records,
-                                stats=Probe._stats(records))
+            snapshot = snapshot_from_rows(int(step), rows, names)
             for sink in sinks:
                 sink.log(snapshot)
             all_rows += [{**r, "step": int(step)} for r in rows]

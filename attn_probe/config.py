@@ -3,8 +3,9 @@
 Every entry point (:func:`attn_probe.watch`, :class:`attn_probe.AttnProbeCallback`,
 :class:`attn_probe.Probe`) builds one ``ProbeConfig`` from its keyword arguments when it is
 called, so a misspelled or invalid option raises ``TypeError``/``ValueError`` there, not
-when training starts. The config is frozen, passed whole, and recorded in the run's header
-(:meth:`ProbeConfig.record`).
+when training starts. The config is frozen and passed whole, from the entry point through
+the integrations to the probe and its stages; nothing validates an option a second time.
+What it measures is recorded in the run's header (:meth:`ProbeConfig.record`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .asynchronous import DEFAULT_ASYNC_BYTES
 from .metrics import DEFAULT_METRICS, check_metrics
+from .pairs import QKPair
 from .schedules import Schedule, ScheduleLike, as_schedule
+from .scoring import resolve_pairs
+from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
 
 __all__ = ["ProbeConfig", "config_from_options"]
 
@@ -63,6 +68,17 @@ class ProbeConfig:
     * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...);
     * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
       agreements (``docs/distributed.md``); default the training process group's timeout.
+
+    Where it goes and how it is written (not recorded in the run header):
+
+    * ``log_dir``, ``writer`` (a ``SummaryWriter`` to write into), ``sinks`` (more sinks),
+      ``purge_stale``; ``is_main_process`` (default: global rank 0); ``extra_config`` (added
+      to the run header); ``restart``: the run starts over at ``start_step`` even when it is
+      0 (a Trainer re-entering its loop): trajectory rows from there on are dropped;
+    * ``background``, ``sink_queue``, ``sink_timeout``: the sinks' lanes
+      (:class:`~attn_probe.sinks.dispatch.SinkDispatcher`);
+    * ``async_scoring``, ``async_max_bytes``: score off the training thread
+      (:mod:`attn_probe.asynchronous`).
     """
 
     every: ScheduleLike | None = 100
@@ -78,9 +94,23 @@ class ProbeConfig:
     start_step: int = 0
     find_kwargs: Mapping[str, Any] = field(default_factory=dict)
     agreement_timeout: float | None = None
+    # -- where it goes, how it is written
+    log_dir: str | None = None
+    writer: Any = None
+    sinks: tuple[Any, ...] | None = None
+    is_main_process: bool | None = None
+    extra_config: Mapping[str, Any] | None = None
+    purge_stale: bool = True
+    restart: bool = False
+    background: bool = True
+    sink_queue: int = DEFAULT_QUEUE_SIZE
+    sink_timeout: float = DEFAULT_TIMEOUT
+    async_scoring: bool = False
+    async_max_bytes: int = DEFAULT_ASYNC_BYTES
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        self._check_writing()
         as_schedule(self.every)  # raises TypeError/ValueError for a bad schedule
         as_schedule(self.images_every)
         set_(self, "metrics", check_metrics(self.metrics))
@@ -101,8 +131,6 @@ class ProbeConfig:
             if not pairs:
                 raise ValueError("pairs is empty: nothing would be measured; leave it out for the W_qk pair")
             if any(isinstance(p, str) for p in pairs):  # "qk", "ov": named pairs with ``metrics``
-                from .scoring import resolve_pairs
-
                 pairs = tuple(resolve_pairs(pairs, self.metrics))
             for p in pairs:
                 if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
@@ -119,6 +147,29 @@ class ProbeConfig:
                 raise ValueError(f"agreement_timeout must be a positive number of seconds or None, got {t!r}")
             set_(self, "agreement_timeout", float(t))
 
+    def _check_writing(self) -> None:
+        """The writing and scoring options; every message names the option."""
+        set_ = object.__setattr__
+        q = self.sink_queue
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"sink_queue must be an int >= 1, got {q!r}")
+        for name in ("background", "async_scoring", "restart", "purge_stale"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        t = self.sink_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"sink_timeout must be a finite number of seconds > 0, got {t!r}")
+        b = self.async_max_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"async_max_bytes must be an int >= 0, got {b!r}")
+        if self.sinks is not None:
+            set_(self, "sinks", tuple(self.sinks))
+        if self.is_main_process is not None:
+            set_(self, "is_main_process", bool(self.is_main_process))
+        if self.extra_config is not None and not isinstance(self.extra_config, Mapping):
+            raise TypeError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
+
     @property
     def schedule(self) -> Schedule | None:
         return as_schedule(self.every)
@@ -131,8 +182,6 @@ class ProbeConfig:
         """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``."""
         if self.pairs is not None:
             return list(self.pairs)
-        from .pairs import QKPair
-
         return [QKPair(self.metrics)]
 
     def replace(self, **changes: Any) -> ProbeConfig:

@@ -33,16 +33,21 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .extraction import AttentionLayer
 from .extraction.architectures import unwrap
-
-if TYPE_CHECKING:
-    from .scoring import PairsLike
+from .scoring import (
+    PairsLike,
+    check_model_pairs,
+    layer_factors,
+    pairs_param_names,
+    resolve_pairs,
+    score_layer_pairs,
+)
 
 Tensor = torch.Tensor
 Row = dict[str, Any]
@@ -724,8 +729,6 @@ def gather_scores(
     cannot read raises :class:`~attn_probe.extraction.UnsupportedModelError` on every rank
     before any collective (the check is the same local computation on every rank).
     """
-    from .scoring import check_model_pairs, pair_factors, pairs_param_names, resolve_pairs, score_layer_pairs
-
     layers = list(layers)
     chosen = resolve_pairs(pairs, metrics, dtype=dtype)
     check_model_pairs(chosen, layers, getattr(getattr(unwrap(model), "config", None), "model_type", None))
@@ -738,8 +741,7 @@ def gather_scores(
         return originals.get(id(layer.module), layer)
 
     def check(layer: AttentionLayer, get: ParamGetter) -> None:
-        for pair in chosen:
-            pair_factors(pair, source(layer), get)
+        layer_factors(chosen, source(layer), get)
 
     main = is_main_process()
     rows: list[Row] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -120,17 +121,48 @@ def check_model_pairs(pairs: Sequence[ScorePair], layers: Sequence[AttentionLaye
 
 
 def pairs_param_names(pairs: Sequence[ScorePair], layer: AttentionLayer) -> tuple[str, ...]:
-    """The parameters ``pairs`` read from ``layer``, each once, in order."""
+    """The parameters ``pairs`` read from ``layer``, each once, in order (what a walk gathers)."""
     names: dict[str, None] = {}
     for pair in pairs:
-        wanted = pair.param_names(layer) if hasattr(pair, "param_names") else layer.param_names
-        names.update(dict.fromkeys(wanted))
+        names.update(dict.fromkeys(pair.param_names(layer)))
     return tuple(names)
 
 
-def pair_factors(pair: ScorePair, layer: AttentionLayer, get: ParamGetter) -> tuple[torch.Tensor, torch.Tensor]:
-    """The factors ``(A, B)`` of ``pair`` on ``layer`` (the W_qk split for a pair without ``factors``)."""
-    return pair.factors(layer, get) if hasattr(pair, "factors") else layer.factors(get)
+def layer_factors(pairs: Sequence[ScorePair], layer: AttentionLayer,
+                  get: ParamGetter) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every pair's factors ``(A, B)`` of ``layer`` (detached), with ``M_h = A_h^T B_g(h)``."""
+    out = []
+    for pair in pairs:
+        a, b = pair.factors(layer, get)
+        out.append((a.detach(), b.detach()))
+    return out
+
+
+def score_layer_factors(pairs: Sequence[ScorePair], layer: AttentionLayer,
+                        factors: Sequence[tuple[torch.Tensor, torch.Tensor]], *,
+                        per_head: bool, num_std: float) -> list[torch.Tensor]:
+    """Every pair's ``(len(pair.metrics), 1 + H * per_head)`` table of one layer, on the weights' device."""
+    return [pair.score(layer, a, b, per_head=per_head, num_std=num_std)
+            for pair, (a, b) in zip(pairs, factors, strict=True)]
+
+
+def to_host(tables: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """``tables`` as float64 host arrays of the same shapes, in **one transfer per device**.
+
+    Every table is flattened and concatenated with the others of its device, moved once, and
+    split again: the only host synchronisation of a snapshot.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tables:
+        by_device.setdefault(t.device, []).append(t.reshape(-1).double())
+    host = {dev: torch.cat(parts).cpu().numpy() for dev, parts in by_device.items()}
+    offsets = dict.fromkeys(host, 0)
+    out = []
+    for t in tables:
+        start = offsets[t.device]
+        offsets[t.device] = start + t.numel()
+        out.append(host[t.device][start: start + t.numel()].reshape(tuple(t.shape)))
+    return out
 
 
 def score_layer_pairs(
@@ -145,20 +177,18 @@ def score_layer_pairs(
     """Rows for one layer scored by every pair (layer row first, then one per head).
 
     ``get(name)`` returns the full parameter tensors the pairs declare
-    (:func:`pairs_param_names`). Each pair scores through its own ``score`` (the one core);
-    the tables are joined, so a row holds every pair's metrics, and moved to the host in one
-    transfer. ``source`` is the layer record the pairs read from when it differs from the one
-    that labels the rows (the distributed walk renames layers without wrapper segments).
+    (:func:`pairs_param_names`). The one per-layer path of every caller (post-hoc, checkpoint,
+    distributed, and the live probe's gathered layers): :func:`layer_factors`, then
+    :func:`score_layer_factors` (each pair's ``score``, the one core), then :func:`to_host`;
+    the tables are joined, so a row holds every pair's metrics. ``source`` is the layer record
+    the pairs read from when it differs from the one that labels the rows (the distributed
+    walk renames layers without wrapper segments).
     """
-    tables = []
     source = source if source is not None else layer
-    for pair in pairs:
-        a, b = pair_factors(pair, source, get)
-        table = pair.score(source, a.detach(), b.detach(), per_head=per_head, num_std=num_std)
-        tables.append(table.reshape(len(pair.metrics), -1).to(torch.float64))
-    device = tables[0].device
-    joined = torch.cat([t.to(device) for t in tables]) if len(tables) > 1 else tables[0]
-    return table_rows(layer, pair_metric_names(pairs), joined.cpu().tolist())
+    tables = to_host(score_layer_factors(pairs, source, layer_factors(pairs, source, get),
+                                         per_head=per_head, num_std=num_std))
+    joined = np.concatenate([t.reshape(len(p.metrics), -1) for p, t in zip(pairs, tables, strict=True)])
+    return table_rows(layer, pair_metric_names(pairs), joined.tolist())
 
 
 def score_layer(

@@ -5,19 +5,11 @@ import os
 
 import pytest
 import torch
+from helpers import SEQ, VOCAB, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import BertConfig, BertForMaskedLM
 
 import attn_probe
 from attn_probe.schedules import every
-
-VOCAB, SEQ = 50, 12
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=SEQ))
 
 
 def batches(n, size=4):

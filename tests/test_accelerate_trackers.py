@@ -71,9 +71,9 @@ def test_accelerator_wandb_tracker_gets_the_probe_values(tmp_path, fresh_acceler
         assert all(same(got[step][k], v) for k, v in want[step].items()), step
     assert any(k.endswith("/symmetry/median") for k in got[0]) and not any("/head_" in k for k in got[0])
     # the user's losses all survive (W&B drops a log whose step= is below the last one it saw)
-    seen = sorted((row["_step"], row["loss"]) for row in history if "loss" in row)
-    assert [step for step, _ in seen] == [step for step, _ in logged]
-    assert [loss for _, loss in seen] == pytest.approx([loss for _, loss in logged])  # flat: pytest >= 9
+    losses = sorted((row["_step"], row["loss"]) for row in history if "loss" in row)
+    assert [s for s, _ in losses] == [s for s, _ in logged]
+    assert [v for _, v in losses] == pytest.approx([v for _, v in logged])
 
     # TensorBoard: the probe wrote into the tracker's run, each tag once per step
     ea = EventAccumulator(str(probe.log_dir), size_guidance={"scalars": 0})

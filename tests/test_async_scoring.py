@@ -9,17 +9,15 @@ import warnings
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from helpers import tiny_bert, tiny_llama
 
 import attn_probe
-from attn_probe import pairs as pairs_module
 from attn_probe.pairs import QKPair
+from attn_probe.stages.measurement import Measurement
 
 
 def llama(layers=4):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_llama(0, layers)
 
 
 def jsonl(log_dir):
@@ -40,11 +38,11 @@ def train_step(model, opt, gen):
 
 
 class Gate:
-    """Holds the worker inside ``score_stacks`` until released (a slow scoring, deterministically)."""
+    """Holds the worker inside ``Measurement.score_stacked`` (the scoring core) until released."""
 
     def __init__(self, monkeypatch):
         self.entered, self.release = threading.Event(), threading.Event()
-        real = pairs_module.score_stacks
+        real = Measurement.score_stacked
 
         def gated(*args, **kwargs):
             if threading.current_thread() is not threading.main_thread():
@@ -52,7 +50,7 @@ class Gate:
                 assert self.release.wait(30)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr("attn_probe.probe.score_stacks", gated)
+        monkeypatch.setattr(Measurement, "score_stacked", gated)
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -110,7 +108,7 @@ def test_a_snapshot_due_while_one_is_scored_is_skipped_and_counted(tmp_path, mon
 
 def test_a_failing_asynchronous_snapshot_is_reported_and_the_next_one_logs(tmp_path, monkeypatch):
     model = llama(layers=2)
-    real = pairs_module.score_stacks
+    real = Measurement.score_stacked
     calls = []
 
     def flaky(*args, **kwargs):
@@ -119,7 +117,7 @@ def test_a_failing_asynchronous_snapshot_is_reported_and_the_next_one_logs(tmp_p
             raise RuntimeError("device lost")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("attn_probe.probe.score_stacks", flaky)
+    monkeypatch.setattr(Measurement, "score_stacked", flaky)
     probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, async_scoring=True)
     probe.flush()
     with pytest.warns(RuntimeWarning, match="device lost"):
@@ -147,7 +145,7 @@ def test_over_the_copy_budget_it_scores_synchronously_with_one_warning(tmp_path)
     with pytest.warns(RuntimeWarning, match="async_max_bytes"):
         probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, async_scoring=True,
                                  async_max_bytes=1000)
-    assert not probe._async.pending()  # scored on the training thread
+    assert not probe.measurement.pending()  # scored on the training thread
     snap = probe.snapshot(1)
     assert snap is not None and snap.records
     probe.close()
@@ -174,9 +172,7 @@ def tiny_trainer_setup(tmp_path, max_steps):
     """A tiny BERT, random MLM data and CPU TrainingArguments with ``max_steps``."""
     from transformers import TrainingArguments
 
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=48, max_position_embeddings=16))
+    model = tiny_bert(0, vocab=40, seq=16, intermediate=48)
     data = [{"input_ids": torch.randint(0, 40, (8,)), "labels": torch.randint(0, 40, (8,))} for _ in range(16)]
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=max_steps,
                              report_to="none", logging_steps=100, save_strategy="no", use_cpu=True)
@@ -249,14 +245,14 @@ def test_trainer_final_snapshot_reaches_the_sinks_before_train_end_while_one_is_
         def on_train_end(self, args, state, control, **kwargs):
             seen_at_train_end.extend(sink.steps)
 
-    real = pairs_module.score_stacks
+    real = Measurement.score_stacked
 
     def slow(*args, **kwargs):  # the snapshot of step 2 is still scored when step 4 ends
         if threading.current_thread() is not threading.main_thread():
             threading.Event().wait(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("attn_probe.probe.score_stacks", slow)
+    monkeypatch.setattr(Measurement, "score_stacked", slow)
     model, data, args = tiny_trainer_setup(tmp_path, max_steps=3)
     cb = AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"), async_scoring=True, sinks=[sink])
     Trainer(model=model, args=args, train_dataset=data, callbacks=[AtTrainEnd(), cb]).train()
@@ -282,7 +278,7 @@ probe = attn_probe.watch(model, log_dir=sys.argv[1], every=1000, pairs=[SlowQK()
 probe.flush()  # the attach snapshot (step 0) is written
 probe.step = 7
 probe.snapshot()  # in flight; the script ends without close()
-print("pending", probe._async.pending(), flush=True)
+print("pending", probe.measurement.pending(), flush=True)
 """
 
 

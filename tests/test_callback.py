@@ -6,11 +6,12 @@ import glob
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
+from helpers import RandomTokens, make_args, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer, TrainerCallback
 
 import attn_probe
@@ -119,3 +120,18 @@ def test_gradient_accumulation_counts_optimizer_updates(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "tb" / "attn_probe.jsonl")]
     assert sorted({r["step"] for r in rows}) == [0, 2, 4]
     assert not any(r["value"] is None or math.isnan(r["value"]) for r in rows)
+
+
+def test_attach_after_train_warns_and_attach_before_does_not(tmp_path):
+    from transformers import Trainer
+
+    trainer = Trainer(model=tiny_bert(), args=make_args(tmp_path / "a", 1, report_to="none"), train_dataset=RandomTokens())
+    with warnings.catch_warnings(record=True) as before:
+        warnings.simplefilter("always")
+        attn_probe.attach(trainer, every=1, log_dir=str(tmp_path / "a" / "tb"))
+    assert not [w for w in before if "already trained" in str(w.message)]
+    trainer.train()
+    later = Trainer(model=trainer.model, args=make_args(tmp_path / "b", 1, report_to="none"), train_dataset=RandomTokens())
+    later.train()
+    with pytest.warns(RuntimeWarning, match=r"already trained \(1 steps\).*trainer.train\(\) runs again"):
+        attn_probe.attach(later, every=1, log_dir=str(tmp_path / "b" / "tb"))

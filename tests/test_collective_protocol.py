@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
 import shard_worker  # noqa: E402
-from test_distributed import launch  # noqa: E402
+from helpers import launch  # noqa: E402
 
 TOL = 1e-5
 STEPS = 5

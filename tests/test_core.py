@@ -10,13 +10,10 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_bert, tiny_llama
 from transformers import (
-    BertConfig,
-    BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 import attn_probe
@@ -28,8 +25,7 @@ from attn_probe.scores import directionality_score, symmetry_score
 
 
 def bert():
-    return BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=48, max_position_embeddings=16))
+    return tiny_bert(None, vocab=40, seq=16, intermediate=48)
 
 
 def gpt2():
@@ -37,8 +33,7 @@ def gpt2():
 
 
 def llama_gqa():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_llama(None)
 
 
 MODELS = {"bert": bert, "gpt2-fused": gpt2, "llama-gqa": llama_gqa}
@@ -173,14 +168,14 @@ def test_a_pair_declares_the_parameters_it_needs(tmp_path):
     model = bert()
     probe = attn_probe.watch(model, log_dir=str(tmp_path), every=1, pairs=[QKPair(), SelfPair(("symmetry",))])
     seen = set()
-    orig = probe._param_names
+    orig = probe.measurement.param_names  # the documented seam: what the walk gathers per layer
 
     def spy(layer):
         names = orig(layer)
         seen.update(names)
         return names
 
-    probe._param_names = spy
+    probe.measurement.param_names = spy
     snap = probe.snapshot(1)
     probe.close(final_snapshot=False)
     assert any("query" in n for n in seen) and any("key" in n for n in seen)
@@ -218,8 +213,8 @@ def test_no_import_circle_between_watch_probe_and_integrations():
     code = (
         "import sys, attn_probe.integrations.accelerate, attn_probe.probe;"
         "assert 'attn_probe.watching' not in sys.modules, 'probe/accelerate import watch';"
-        "from attn_probe.probe import Probe, LogDirError, QKPair, watch;"
-        "import attn_probe.watching as w; assert watch is w.watch"
+        "from attn_probe.probe import Probe, LogDirError, QKPair;"
+        "from attn_probe import watch; import attn_probe.watching as w; assert watch is w.watch"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

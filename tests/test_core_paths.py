@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_stability_metrics import reference  # every metric of an explicit float64 matrix
+from helpers import reference  # every metric of an explicit float64 matrix
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe

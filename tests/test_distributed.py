@@ -9,15 +9,12 @@ dict the worker saved through the framework's own API (not through attn_probe).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import WORKERS, launch
 
 from attn_probe import find_attention, score_model
 from attn_probe.distributed import (
@@ -33,13 +30,10 @@ from attn_probe.distributed import (
 
 pytestmark = pytest.mark.timeout(900)  # whole-file bound; every launch below has its own
 
-REPO = Path(__file__).resolve().parents[1]
-WORKERS = REPO / "tests" / "distributed_workers"
 sys.path.insert(0, str(WORKERS))
 import shard_worker  # noqa: E402  (tiny model builders shared with the workers)
 
 TOL = 1e-5
-LAUNCH_TIMEOUT = 240  # seconds per torchrun launch (they take ~20-40 s on 2 idle cores)
 
 # setup -> (launch group, sharding_kind, number of processes)
 SETUPS = {
@@ -53,47 +47,6 @@ SETUPS = {
     "fsdp_tp": ("tp", "dtensor", 4),
 }
 GROUPS = {g: [s for s, v in SETUPS.items() if v[0] == g] for g in ("torch", "deepspeed", "tp")}
-
-
-def launch(script: str, args: list[str], nproc: int, timeout: float = LAUNCH_TIMEOUT) -> float:
-    """Run ``torchrun`` in its own session; kill the whole group and fail on timeout or error."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WORKER_PG_TIMEOUT": "60",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(WORKERS / script),
-        *args,
-    ]
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=str(REPO),
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the group we started
-        output, _ = proc.communicate()
-        pytest.fail(f"{script} {args} did not finish within {timeout} s (hang?)\n{output[-4000:]}")
-    elapsed = time.monotonic() - start
-    if proc.returncode != 0:
-        pytest.fail(f"{script} {args} exited with {proc.returncode}\n{output[-6000:]}")
-    return elapsed
 
 
 @pytest.fixture(scope="module")

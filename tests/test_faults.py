@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 import torch
+from helpers import SEQ, VOCAB, RandomTokens, make_args, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_fixtures import SEQ, VOCAB, RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
 import attn_probe

@@ -9,7 +9,6 @@ compare the result with an independent reference (every line parsed with ``json`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

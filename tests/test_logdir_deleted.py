@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from trainer_fixtures import RandomTokens, tiny_bert
+from helpers import RandomTokens, tiny_bert
 
 import attn_probe
 from attn_probe.logdir import LOCK_FILENAME, LogDirInUseError, LogDirLock

@@ -7,12 +7,12 @@ subprocess bounded by a timeout, so that MLflow's HTTP retries and its own exit 
 of the test process.
 
 * ``fast-fail``: ``MLFLOW_HTTP_REQUEST_MAX_RETRIES=0`` and a short request timeout, so every
-  batch to the dead server fails within seconds. With asynchronous batches (MLflow's default)
-  and with ``synchronous=True``, ``sink_stats()`` and the warnings name exactly the steps after
-  the kill as lost.
+  batch to the dead server fails within seconds. ``sink_stats()`` and the warnings name exactly
+  the steps after the kill as lost (the sink's batches are synchronous, on its own lane; the
+  ``synchronous`` argument, kept for compatibility, changes nothing: both values are run).
 * ``retrying``: MLflow's default retries (minutes against a dead server). ``close()`` returns
-  within ``sink_timeout`` and a margin, gives the sink up, and names the steps sent to it that
-  were not confirmed stored. (The script ends with ``os._exit``: MLflow's own exit hook waits
+  within ``sink_timeout`` and a margin, gives the sink up, and names the steps it did not
+  deliver, the one it was sending first (not confirmed stored). (The script ends with ``os._exit``: MLflow's own exit hook waits
   for its retrying batches, which is MLflow's, not the probe's.)
 
 In every case the TensorBoard and JSONL sinks get every step.
@@ -73,7 +73,7 @@ with warnings.catch_warnings(record=True) as record:
             server.proc.wait()
     time.sleep(1)  # the lanes take the last snapshot
     out["before_close"] = [vars(s) for s in probe.sink_stats() if s.sink == "MlflowSink"][0]
-    dispatcher = probe._dispatcher  # probe.sink_stats() is empty once closed
+    dispatcher = probe.outputs.dispatcher  # probe.sink_stats() is empty once closed
     t = time.monotonic()
     probe.close()
     out["close_s"] = time.monotonic() - t

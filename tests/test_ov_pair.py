@@ -182,8 +182,8 @@ def test_ov_pair_in_the_live_probe_gathers_its_parameters_and_writes_prefixed_me
     probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=None, per_head=True,
                              pairs=[QKPair(), OVPair()])
     seen = []
-    original = probe._param_names
-    probe._param_names = lambda layer: seen.append(original(layer)) or original(layer)
+    original = probe.measurement.param_names  # the documented seam: what the walk gathers per layer
+    probe.measurement.param_names = lambda layer: seen.append(original(layer)) or original(layer)
     snap = probe.snapshot(1)
     probe.close(final_snapshot=False)
     assert any("v_proj" in n for names in seen for n in names) and any("o_proj" in n for names in seen for n in names)

@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
-from test_distributed import launch  # noqa: E402
-from test_stability_metrics import assert_matches, reference  # noqa: E402  (explicit float64 metrics)
+from helpers import (  # noqa: E402  (explicit float64 metrics)
+    assert_matches,
+    launch,  # noqa: E402
+    reference,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, {"bert": 4, "llama": 2}, 16, 2
 CASES = ["zero3-bert", "zero3-llama", "fsdp1-bert", "fsdp1-llama", "fsdp1_orig-bert", "fsdp2-bert", "fsdp2-llama"]

@@ -177,7 +177,7 @@ def test_fsdp2_sharded_probe_reads_the_active_adapter(tmp_path) -> None:
     """Two gloo ranks, FSDP2: the walk gathers every adapter's A/B; the active one is applied."""
     import sys
 
-    from test_distributed import WORKERS, launch
+    from helpers import WORKERS, launch
 
     launch("lora_shard_worker.py", [str(tmp_path)], 2, timeout=240)
     result = __import__("json").loads((tmp_path / "snapshots.json").read_text())

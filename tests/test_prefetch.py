@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
-from test_distributed import launch  # noqa: E402
+from helpers import launch  # noqa: E402
 
 RANKS = 3
 

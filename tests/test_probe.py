@@ -8,7 +8,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM
+from helpers import SEQ, VOCAB, tiny_bert
+from transformers import BertConfig
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
@@ -16,15 +17,6 @@ from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.probe import LogDirError, Probe, render_heatmap
 from attn_probe.sinks.tensorboard import custom_scalars_layout
 from attn_probe.tags import parse_tag
-
-VOCAB, SEQ = 50, 12
-
-
-def tiny_bert(seed=0, layers=2, hidden=32, heads=4):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     intermediate_size=2 * hidden, max_position_embeddings=SEQ)
-    return BertForMaskedLM(cfg)
 
 
 def batch(i):
@@ -224,7 +216,7 @@ def test_reusing_a_log_dir_from_step_0_warns(tmp_path):
     ("sink_queue", 0, ValueError), ("pairs", (), ValueError),
 ])
 def test_bad_writing_options_fail_before_anything_is_written(tmp_path, option, value, error):
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     from attn_probe import AttnProbeCallback
 
@@ -235,3 +227,14 @@ def test_bad_writing_options_fail_before_anything_is_written(tmp_path, option, v
     assert not (tmp_path / "run").exists()
     with pytest.raises(error, match=option):  # the Trainer callback: at construction, not at on_train_begin
         AttnProbeCallback(**{option: value})
+
+
+def test_snapshot_after_close_warns_once_and_writes_nothing(tmp_path):
+    probe = attn_probe.watch(tiny_bert(), log_dir=str(tmp_path), every=None)  # step 0 at attach
+    probe.close()
+    with pytest.warns(RuntimeWarning, match=r"snapshot\(\) was called after probe.close\(\)") as record:
+        assert probe.snapshot(5) is None
+        assert probe.snapshot(6) is None
+    assert sum("after probe.close()" in str(w.message) for w in record) == 1
+    with open(os.path.join(tmp_path, "attn_probe.jsonl")) as f:
+        assert {json.loads(line)["step"] for line in f if '"metric"' in line} == {0}

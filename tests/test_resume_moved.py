@@ -15,8 +15,8 @@ import shutil
 import warnings
 
 import pytest
+from helpers import RandomTokens, make_args, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
 import attn_probe

@@ -11,19 +11,12 @@ import time
 
 import pytest
 import torch
+from helpers import SEQ, VOCAB, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import BertConfig, BertForMaskedLM
 
 import attn_probe
 
-VOCAB, SEQ = 50, 12
 TAGS = ("attn_probe/self/symmetry/layer_00", "attn_probe/self/directionality/median")
-
-
-def tiny_bert(seed):
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=SEQ))
 
 
 def batch(i):

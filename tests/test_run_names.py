@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
+from helpers import RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
 import attn_probe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
+from helpers import RandomTokens, make_args, tiny_bert
 from transformers import BertForMaskedLM, Trainer
 
 import attn_probe

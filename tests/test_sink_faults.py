@@ -313,7 +313,7 @@ def test_default_directories_are_unique_and_a_named_one_is_refused(tmp_path, mon
     from attn_probe.logdir import LogDirInUseError
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("attn_probe.probe.default_log_dir", lambda: os.path.join("runs", "same_second_host"))
+    monkeypatch.setattr("attn_probe.stages.outputs.default_log_dir", lambda: os.path.join("runs", "same_second_host"))
     torch.manual_seed(0)
     model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=64, max_position_embeddings=12))

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_matches, reference
 from transformers import (
     BertConfig,
     BertForMaskedLM,
@@ -26,7 +27,6 @@ from transformers import (
 import attn_probe
 from attn_probe.cli import main
 from attn_probe.metrics import DEFAULT_METRICS, MAGNITUDES, Products, is_magnitude, score_factors
-from attn_probe.scores import directionality_score, symmetry_score
 from attn_probe.tags import BAND_STATS, STATS, layer_stats, parse_tag, scalar_tag, stats_for
 
 NORMS = ("spectral_norm", "frobenius_norm", "stable_rank", "qk_bound")
@@ -45,28 +45,6 @@ MODELS = {
                                                        num_kv_heads=2)),
     "llama-gqa": lambda: LlamaModel(LlamaConfig(**SMALL, num_key_value_heads=2)),
 }
-
-
-def reference(m: torch.Tensor, qs: list[torch.Tensor], ks: list[torch.Tensor]) -> dict[str, float]:
-    """Every metric of the explicit float64 matrix ``m``; ``qk_bound`` from the heads' factors."""
-    sv = torch.linalg.svdvals(m)
-    return {
-        "symmetry": symmetry_score(m),
-        "directionality": directionality_score(m),
-        "spectral_norm": float(sv[0]),
-        "frobenius_norm": float(torch.linalg.norm(m)),
-        "stable_rank": float(sv.square().sum() / sv[0] ** 2),
-        "qk_bound": max(float(torch.linalg.svdvals(q)[0] * torch.linalg.svdvals(k)[0])
-                        for q, k in zip(qs, ks, strict=True)),
-    }
-
-
-def assert_matches(got: dict, want: dict, where) -> None:
-    for metric, value in want.items():
-        if is_magnitude(metric):
-            assert got[metric] == pytest.approx(value, rel=1e-4), (where, metric)
-        else:
-            assert got[metric] == pytest.approx(value, abs=1e-4), (where, metric)
 
 
 @pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))

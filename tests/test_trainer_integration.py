@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
+from helpers import RandomTokens, make_args, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer, TrainerCallback
 
 import attn_probe

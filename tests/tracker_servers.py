@@ -314,3 +314,21 @@ def use_mlflow_server(monkeypatch: Any, uri: str) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     mlflow.set_tracking_uri(uri)
+
+
+def child_pids(pid: int, name: str) -> list[int]:
+    """The child processes of ``pid`` whose command line contains ``name`` (Linux ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and name in cmdline:
+            found.append(int(entry))
+    return found

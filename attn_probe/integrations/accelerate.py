@@ -14,7 +14,7 @@ Writes go through the accelerator's TensorBoard tracker's writer when one is ini
 (flushed, never closed by the probe), otherwise into an own writer in ``log_dir``. Every other
 tracker given to ``Accelerator(log_with=...)`` and initialised by ``init_trackers`` (W&B,
 MLflow, trackio, Comet, ...) gets the per-layer values and the across-layer median/q25/q75
-through its public ``GeneralTracker.log`` (:class:`AcceleratorTrackersSink`), called on the
+through its public ``GeneralTracker.log`` (:func:`accelerator_targets`), called on the
 training thread (MLflow's fluent API keeps its active run per thread). W&B gets the probe's
 own step axis (``attn_probe/step``, as :class:`~attn_probe.sinks.wandb.WandbSink`) instead of
 ``step=``, because W&B drops a log whose step is below the last one it saw, which would drop
@@ -43,9 +43,13 @@ from torch import nn
 
 from ..config import ProbeConfig
 from ..counting import EngineSteps
+from ..isolation import safe_warn
 from ..probe import Probe
 
-__all__ = ["AcceleratorTrackersSink", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
+#: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
+ACCELERATE_OPTIONS = ("trackers", "trackers_per_head")
+
+__all__ = ["ACCELERATE_OPTIONS", "accelerator_targets", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
 
 
 def tensorboard_tracker_writer(accelerator: Any) -> Any:
@@ -71,79 +75,22 @@ def other_trackers(accelerator: Any, which: bool | Sequence[str] = True) -> list
             if _tracker_name(t) != "tensorboard" and (names is None or _tracker_name(t) in names)]
 
 
-class AcceleratorTrackersSink:
-    """Send each snapshot to Accelerate trackers through their public ``GeneralTracker.log``.
-
-    No ``background`` attribute: the probe calls it on the training thread, where the
-    trackers' runs live. W&B trackers get the probe's own step axis (``attn_probe/step``);
-    the others get ``step=`` the snapshot's step. A failing tracker does not stop the others;
-    the errors are raised together afterwards (the probe isolates the sink).
-
-    Resume (``watch(..., start_step=G)``): at ``start()`` each tracker's run is identified
-    (through ``GeneralTracker.tracker``: the W&B run, MLflow's active run, the trackio run; any
-    other tracker by its name) and the snapshots it already holds are not sent to it again:
-    MLflow and W&B online are read back, the others come from the probe's record in its run
-    directory (:mod:`attn_probe.sinks.trackers`).
+def accelerator_targets(trackers: Sequence[Any]) -> list[Any]:
+    """The accelerator's trackers as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of the
+    probe's tracker fan-out: each gets the values through its public ``GeneralTracker.log``
+    (W&B on the probe's own step axis, the others with ``step=``), and its run is identified
+    through ``GeneralTracker.tracker`` (:func:`accelerate_tracker_run`) for the resume guard.
     """
+    from ..sinks.trackers import TrackerTarget
 
-    def __init__(self, trackers: Sequence[Any], *, per_head: bool = False) -> None:
-        self.trackers = list(trackers)
-        self.per_head = bool(per_head)
-        self._axis_defined: set[int] = set()
-        self.run_dir: str | None = None
-        #: per tracker (by id), which snapshots it gets (``None``: all)
-        self.guards: dict[int, Any] = {}
+    def target(tracker: Any) -> TrackerTarget:
+        wandb = _tracker_name(tracker) == "wandb"
+        send = ((lambda values, step: tracker.log(values)) if wandb
+                else (lambda values, step: tracker.log(values, step=step)))
+        return TrackerTarget(_tracker_name(tracker), lambda: accelerate_tracker_run(tracker), send,
+                             step_axis=tracker.tracker if wandb else None)
 
-    def bind_run_dir(self, run_dir: str | None) -> None:
-        self.run_dir = run_dir
-
-    def start(self, run: Any) -> None:
-        from ..sinks.trackers import make_guard
-
-        resume_step = getattr(run, "resume_step", None)
-        for tracker in self.trackers:
-            self.guards[id(tracker)] = make_guard(lambda t=tracker: accelerate_tracker_run(t), self.run_dir,
-                                                  resume_step)
-
-    def _define_wandb_axis(self, tracker: Any) -> None:
-        from ..sinks.trackers import STEP_KEY
-        from ..tags import PREFIX
-
-        if id(tracker) in self._axis_defined:
-            return
-        run = tracker.tracker  # GeneralTracker's public handle on the library's run
-        run.define_metric(STEP_KEY)
-        run.define_metric(f"{PREFIX}/*", step_metric=STEP_KEY)
-        self._axis_defined.add(id(tracker))
-
-    def log(self, snapshot: Any) -> None:
-        from ..sinks.trackers import STEP_KEY, tracker_metrics
-
-        step = int(snapshot.step)
-        values = tracker_metrics(snapshot, per_head=self.per_head)
-        if not values:
-            return
-        errors = []
-        for tracker in self.trackers:
-            guard = self.guards.get(id(tracker))
-            if guard is not None and not guard.wants(step):
-                continue  # this tracker run holds the step from before the resume
-            try:
-                if _tracker_name(tracker) == "wandb":
-                    self._define_wandb_axis(tracker)
-                    tracker.log({**values, STEP_KEY: step})
-                else:
-                    tracker.log(dict(values), step=step)
-            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
-                errors.append(f"{_tracker_name(tracker)}: {type(exc).__name__}: {exc}")
-                continue
-            if guard is not None:
-                guard.sent(step)
-        if errors:
-            raise RuntimeError("accelerator tracker failed: " + "; ".join(errors))
-
-    def finish(self) -> None:
-        pass  # the runs belong to the accelerator (accelerator.end_training())
+    return [target(t) for t in trackers]
 
 
 def accelerate_tracker_run(tracker: Any) -> Any:
@@ -182,8 +129,6 @@ def _warn_if_trackers_not_started(accelerator: Any, log_dir: str | None, tracker
               for t in (getattr(accelerator, "log_with", None) or [])]
     if not wanted or getattr(accelerator, "trackers", None) or (log_dir is not None and trackers is False):
         return
-    from ..sinks.dispatch import safe_warn
-
     safe_warn(f"attn_probe: the accelerator logs with {', '.join(wanted)}, but accelerator.init_trackers() has "
               "not run yet, so the probe sends nothing to those trackers and writes TensorBoard files "
               f"{'to ' + log_dir if log_dir else 'to its own default directory'}. Call attn_probe.watch(...) after "
@@ -193,28 +138,30 @@ def _warn_if_trackers_not_started(accelerator: Any, log_dir: str | None, tracker
 def watch_accelerated(
     model: nn.Module,
     accelerator: Any,
-    config: ProbeConfig | None = None,
+    config: ProbeConfig,
     *,
-    log_dir: str | None = None,
     optimizer: Any = None,
     trackers: bool | Sequence[str] = True,
     trackers_per_head: bool = False,
-    **options: Any,
 ) -> Probe:
     """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0.
 
     ``optimizer`` is the optimizer to count (prepared or not); without it, the accelerator's
     prepared optimizers (read from the private ``accelerator._optimizers``, for want of a
     public accessor). ``trackers``/``trackers_per_head`` choose what the accelerator's
-    non-TensorBoard trackers get. ``options`` are :class:`~attn_probe.config.ProbeConfig`
-    fields and the probe's wiring arguments (``sinks``, ``is_main_process``...).
+    non-TensorBoard trackers get. ``config`` is passed whole; this adds the accelerator's
+    TensorBoard writer (without ``log_dir``), its main-process flag (unless given) and the
+    tracker fan-out to it.
     """
     if not isinstance(trackers, bool):
         trackers = tuple(trackers)
         if not all(isinstance(t, str) for t in trackers):
             raise TypeError(f"trackers must be True, False or tracker names, got {trackers!r}")
-    writer = tensorboard_tracker_writer(accelerator) if log_dir is None else None
-    options.setdefault("is_main_process", bool(accelerator.is_main_process))
+    log_dir = config.log_dir
+    main = bool(accelerator.is_main_process) if config.is_main_process is None else config.is_main_process
+    changes: dict[str, Any] = {"is_main_process": main}
+    if log_dir is None and config.writer is None:
+        changes["writer"] = tensorboard_tracker_writer(accelerator)
     engine_wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
     if optimizer is not None:
         optimizers = [_inner_optimizer(optimizer)]
@@ -225,13 +172,15 @@ def watch_accelerated(
             "attn_probe.watch(accelerator=...) found no prepared optimizer: call it after "
             "accelerator.prepare(model, optimizer, ...)"
         )
-    if options["is_main_process"]:
+    if main:
         _warn_if_trackers_not_started(accelerator, log_dir, trackers)
         others = other_trackers(accelerator, trackers)
         if others:
-            options["sinks"] = [*(options.get("sinks") or []),
-                                AcceleratorTrackersSink(others, per_head=trackers_per_head)]
-    probe = Probe(model, config, log_dir=log_dir, writer=writer, **options)
+            from ..sinks.trackers import TrackerFanOut
+
+            changes["sinks"] = [*(config.sinks or []),
+                                TrackerFanOut(accelerator_targets(others), per_head=trackers_per_head)]
+    probe = Probe(model, config.replace(**changes))
     try:
         if engine_wrapper is not None:
             probe.add_hook_handle(EngineSteps(engine_wrapper.engine, probe))
@@ -241,8 +190,6 @@ def watch_accelerated(
     except Exception:
         probe.close(final_snapshot=False)
         raise
-    from ..watching import announce
-
-    announce(probe, every=probe.config.every, unit="optimizer steps")
+    probe.announce(every=probe.config.every, unit="optimizer steps")
     probe.snapshot(probe.step)
     return probe

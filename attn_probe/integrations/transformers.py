@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,15 +32,17 @@ from transformers.trainer_callback import ExportableState
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
-from ..probe import Probe, check_probe_options, default_log_dir
+from ..isolation import safe_warn
+from ..logdir import default_log_dir
+from ..probe import Probe
 from ..schedules import ScheduleLike
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
-#: options of the callback itself (wiring), beside the ProbeConfig fields
-#: options of the probe's machinery (not of what it measures) the callback passes through
-PROBE_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
-CALLBACK_OPTIONS = ("log_dir", "sinks", "trackers", "trackers_per_head", *PROBE_OPTIONS)
+#: options of the callback itself, beside the ProbeConfig fields
+CALLBACK_OPTIONS = ("trackers", "trackers_per_head")
+#: options of how the probe writes, left out of the checkpoint state (as before they were fields)
+_WRITING_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
 
 
 def _find_callback_handler() -> Any:
@@ -113,9 +114,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
-        self.sink_options = {k: options.pop(k) for k in PROBE_OPTIONS if k in options}
-        check_probe_options(**self.sink_options)  # bad values fail here, not at on_train_begin
-        self.config: ProbeConfig = config_from_options(every=every, allowed_extra=CALLBACK_OPTIONS, **options)
+        self.config: ProbeConfig = config_from_options(every=every, log_dir=log_dir, sinks=sinks,
+                                                       allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
             trackers = tuple(trackers)
             if not all(isinstance(t, str) for t in trackers):
@@ -130,7 +130,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
         self.run_log_dir_relative: str | None = None
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
-                                             trackers_per_head=trackers_per_head, **options)
+                                             trackers_per_head=trackers_per_head,
+                                             **{k: v for k, v in options.items() if k not in _WRITING_OPTIONS})
 
     # -- checkpoints (transformers' ExportableState) ------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -243,22 +244,17 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
             trackers = _reporting_callbacks(handler, self.trackers)
             if trackers:
-                sinks.append(TrainerTrackersSink(trackers, args, state, per_head=self.trackers_per_head,
-                                                 begin_kwargs={"model": model, **kwargs}))
+                from ..sinks.trackers import TrackerFanOut
+
+                sinks.append(TrackerFanOut(trainer_targets(trackers, args, state, begin_kwargs={"model": model, **kwargs}),
+                                           per_head=self.trackers_per_head))
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         def build(where: str | None) -> Probe:
-            return Probe(
-                model,
-                self.config.replace(start_step=step),
-                log_dir=where,
-                sinks=sinks or None,
-                is_main_process=main,
-                purge_stale=purge_stale,
-                restart=restart,
-                extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
-                **self.sink_options,
-            )
+            return Probe(model, self.config.replace(
+                start_step=step, log_dir=where, sinks=sinks or None, is_main_process=main, purge_stale=purge_stale,
+                restart=restart, extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
+            ))
 
         try:
             self.probe = build(log_dir)
@@ -281,9 +277,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.run_log_dir = log_dir
         self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
         if main:
-            from ..watching import announce
-
-            announce(self.probe, every=self.config.every, unit="optimizer steps")
+            self.probe.announce(every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)
 
     @staticmethod
@@ -332,8 +326,6 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 # ------------------------------------------------------------------------------------ helpers
 def _warn(message: str) -> None:
     """A RuntimeWarning that cannot raise (``python -W error`` turns warnings into exceptions)."""
-    from ..sinks.dispatch import safe_warn
-
     safe_warn(message, RuntimeWarning, stacklevel=3)
 
 
@@ -461,84 +453,42 @@ def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]
     return [cb for cb in handler.callbacks if isinstance(cb, tuple(wanted))]
 
 
-class TrainerTrackersSink:
-    """Send each snapshot to the Trainer's tracker callbacks through their own ``on_log``.
+def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
+                    begin_kwargs: dict[str, Any] | None = None) -> list[Any]:
+    """The Trainer's tracker callbacks as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of
+    the probe's tracker fan-out: each gets the values through its own ``on_log``.
 
     Each tracker applies its own conventions (W&B's ``train/`` prefix and its
     ``train/global_step`` axis, MLflow's step, ...) in the Trainer's own run. Nothing goes
     through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
     TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
-
-    Resume: before the first snapshot goes to a callback, the sink learns which tracker run it
-    logs into (the W&B run id, the active MLflow run, the current trackio run; an integration
-    it does not know by its class name) and, on a resumed run, the last probe step that run
-    already holds (:class:`~attn_probe.sinks.trackers.ResendGuard`: MLflow is read back, the
-    others come from the probe's record); the snapshots up to that step are not sent to it
-    again. A callback that has not set itself up yet (with :func:`attach` the probe's
-    ``on_train_begin`` runs first) gets the ``on_train_begin`` it was about to get, with the
-    Trainer's arguments (``begin_kwargs``: the model, ...), so that its run exists; its own
-    ``on_train_begin`` then finds it set up, as it would after its own first ``on_log``.
+    Its run is identified (:func:`trainer_tracker_run`) before its first snapshot; a callback
+    that has not set itself up yet (with :func:`attach` the probe's ``on_train_begin`` runs
+    first) gets the ``on_train_begin`` it was about to get, with the Trainer's arguments
+    (``begin_kwargs``: the model, ...), so that its run exists.
     """
+    import copy
 
-    def __init__(self, callbacks: Sequence[Any], args: Any, state: Any, *, per_head: bool = False,
-                 begin_kwargs: dict[str, Any] | None = None) -> None:
-        self.callbacks = list(callbacks)
-        self.args = args
-        self.state = state
-        self.per_head = per_head
-        self.begin_kwargs = dict(begin_kwargs or {})
-        self.run_dir: str | None = None
-        self.resume_step: int | None = None
-        #: per callback (by id), its guard once known (``None``: send everything)
-        self.guards: dict[int, Any] = {}
+    from transformers import TrainerControl
 
-    def bind_run_dir(self, run_dir: str | None) -> None:
-        self.run_dir = run_dir
+    from ..sinks.trackers import TrackerTarget
 
-    def start(self, run: Any) -> None:
-        self.resume_step = getattr(run, "resume_step", None)
+    begin = dict(begin_kwargs or {})
 
-    def _guard(self, cb: Any) -> Any:
-        """The callback's :class:`~attn_probe.sinks.trackers.ResendGuard`, made at its first snapshot."""
-        if id(cb) in self.guards:
-            return self.guards[id(cb)]
-        from transformers import TrainerControl
+    def target(cb: Any) -> TrackerTarget:
+        def run() -> Any:
+            if getattr(cb, "_initialized", None) is False and not getattr(state, "is_hyper_param_search", False):
+                cb.on_train_begin(args, state, TrainerControl(), **begin)
+            return trainer_tracker_run(cb)
 
-        from ..sinks.trackers import make_guard
+        def send(values: dict[str, float], step: int) -> None:
+            at = copy.copy(state)
+            at.global_step = step
+            cb.on_log(args, at, TrainerControl(), logs=values)
 
-        if getattr(cb, "_initialized", None) is False and not getattr(self.state, "is_hyper_param_search", False):
-            cb.on_train_begin(self.args, self.state, TrainerControl(), **self.begin_kwargs)
-        guard = make_guard(lambda: trainer_tracker_run(cb), self.run_dir, self.resume_step)
-        self.guards[id(cb)] = guard
-        return guard
+        return TrackerTarget(type(cb).__name__, run, send)
 
-    def log(self, snapshot: Any) -> None:
-        import copy
-
-        from transformers import TrainerControl
-
-        from ..sinks.trackers import tracker_metrics
-
-        step = int(snapshot.step)
-        values = tracker_metrics(snapshot, per_head=self.per_head)
-        state = copy.copy(self.state)
-        state.global_step = step
-        errors = []
-        for cb in self.callbacks:
-            try:
-                guard = self._guard(cb)
-                if guard is not None and not guard.wants(step):
-                    continue  # this tracker run holds the step from before the resume
-                cb.on_log(self.args, state, TrainerControl(), logs=dict(values))
-                if guard is not None:
-                    guard.sent(step)
-            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
-                errors.append(f"{type(cb).__name__}: {type(exc).__name__}: {exc}")
-        if errors:
-            raise RuntimeError("tracker callback failed: " + "; ".join(errors))
-
-    def finish(self) -> None:
-        self.begin_kwargs = {}  # the model, optimizer and loaders: held no longer than needed
+    return [target(cb) for cb in callbacks]
 
 
 def trainer_tracker_run(cb: Any) -> Any:
@@ -569,10 +519,10 @@ def trainer_tracker_run(cb: Any) -> Any:
             client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
             return mlflow_run(client, run_id, label=f"the Trainer's MLflow run {run_id}")
     elif kind("TrackioCallback"):
-        from ..sinks.trackio import _current_run
+        from ..sinks.trackers import current_trackio_run
 
         trackio = sys.modules.get("trackio")
-        run = _current_run(trackio) if trackio is not None else None
+        run = current_trackio_run(trackio) if trackio is not None else None
         if run is not None:
             return trackio_run(run, label=f"the Trainer's trackio run {getattr(run, 'name', None)!r}")
     return TrackerRun(f"trainer:{name}", None, f"the Trainer's {name}")
@@ -585,21 +535,21 @@ def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> At
     and the callback is put first in the Trainer's callback list, so that a resumed run's
     directory is chosen before the Trainer's TensorBoard writer opens and the final snapshot
     reaches the trackers before they end their runs. Options as :class:`AttnProbeCallback`.
+    Attached after ``trainer.train()`` it warns: it measures only during a later ``train()``.
     """
     callback = AttnProbeCallback(every, **options)
     handler = trainer.callback_handler
     if any(isinstance(cb, AttnProbeCallback) for cb in handler.callbacks):
         raise ValueError("this Trainer already has an AttnProbeCallback")
+    trained = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+    if trained > 0:
+        _warn(f"attn_probe.attach: this Trainer has already trained ({trained} steps); the probe measures "
+              "nothing until trainer.train() runs again. Attach before calling trainer.train(), or score the "
+              "trained model now with attn_probe.score_model(trainer.model).")
     if getattr(trainer, "model", None) is not None:
         callback._check_model(trainer.model)
     callback.handler = handler
     handler.callbacks.insert(0, callback)
-    trained = getattr(getattr(trainer, "state", None), "global_step", 0)
-    if isinstance(trained, int) and trained > 0:
-        warnings.warn(
-            f"attn_probe.attach: this Trainer has already trained ({trained} optimizer steps): the probe "
-            "measures nothing until trainer.train() runs again; to score the trained model now, use "
-            "attn_probe.score_model(trainer.model)", RuntimeWarning, stacklevel=2)
     if hasattr(trainer, "state") and getattr(trainer.state, "stateful_callbacks", None) is not None:
         # checkpoints save ExportableState callbacks listed in the state
         stateful = trainer.state.stateful_callbacks

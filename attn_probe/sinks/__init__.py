@@ -1,28 +1,21 @@
-"""Where snapshots go. A sink has ``start(run)``, ``log(snapshot)`` and ``finish()``.
+"""Where snapshots go: the data a sink receives and the contract it keeps with the dispatcher.
 
-Sinks only receive plain Python data (no tensors, no model) and never import the probe;
-``TensorBoardSink`` (``sinks.tensorboard``) and ``TrajectorySink`` (``sinks.trajectory``)
-are imported lazily so that ``import attn_probe`` stays light.
-
-The probe drives its sinks through :class:`~attn_probe.sinks.dispatch.SinkDispatcher`: each
-sink isolated from the others, retried after a failure, and written from a background thread
-of its own when it says that is safe. Optional members a sink may have:
-
-* ``background = True`` (class attribute): may be called from the dispatcher's thread (one
-  thread per sink; calls never overlap). Without it the sink is called on the training thread;
-* ``recover()``: called before the next write after a failed one (reopen a file or a writer);
-  raising means "still broken", and that snapshot is counted as lost for this sink;
-* ``flush()``: make what was logged durable (called by ``probe.flush()``).
+Sinks receive plain Python data (no tensors, no model) and never import the probe;
+``TensorBoardSink`` (``sinks.tensorboard``) and ``TrajectorySink`` (``sinks.trajectory``) are
+imported lazily so that ``import attn_probe`` stays light. The probe drives its sinks through
+:class:`~attn_probe.sinks.dispatch.SinkDispatcher`, which uses the members of :class:`Sink`
+and nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Record", "Snapshot", "RunInfo", "Sink"]
+__all__ = ["Record", "Snapshot", "RunInfo", "Sink", "SinkMembers", "sink_members"]
 
 
 @dataclass(frozen=True)
@@ -62,11 +55,90 @@ class RunInfo:
     resume_step: int | None = None
 
 
-class Sink(Protocol):
-    """The required members; ``background``, ``recover()`` and ``flush()`` are optional (above)."""
+class Sink:
+    """Every member the dispatcher uses. Subclass it and override ``start``, ``log`` and ``finish``.
 
-    def start(self, run: RunInfo) -> None: ...
+    * ``start(run)``: on the caller's thread at attach time; raising fails the attach.
+    * ``log(snapshot)``: write one snapshot; raising counts it as lost for this sink only.
+    * ``finish()``: close; a run or writer handed in by the user stays open.
+    * ``background`` (default ``False``): ``True`` when the sink may be driven from a thread
+      of its own (one per sink, calls never overlap); otherwise it runs on the training thread.
+    * ``lossless`` (default ``False``): ``True`` when a full lane should make the training
+      thread wait (bounded) for room rather than drop a snapshot (the trajectory file).
+    * ``log_batch(snapshots)`` (default: none): write several waiting snapshots at once.
+    * ``flush()`` (default: nothing): make what was logged durable (``probe.flush()``).
+    * ``recover()`` (default: nothing): called before the next ``log`` after a failed one
+      (reopen a file or a writer); raising means "still broken" and loses that snapshot.
+    * ``bind_run_dir(path)`` (default: stored as ``self.run_dir``): the probe's run directory,
+      given before ``start`` (the tracker sinks keep their record of sent steps there).
+    * ``directory()`` (default ``None``): the run directory this sink writes its files into;
+      the dispatcher binds the first one found when it is given no ``run_dir``.
 
-    def log(self, snapshot: Snapshot) -> None: ...
+    An object that is not a ``Sink`` but has ``start``, ``log`` and ``finish`` is accepted too:
+    :func:`sink_members` reads these same members from it once, with these defaults.
+    """
 
-    def finish(self) -> None: ...
+    background: bool = False
+    lossless: bool = False
+    run_dir: str | None = None
+    log_batch: Callable[[list[Snapshot]], None] | None = None
+
+    def start(self, run: RunInfo) -> None:
+        raise NotImplementedError
+
+    def log(self, snapshot: Snapshot) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        return None
+
+    def recover(self) -> None:
+        return None
+
+    def bind_run_dir(self, run_dir: str | None) -> None:
+        self.run_dir = run_dir
+
+    def directory(self) -> str | None:
+        return None
+
+
+class SinkMembers(NamedTuple):
+    """The contract of one sink, read once when the dispatcher is built."""
+
+    start: Callable[[RunInfo], None]
+    log: Callable[[Snapshot], None]
+    finish: Callable[[], None]
+    background: bool
+    lossless: bool
+    log_batch: Callable[[list[Snapshot]], None] | None
+    flush: Callable[[], None] | None
+    recover: Callable[[], None] | None
+    bind_run_dir: Callable[[str | None], None] | None
+    directory: str | None
+
+
+_NOTHING = (Sink.flush, Sink.recover)
+
+
+def sink_members(sink: Any) -> SinkMembers:
+    """The :class:`Sink` members of ``sink``; ``TypeError`` (one line) if a required one is missing."""
+    required = []
+    for name in ("start", "log", "finish"):
+        member = getattr(sink, name, None)
+        if not callable(member) or getattr(type(sink), name, None) is getattr(Sink, name):
+            raise TypeError(f"{type(sink).__name__} is not a sink: it needs its own start(run), log(snapshot) "
+                            f"and finish() (see attn_probe.sinks.Sink); {name} is missing")
+        required.append(member)
+
+    def optional(name: str) -> Any:
+        member = getattr(sink, name, None)
+        return member if callable(member) and getattr(type(sink), name, None) not in _NOTHING else None
+
+    directory = optional("directory")
+    return SinkMembers(*required, background=getattr(sink, "background", False) is True,
+                       lossless=getattr(sink, "lossless", False) is True, log_batch=optional("log_batch"),
+                       flush=optional("flush"), recover=optional("recover"),
+                       bind_run_dir=optional("bind_run_dir"), directory=directory() if directory else None)

@@ -1,65 +1,42 @@
 """Deliver snapshots to sinks off the training step, one isolated lane per sink.
 
-:class:`SinkDispatcher` is what the probe writes through. Each sink gets a *lane*: a bounded
-queue and a daemon thread that drains it, so that
+**Interface** (what the probe uses; stable across the pipeline refactor):
 
-* a slow or blocked sink (MLflow over HTTP retries a dead server for minutes) delays neither
-  the training step nor any other sink;
-* a failing sink never silences another: an exception from ``sink.log`` is caught in its
-  lane, the snapshot is counted as lost for that sink only, and the user is warned once when
-  the sink stops and once when it resumes (naming the sink, the steps lost and the step it
-  resumed at);
-* a failed sink is retried at every later snapshot: ``sink.recover()`` (when the sink has
-  one: reopen a file or a writer) and then ``sink.log`` again.
+* ``SinkDispatcher(sinks, *, background=True, queue_size=64, timeout=60.0, run_dir=None)``:
+  ``sinks`` are :class:`~attn_probe.sinks.Sink` objects (or objects with ``start``, ``log`` and
+  ``finish``; :func:`~attn_probe.sinks.sink_members` reads their contract once, here, and a
+  ``TypeError`` names what is missing); ``queue_size`` must be >= 1 (``ValueError``);
+  ``run_dir`` is bound into every sink before ``start`` (default: the first sink's
+  ``directory()``, i.e. the trajectory sink's directory);
+* ``start(run)``: binds ``run_dir`` and starts every sink on the caller's thread; raises what a
+  sink's ``start`` raised (after finishing those already started), ``failed_sink`` names it;
+* ``log(snapshot)``, ``flush(timeout=None) -> bool``, ``close(timeout=None) -> bool``,
+  ``stats() -> list[SinkStats]``, ``closed``: never raise;
+* module level: :func:`before_exit_flush`, :class:`SinkStats`, :func:`describe_steps`,
+  :func:`sink_name`, ``DEFAULT_QUEUE_SIZE``, ``DEFAULT_TIMEOUT``, ``EXIT_TIMEOUT``.
 
-**Queue full.** A lane holds at most ``queue_size`` snapshots. When a new snapshot arrives at a
-full lane, the lane drops its *oldest* waiting snapshot (the newest state is the one worth
-showing once the sink catches up; the final snapshot at ``close()`` is never the one
-dropped), counts it, warns at the first drop and reports the total at ``close()``.
+Each sink gets a *lane*: a bounded queue drained by a daemon thread (``background`` sinks), or
+delivery on the caller's thread (the others, and every sink with ``background=False``), so that
 
-**flush / close.** ``flush(timeout)`` returns once every snapshot submitted before it has been
-handed to its sink (and the sink's own ``flush()``, if any, has run), or when ``timeout``
-seconds have passed (returns ``False`` then). ``close(timeout)`` does the same, then calls
-each sink's ``finish()`` in its lane; a lane still busy at the deadline is abandoned: its
-waiting snapshots are dropped and counted in a warning, and its thread (a daemon) finishes
-the sink if the blocked call ever returns. An inline lane's ``flush()``/``finish()`` run on a
-short-lived daemon thread (one after the other), so they are bounded by the same deadline;
-while one outlives it, that lane's new snapshots are dropped and counted (a sink is never
-called from two threads at once). Nothing waits without a bound, and the daemon
-threads never hold up interpreter exit; an ``atexit`` hook flushes dispatchers that were
-never closed, bounded by :data:`EXIT_TIMEOUT` (first handing them, through
-:func:`before_exit_flush`, the snapshots unclosed probes are still scoring).
+* a slow or blocked sink delays neither the training step nor another sink; a full lane drops
+  its *oldest* waiting snapshot (counted, warned once, reported at ``close()``), except that a
+  ``lossless`` sink first makes the caller wait for room, up to :data:`BACKPRESSURE_TIMEOUT`
+  seconds (once per stall: a lane that made no progress in a whole wait is not waited for
+  again until it does); a sink with ``log_batch`` gets all its waiting snapshots in one call;
+* a failing sink silences no other: the snapshot counts as lost for that sink only, one warning
+  when it stops and one when it resumes; it is retried (``recover()``, then ``log``) at every
+  later snapshot;
+* ``flush``/``close`` wait at most their timeout: a lane still busy at ``close()`` is given up,
+  the steps it did not deliver named (``unconfirmed_steps``); an inline sink's ``flush()`` and
+  ``finish()`` run on a short-lived daemon thread, and while one outlives its deadline that
+  sink's snapshots are dropped (never two threads in one sink); an ``atexit`` hook flushes
+  dispatchers never closed, within :data:`EXIT_TIMEOUT`, after the :func:`before_exit_flush`
+  hooks;
+* background deliveries run in a copy of the caller's :mod:`contextvars` context (trackio
+  keeps its current run in a ``ContextVar``).
 
-**Which thread.** A sink gets a background lane when its class says it is safe to call from
-another thread: ``background = True`` (the TensorBoard and trajectory sinks do; a network
-sink should). Any other sink is delivered inline, on the caller's thread, with the same
-isolation, retries and warnings: calling a sink from a thread it was not written for can
-break it silently (MLflow's fluent API keeps the active run per thread: from another thread
-it would log into a new run; :class:`~attn_probe.sinks.mlflow.MlflowSink` reads it only in
-``start`` and then uses its own client and run id, so it is a background sink).
-``SinkDispatcher(background=False)`` delivers every sink
-inline (for debugging, and for tests that want files written when ``log`` returns).
-Background deliveries run in a copy of the caller's :mod:`contextvars` context taken at
-submission, so libraries that keep their current run in a ``ContextVar`` (trackio) see it.
-
-**Deferred sinks.** A sink whose ``log`` only queues the snapshot (MLflow's asynchronous
-batches) says so with ``deferred = True`` and reports later, through ``settled()``, which
-steps were stored or lost: a list of ``(step, error)`` in step order, ``error`` ``None`` once
-stored. The lane asks after every ``log``, ``flush`` and ``finish``; a stored step counts as
-delivered (and ends an outage), a lost one goes through the ordinary failure path (counted in
-``lost_steps``, the stop/resume/close warnings name it). ``unsettled()`` (optional) names the
-steps still pending; a lane given up at ``close()`` reports them (``unconfirmed_steps``).
-
-**The run directory.** Before starting the sinks, ``start`` calls ``sink.bind_run_dir(path)``
-on every sink that has that method (the tracker sinks keep their record of the steps each
-tracker run got there, :mod:`attn_probe.sinks.trackers`): ``path`` is the ``run_dir`` given
-to the dispatcher, else the directory of the probe's trajectory sink (``attn_probe.jsonl``),
-else ``None``.
-
-**Never raises.** ``log``, ``flush`` and ``close`` catch everything; warnings go through
-:func:`safe_warn`, which falls back to stderr when the warnings filter turns them into
-exceptions (``python -W error``). ``start`` is the exception: it runs at attach time on the
-caller's thread and raises, after finishing the sinks already started.
+Warnings go through :func:`attn_probe.isolation.safe_warn` (never raises, even under
+``python -W error``). The user-facing account is docs/live-probe.md, the contract docs/sinks.md.
 """
 
 from __future__ import annotations
@@ -71,16 +48,16 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import RunInfo, Snapshot
+from ..isolation import safe_warn
+from . import RunInfo, Snapshot, sink_members
 
-__all__ = ["SinkDispatcher", "SinkStats", "safe_warn", "sink_name", "describe_steps",
+__all__ = ["SinkDispatcher", "SinkStats", "safe_warn", "sink_name", "describe_steps", "before_exit_flush",
            "DEFAULT_QUEUE_SIZE", "DEFAULT_TIMEOUT", "EXIT_TIMEOUT"]
 
 #: snapshots a lane holds before it drops its oldest
@@ -89,17 +66,8 @@ DEFAULT_QUEUE_SIZE = 64
 DEFAULT_TIMEOUT = 60.0
 #: seconds the interpreter-exit hook waits for dispatchers that were never closed
 EXIT_TIMEOUT = 10.0
-
-
-def safe_warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
-    """``warnings.warn`` that never raises: under ``-W error`` the message goes to stderr instead."""
-    try:
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
-    except Exception:  # noqa: BLE001 - a warning must never stop training
-        try:
-            print(f"{category.__name__}: {message}", file=sys.stderr, flush=True)
-        except Exception:  # noqa: BLE001 - stderr closed: nothing left to tell
-            pass
+#: seconds the caller waits for room in a full lane of a ``lossless`` sink before dropping
+BACKPRESSURE_TIMEOUT = 10.0
 
 
 def sink_name(sink: Any) -> str:
@@ -135,15 +103,14 @@ class SinkStats:
     lost: int = 0
     #: snapshots dropped because the lane's queue was full
     dropped: int = 0
-    #: snapshots still waiting when ``close()`` gave up on the lane
+    #: snapshots still waiting (or in flight) when ``close()`` gave up on the lane
     undelivered: int = 0
     #: the sink is failing now (its last delivery raised)
     failing: bool = False
     #: the most recent failure, as ``Type: message``
     last_error: str | None = None
     lost_steps: list[int] = field(default_factory=list)
-    #: steps the sink accepted but had not confirmed stored when ``close()`` gave up on it
-    #: (a deferred sink, such as MLflow's asynchronous batches, still waiting on its server)
+    #: the steps of ``undelivered``: the one the sink was still sending, then those waiting
     unconfirmed_steps: list[int] = field(default_factory=list)
 
 
@@ -162,8 +129,7 @@ class _Item:
 
     def adopt_context(self) -> None:
         """On the caller's thread, once an inline flush/finish ran in time: set the context
-        variables it changed (trackio's ``finish()`` clears its current run), as if it had run
-        here, as it did before those calls moved to a helper thread."""
+        variables it changed (trackio's ``finish()`` clears its current run), as if it ran here."""
         if self.inline is None or not self.done.is_set():
             return
         for var, value in self.context.items():
@@ -172,12 +138,13 @@ class _Item:
 
 
 class _Lane:
-    """One sink: its queue, its thread, its failure state and counters."""
+    """One sink: its contract, queue, thread, failure state and counters."""
 
     def __init__(self, sink: Any, *, background: bool, queue_size: int) -> None:
         self.sink = sink
+        self.members = sink_members(sink)
         self.name = sink_name(sink)
-        self.background = background and getattr(sink, "background", False) is True
+        self.background = background and self.members.background
         self.capacity = max(1, int(queue_size))
         self.stats = SinkStats(self.name, self.background)
         self._items: deque[_Item] = deque()
@@ -193,11 +160,20 @@ class _Lane:
         self._warned_flush = False
         #: inline lanes: the short-lived thread running the sink's flush()/finish(), if any
         self._helper: threading.Thread | None = None
-        #: what the lane's thread is handling now ("snapshot", "flush", "finish" or None)
-        self._current: str | None = None
+        #: what the lane's thread is handling now (a batch of snapshots, or one request)
+        self._current: list[_Item] = []
+        self._progress = 0  # items the lane's thread finished
+        self._stalled = False  # a lossless lane made no progress during a whole wait
 
     def _helper_busy(self) -> bool:
         return self._helper is not None and self._helper.is_alive()
+
+    def _drop_warning(self, step: int, why: str) -> None:
+        if not self._warned_drop:
+            self._warned_drop = True
+            safe_warn(f"attn_probe: sink {self.name} {why}; dropped its {'oldest waiting ' if self.background else ''}"
+                      f"snapshot (step {step}). Later drops are counted and reported at close(); training "
+                      "continues.")
 
     # -- submitting (caller's thread) ----------------------------------------------------------
 
@@ -213,45 +189,43 @@ class _Lane:
                 return
             dropped: int | None = None
             if item.kind == "snapshot":
+                if self._waiting >= self.capacity and self.members.lossless and not self._stalled:
+                    self._wait_for_room()
                 if self._waiting >= self.capacity:
-                    for old in self._items:
-                        if old.kind == "snapshot":
-                            self._items.remove(old)
-                            self._waiting -= 1
-                            assert old.snapshot is not None
-                            dropped = old.snapshot.step
-                            self.stats.dropped += 1
-                            break
+                    old = next(i for i in self._items if i.kind == "snapshot")
+                    self._items.remove(old)
+                    self._waiting -= 1
+                    dropped = old.snapshot.step  # type: ignore[union-attr]
+                    self.stats.dropped += 1
                 self._waiting += 1
             self._items.append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"attn_probe sink {self.name}", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-        if dropped is not None and not self._warned_drop:
-            self._warned_drop = True
-            safe_warn(f"attn_probe: sink {self.name} is {self.capacity} snapshots behind (slow or blocked); "
-                      f"dropped its oldest waiting snapshot (step {dropped}). Later drops are counted and "
-                      "reported at close(); training continues.")
+        if dropped is not None:
+            self._drop_warning(dropped, f"is {self.capacity} snapshots behind (slow or blocked)")
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure (``self._cond`` held): wait until the lane has room, bounded."""
+        deadline, progress = time.monotonic() + BACKPRESSURE_TIMEOUT, self._progress
+        while self._waiting >= self.capacity and not (self._finished or self._abandoned):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._stalled = self._progress == progress
+                return
+            self._cond.wait(left)
 
     def _submit_inline(self, item: _Item, *, helper: bool = True) -> None:
-        """Inline lane: a snapshot is delivered now, on the caller's thread; the sink's
-        ``flush()``/``finish()`` run on a short-lived daemon thread (after any earlier one), so
-        that the caller waits for them only up to its deadline (a tracker's flush may wait on a
-        dead server for minutes)."""
+        """Inline lane: a snapshot is delivered now, on the caller's thread; ``flush()``/``finish()``
+        run on a short-lived daemon thread (after any earlier one), so that the caller waits for
+        them only up to its deadline (a tracker's flush may wait on a dead server for minutes)."""
         if item.kind == "snapshot":
             if self._finished or self._abandoned:
                 pass
-            elif self._helper_busy():
-                # the sink is still in a flush()/finish() that outlived its deadline: calling it
-                # from here now would run it on two threads at once
-                assert item.snapshot is not None
+            elif self._helper_busy():  # still in a flush()/finish() past its deadline: not from two threads
                 self.stats.dropped += 1
-                if not self._warned_drop:
-                    self._warned_drop = True
-                    safe_warn(f"attn_probe: sink {self.name} is still busy flushing (slow or blocked); dropped "
-                              f"its snapshot at step {item.snapshot.step}. Later drops are counted and "
-                              "reported at close(); training continues.")
+                self._drop_warning(item.snapshot.step, "is still busy flushing (slow or blocked)")  # type: ignore[union-attr]
             else:
                 self._handle(item)
             item.done.set()
@@ -270,8 +244,7 @@ class _Lane:
                 item.done.set()
 
         if not helper or sys.is_finalizing():
-            # a thread started now might never run (and Thread.start() would wait for it forever)
-            run()
+            run()  # a thread started now might never run (and Thread.start() would wait for it forever)
             return
         thread = threading.Thread(target=run, name=f"attn_probe sink {self.name} {item.kind}", daemon=True)
         try:
@@ -288,18 +261,30 @@ class _Lane:
             with self._cond:
                 while not self._items:
                     self._cond.wait()
-                item = self._items.popleft()
-                if item.kind == "snapshot":
-                    self._waiting -= 1
-                self._current = item.kind
+                batch = [self._items.popleft()]
+                if batch[0].kind == "snapshot" and self.members.log_batch is not None:
+                    while self._items and self._items[0].kind == "snapshot":
+                        batch.append(self._items.popleft())
+                if batch[0].kind == "snapshot":
+                    self._waiting -= len(batch)
+                self._current = batch
+                self._cond.notify_all()  # room for a caller waiting on a full lane
+            item = batch[0]
             try:
-                if not (self._abandoned and item.kind == "snapshot"):
+                if item.kind != "snapshot":
                     item.context.run(self._handle, item)
+                elif not self._abandoned:
+                    item.context.run(self._deliver, [i.snapshot for i in batch])
             except BaseException:  # noqa: BLE001 - the lane never dies (SystemExit included)
                 pass
             finally:
-                self._current = None
-                item.done.set()
+                with self._cond:
+                    self._current = []
+                    self._progress += len(batch)
+                    self._stalled = False
+                    self._cond.notify_all()
+                for done in batch:
+                    done.done.set()
             if item.kind == "finish":
                 return
 
@@ -308,8 +293,7 @@ class _Lane:
     def _handle(self, item: _Item) -> None:
         try:
             if item.kind == "snapshot":
-                assert item.snapshot is not None
-                self._deliver(item.snapshot)
+                self._deliver([item.snapshot])  # type: ignore[list-item]
             elif item.kind == "flush":
                 self._flush_sink()
             elif item.kind == "finish":
@@ -317,48 +301,24 @@ class _Lane:
         except Exception:  # noqa: BLE001 - nothing escapes a lane
             pass
 
-    def _deliver(self, snapshot: Snapshot) -> None:
+    def _deliver(self, snapshots: list[Snapshot]) -> None:
+        """``log`` one snapshot, or ``log_batch`` several; a failure loses all of them."""
         if self._finished:
             return
-        step = snapshot.step
         try:
-            if self.stats.failing:
-                recover = getattr(self.sink, "recover", None)
-                if callable(recover):
-                    recover()
-            self.sink.log(snapshot)
-        except Exception as exc:  # noqa: BLE001 - one sink must not stop training or the others
-            self._settle()
-            self._failed(step, exc)
-            return
-        if getattr(self.sink, "deferred", False) is True:
-            self._settle()  # counted once the sink knows whether it was stored
-            return
-        self.stats.delivered += 1
-        if self.stats.failing:
-            self._resumed(step)
-
-    def _settle(self) -> int:
-        """Account for what a deferred sink (``deferred = True``) learned since the last call:
-        ``sink.settled()`` returns ``(step, error)`` in step order, ``error`` ``None`` for a
-        snapshot stored, else the exception its delivery failed with. Returns how many failed."""
-        settled = getattr(self.sink, "settled", None)
-        if not callable(settled):
-            return 0
-        try:
-            outcomes = list(settled() or ())
-        except Exception:  # noqa: BLE001 - nothing escapes a lane
-            return 0
-        failed = 0
-        for step, error in outcomes:
-            if error is None:
-                self.stats.delivered += 1
-                if self.stats.failing:
-                    self._resumed(int(step))
+            if self.stats.failing and self.members.recover is not None:
+                self.members.recover()
+            if len(snapshots) > 1 and self.members.log_batch is not None:
+                self.members.log_batch(snapshots)
             else:
-                failed += 1
-                self._failed(int(step), error)
-        return failed
+                self.members.log(snapshots[0])
+        except Exception as exc:  # noqa: BLE001 - one sink must not stop training or the others
+            for snapshot in snapshots:
+                self._failed(snapshot.step, exc)
+            return
+        self.stats.delivered += len(snapshots)
+        if self.stats.failing:
+            self._resumed(snapshots[0].step)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         s = self.stats
@@ -376,62 +336,47 @@ class _Lane:
                   f"and training continue.\n{tb}")
 
     def _resumed(self, step: int) -> None:
-        s = self.stats
         lost, self._outage = self._outage, []
-        s.failing = False
+        self.stats.failing = False
         safe_warn(f"attn_probe: logging to {self.name} resumed at step {step}; lost {describe_steps(lost)} "
                   f"while it failed (from step {self._stopped_at}: {self._stop_error}).")
 
     def _flush_sink(self) -> None:
-        flush = getattr(self.sink, "flush", None)
-        if self._finished or self.stats.failing or not callable(flush):
-            self._settle()
+        flush = self.members.flush
+        if self._finished or self.stats.failing or flush is None:
             return
         try:
             flush()
         except Exception as exc:  # noqa: BLE001
-            if self._settle():
-                return  # the failed snapshots were just reported, by step
             if not self._warned_flush:
                 self._warned_flush = True
                 safe_warn(f"attn_probe: flushing {self.name} failed ({_error_text(exc)}); snapshots it "
                           "accepted may be lost. Training continues.")
-        else:
-            self._settle()
 
     def _finish_sink(self) -> None:
         if self._finished:
             return
         self._finished = True
         try:
-            self.sink.finish()
+            self.members.finish()
         except Exception as exc:  # noqa: BLE001
-            if self._settle():
-                return  # the failed snapshots were just reported, by step
             safe_warn(f"attn_probe: closing {self.name} failed ({_error_text(exc)}); what it had written "
                       "before stays.")
-        else:
-            self._settle()
 
     # -- closing (caller's thread) -------------------------------------------------------------
 
-    def abandon(self) -> int:
-        """Give up on a lane still busy at the deadline: drop what waits; returns how many snapshots."""
+    def abandon(self) -> list[int]:
+        """Give up on a lane still busy at the deadline: drop what waits; returns the steps not
+        delivered (the snapshot in flight first, then those waiting)."""
         with self._cond:
             self._abandoned = True
-            waiting = [i for i in self._items if i.kind == "snapshot"]
-            busy = 1 if self._current == "snapshot" and self._thread is not None and self._thread.is_alive() else 0
+            busy = [i.snapshot.step for i in self._current if i.snapshot is not None]
+            steps = busy + [i.snapshot.step for i in self._items if i.kind == "snapshot"]  # type: ignore[union-attr]
             self._items = deque(i for i in self._items if i.kind != "snapshot")
             self._waiting = 0
-            n = len(waiting) + busy
-            self.stats.undelivered += n
-        unsettled = getattr(self.sink, "unsettled", None)
-        if callable(unsettled):
-            try:
-                self.stats.unconfirmed_steps = sorted(int(s) for s in unsettled())
-            except Exception:  # noqa: BLE001
-                pass
-        return n
+            self.stats.undelivered += len(steps)
+            self.stats.unconfirmed_steps = sorted(steps)
+        return steps
 
     def report_close(self) -> None:
         s = self.stats
@@ -443,21 +388,9 @@ class _Lane:
                       f"{'s' if s.dropped != 1 else ''} (queue of {self.capacity}).")
 
 
-def _trajectory_dir(sinks: Sequence[Any]) -> str | None:
-    """The directory of the probe's ``attn_probe.jsonl`` (its trajectory sink), if one is among ``sinks``."""
-    from .trajectory import TrajectorySink
-
-    for sink in sinks:
-        if isinstance(sink, TrajectorySink) and isinstance(sink.path, str):
-            return os.path.dirname(sink.path) or "."
-    return None
-
-
 #: dispatchers not closed yet, flushed by the interpreter-exit hook
 _OPEN: weakref.WeakSet[SinkDispatcher] = weakref.WeakSet()
 _OPEN_GUARD = threading.Lock()
-
-
 #: called by the exit hook before it flushes, with the seconds left (see :func:`before_exit_flush`)
 _BEFORE_FLUSH: list[Callable[[float], None]] = []
 
@@ -490,11 +423,7 @@ atexit.register(_flush_at_exit)
 
 
 class SinkDispatcher:
-    """Fan snapshots out to ``sinks``, each in its own lane (see the module docstring).
-
-    ``background=False`` delivers inline on the caller's thread; ``queue_size`` bounds each
-    lane; ``timeout`` is the default bound of :meth:`flush` and :meth:`close`, in seconds.
-    """
+    """Fan snapshots out to ``sinks``, each in its own lane (see the module docstring for the interface)."""
 
     def __init__(self, sinks: Iterable[Any], *, background: bool = True, queue_size: int = DEFAULT_QUEUE_SIZE,
                  timeout: float = DEFAULT_TIMEOUT, run_dir: str | None = None) -> None:
@@ -503,32 +432,29 @@ class SinkDispatcher:
         self.sinks = list(sinks)
         self.background = bool(background)
         self.timeout = float(timeout)
-        self.run_dir = run_dir
         self._lanes = [_Lane(s, background=self.background, queue_size=queue_size) for s in self.sinks]
+        found = [lane.members.directory for lane in self._lanes if lane.members.directory is not None]
+        self.run_dir = run_dir if run_dir is not None else (found[0] if found else None)
         self._pid = os.getpid()
         self._closed = False
         self._started = False
         #: the sink whose ``start`` raised in :meth:`start`, if one did
         self.failed_sink: Any = None
 
-    # -- lifecycle -----------------------------------------------------------------------------
-
     def start(self, run: RunInfo) -> None:
-        """``sink.start(run)`` for each sink, on this thread; on an exception the sinks already
-        started are finished and the exception propagates (attach-time errors must surface)."""
-        run_dir = self.run_dir if self.run_dir is not None else _trajectory_dir(self.sinks)
+        """Bind ``run_dir`` into each sink, then ``start(run)`` each on this thread; on an exception
+        the sinks already started are finished and the exception propagates."""
         for lane in self._lanes:
-            bind = getattr(lane.sink, "bind_run_dir", None)
-            if callable(bind):
+            if lane.members.bind_run_dir is not None:
                 try:
-                    bind(run_dir)
+                    lane.members.bind_run_dir(self.run_dir)
                 except Exception:  # noqa: BLE001 - the sink then works without a run directory
                     pass
         started: list[_Lane] = []
         try:
             for lane in self._lanes:
                 self.failed_sink = lane.sink
-                lane.sink.start(run)
+                lane.members.start(run)
                 started.append(lane)
             self.failed_sink = None
         except BaseException:
@@ -555,37 +481,34 @@ class SinkDispatcher:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _wait(self, items: list[_Item], timeout: float | None) -> bool:
+    def _request(self, kind: str, timeout: float | None) -> list[_Item]:
+        """Submit a flush/finish to every lane; wait for them all until the deadline."""
+        items = []
+        for lane in self._lanes:
+            item = _Item(kind)
+            lane.submit(item)
+            items.append(item)
         deadline = time.monotonic() + (self.timeout if timeout is None else max(0.0, float(timeout)))
-        ok = True
         for item in items:
-            if not item.done.wait(max(0.0, deadline - time.monotonic())):
-                ok = False
-        return ok
+            item.done.wait(max(0.0, deadline - time.monotonic()))
+            item.adopt_context()
+        return items
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every snapshot logged so far reached its sink (and the sink's own ``flush()``
-        ran); ``timeout`` defaults to the dispatcher's. Returns whether all lanes got there."""
+        """Wait until every snapshot logged so far reached its sink (and the sink's ``flush()`` ran);
+        ``timeout`` defaults to the dispatcher's. Returns whether all lanes got there."""
         if not self._usable():
             return True
         try:
-            items = []
-            for lane in self._lanes:
-                item = _Item("flush")
-                lane.submit(item)
-                items.append(item)
-            ok = self._wait(items, timeout)
-            for item in items:
-                item.adopt_context()
-            return ok
+            return all(item.done.is_set() for item in self._request("flush", timeout))
         except Exception:  # noqa: BLE001
             return False
 
     def close(self, timeout: float | None = None) -> bool:
         """Deliver what waits, finish every sink, stop the threads; bounded by ``timeout``.
 
-        Lanes still busy at the deadline are abandoned (their waiting snapshots are counted as
-        undelivered and warned about). Returns whether every lane finished in time. Never raises.
+        Lanes still busy at the deadline are abandoned and what they did not deliver is warned
+        about by step. Returns whether every lane finished in time. Never raises.
         """
         if self._closed or os.getpid() != self._pid:
             return True
@@ -596,27 +519,18 @@ class SinkDispatcher:
             return True
         ok = True
         try:
-            items = []
-            for lane in self._lanes:
-                item = _Item("finish")
-                lane.submit(item)
-                items.append(item)
-            deadline_ok = self._wait(items, timeout)
-            for item in items:
-                item.adopt_context()
+            items = self._request("finish", timeout)
             for lane, item in zip(self._lanes, items, strict=True):
                 if not item.done.is_set():
                     ok = False
-                    n = lane.abandon()
-                    unconfirmed = lane.stats.unconfirmed_steps
-                    sent = (f"; {describe_steps(unconfirmed)} sent to it {'was' if len(unconfirmed) == 1 else 'were'} "
-                            "not confirmed stored and may be lost" if unconfirmed else "")
+                    steps = lane.abandon()
+                    sent = (f" ({describe_steps(steps)}; the first was sent to it and not confirmed stored, it may "
+                            "be lost)" if steps else "")
                     safe_warn(f"attn_probe: sink {lane.name} did not finish within "
                               f"{self.timeout if timeout is None else timeout:g} s at close() and was given up; "
-                              f"{n} snapshot{'s' if n != 1 else ''} not delivered to it{sent}. Its thread is "
-                              "left to finish in the background.")
+                              f"{len(steps)} snapshot{'s' if len(steps) != 1 else ''} not delivered to it{sent}. "
+                              "Its thread is left to finish in the background.")
                 lane.report_close()
-            ok = ok and deadline_ok
         except Exception:  # noqa: BLE001
             ok = False
         return ok
@@ -631,8 +545,6 @@ class SinkDispatcher:
                     lane.submit(_Item("finish"), helper=False)
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
-
-    # -- introspection ---------------------------------------------------------------------------
 
     def stats(self) -> list[SinkStats]:
         """A copy of every lane's counters."""

@@ -13,7 +13,7 @@ Writes, into one run directory (the training run's own, so loss and scores sit t
 Never ``add_scalars`` (one run directory per key). Flushes at snapshot boundaries only.
 ``torch.utils.tensorboard`` is imported in :meth:`TensorBoardSink.start`. A resumed run marks
 its restart so TensorBoard drops the interrupted run's later steps, whichever writer is used;
-a dead event file (full disk) is replaced by a new one (:meth:`TensorBoardSink.recover`).
+a dead or deleted event file is replaced by a new one (:meth:`TensorBoardSink.recover`).
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ import json
 import os
 import re
 import struct
+import threading
 import time
 from typing import Any
 
+from ..isolation import safe_warn
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
-from . import RunInfo, Snapshot
+from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
-           "is_event_file", "writer_log_dir", "writer_error", "truncate_torn_record", "CONFIG_TEXT_TAG"]
+           "is_event_file", "writer_log_dir", "truncate_torn_record", "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
 HEATMAP_PREFIX = f"{PREFIX}_heatmap"
@@ -88,7 +90,7 @@ def emit_session_start(writer: Any, step: int) -> bool:
     try:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        file_writer = writer._get_file_writer()
+        file_writer = writer.file_writer  # public attribute of torch's and tensorboardX's SummaryWriter
         file_writer.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
         file_writer.flush()
     except Exception:  # noqa: BLE001 - a writer of another kind: the caller falls back
@@ -171,26 +173,11 @@ def _wait_for_a_later_name(log_dir: str) -> None:
         time.sleep(min(1.05, newest + 1 - now + 0.01))
 
 
-def _file_writer_state(file_writer: Any) -> tuple[str | None, Any, Any]:
-    """``(event file path, async writer, its worker thread)`` of a torch/tensorboard FileWriter.
-
-    These are private attributes of ``tensorboard.summary.writer.event_file_writer``; anything
-    missing reads as ``None`` and the callers fall back to the public ``close()``.
-    """
-    event_writer = getattr(file_writer, "event_writer", file_writer)
-    path = getattr(event_writer, "_file_name", None)
-    async_writer = getattr(event_writer, "_async_writer", None)
-    worker = getattr(async_writer, "_worker", None)
-    return (path if isinstance(path, str) else None), async_writer, worker
-
-
-def _event_file_identities(writer: Any) -> dict[str, tuple[int, int] | None]:
-    """``path -> (device, inode)`` of each event file ``writer`` writes (``None``: the path is gone)."""
+def _identities(log_dir: str, names: list[str]) -> dict[str, tuple[int, int] | None]:
+    """``path -> (device, inode)`` of event files in ``log_dir`` (``None``: the path is gone)."""
     out: dict[str, tuple[int, int] | None] = {}
-    for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
-        path, _, _ = _file_writer_state(file_writer)
-        if path is None:
-            continue
+    for name in names:
+        path = os.path.join(log_dir, name)
         try:
             st = os.stat(path)
             out[path] = (st.st_dev, st.st_ino)
@@ -199,42 +186,24 @@ def _event_file_identities(writer: Any) -> dict[str, tuple[int, int] | None]:
     return out
 
 
-def writer_error(writer: Any) -> BaseException | None:
-    """The exception that TensorBoard's background writer thread died with, if it did.
+def _release(writer: Any, timeout: float = 2.0) -> None:
+    """Close every file writer of ``writer`` through their public ``close()``, on a daemon thread
+    given ``timeout`` seconds: a dead TensorBoard writer cannot flush, and may fail or block."""
+    file_writers = list((getattr(writer, "all_writers", None) or {}).values()) or [writer]  # torch's, or any
 
-    ``EventFileWriter`` runs a thread that writes the queued events; when a write fails (a
-    full disk) the thread stores the exception and stops, and every later ``add_*`` or
-    ``flush`` re-raises it: the writer is dead for good and must be replaced.
-    """
-    for file_writer in list((getattr(writer, "all_writers", None) or {}).values()):
-        _, _, worker = _file_writer_state(file_writer)
-        exc = getattr(worker, "exception", None)
-        if isinstance(exc, BaseException):
-            return exc
-    return None
+    def close() -> None:
+        for fw in file_writers:
+            try:
+                fw.close()
+            except Exception:  # noqa: BLE001 - the old file is given up either way
+                pass
 
-
-def _abandon_file_writer(file_writer: Any) -> None:
-    """Close a (possibly dead) FileWriter without blocking or raising; trim a torn last record.
-
-    A dead writer thread cannot take the shutdown signal that ``close()`` sends it (nor flush
-    again), so the file is closed directly; a live one is closed normally, which flushes and
-    may fail again on a full disk.
-    """
-    path, async_writer, worker = _file_writer_state(file_writer)
-    try:
-        if worker is not None and async_writer is not None and not worker.is_alive():
-            async_writer._closed = True
-            async_writer._writer.close()
-        else:
-            file_writer.close()
-    except Exception:  # noqa: BLE001 - the old file is given up either way
-        pass
-    if path is not None:
-        truncate_torn_record(path)
+    thread = threading.Thread(target=close, name="attn_probe tensorboard release", daemon=True)
+    thread.start()
+    thread.join(timeout)
 
 
-class TensorBoardSink:
+class TensorBoardSink(Sink):
     """Write snapshots with a ``SummaryWriter`` of our own, or a borrowed one.
 
     ``writer`` (e.g. Accelerate's tracker's, or one given to ``watch(writer=...)``) is flushed
@@ -247,19 +216,22 @@ class TensorBoardSink:
     ``purge_stale=False`` when the caller has already marked the restart in another writer of
     the same directory (the Trainer's, see ``integrations/transformers.py``).
 
-    **Faults.** A write that fails (a full disk) kills TensorBoard's background writer for good
-    (:func:`writer_error`). :meth:`recover`, called by the dispatcher before the next attempt,
-    gives up the dead event file (trimming a torn last record) and opens a new one in the same
-    directory: for a torch ``SummaryWriter``, ours or borrowed, by recreating its file writer
-    (which heals the borrowed writer for its owner too); a borrowed writer of another kind is
-    replaced by a ``SummaryWriter`` of our own in the same directory. While ``statvfs`` reports
-    less than :data:`REOPEN_MIN_FREE` bytes free no new file is attempted, so a full disk does
-    not collect empty event files.
+    **Faults**, through TensorBoard's public API only. A write that fails (a full disk) kills
+    TensorBoard's writer for good: every later ``add_*`` or ``flush()`` raises. :meth:`recover`,
+    called by the dispatcher before the next attempt, closes the dead file writers (their public
+    ``close()``, bounded), trims a torn last record from the event file and continues in a new
+    event file in the same directory: our own writer is replaced by a fresh ``SummaryWriter``;
+    a borrowed torch ``SummaryWriter`` is reset as its own ``close()`` does (``file_writer`` and
+    ``all_writers`` cleared), so that its next write, ours or its owner's, opens a new file; a
+    borrowed writer of another kind is replaced by a ``SummaryWriter`` of our own. An event file
+    deleted or replaced under the writer (found by comparing its inode, at every snapshot) is
+    handled the same way, and the new file gets the run's layout again. While ``statvfs``
+    reports less than :data:`REOPEN_MIN_FREE` bytes free no new file is attempted, so a full
+    disk does not collect empty event files.
     """
 
     #: free bytes below which a reopen is not attempted
     REOPEN_MIN_FREE = 8192
-    #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
     background = True
 
     def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000,
@@ -275,8 +247,10 @@ class TensorBoardSink:
         #: (custom-scalars layout, configuration text, its step), written at start and again into
         #: a new event file when the run directory lost its files
         self._header: tuple[dict[str, Any], str, int] | None = None
-        #: identities of the event files opened (a file deleted or replaced under it is reopened)
+        #: identities of the event files written (a file deleted or replaced under it is reopened)
         self._files: dict[str, tuple[int, int] | None] = {}
+        #: event files present before the writer opened its current file (``None``: known)
+        self._before: set[str] | None = None
         self._last_step: int | None = None
 
     @property
@@ -307,14 +281,23 @@ class TensorBoardSink:
             except OSError:
                 pass
 
+    def _track_files(self) -> None:
+        """After a flush: remember which event file(s) the writer writes (those new since it opened,
+        else the most recently written one: a borrowed writer's)."""
+        if self._before is None:
+            return
+        names = _event_files(self.log_dir)
+        new = [n for n in names if n not in self._before]
+        if not new and names:
+            new = [max(names, key=lambda n: os.stat(os.path.join(self.log_dir, n)).st_mtime_ns)]
+        self._files, self._before = _identities(self.log_dir, new), None
+
     def start(self, run: RunInfo) -> None:
         resume = run.resume_step if run.resume_step and self._purge_stale else None
         before = set(_event_files(self.log_dir))
         if self._owned:
             self._writer = self._open_own_writer(resume if resume and before else None)
         elif resume and not emit_session_start(self._writer, resume):
-            from .dispatch import safe_warn
-
             safe_warn(f"attn_probe: cannot mark the restart at step {resume} in the given "
                       f"{type(self._writer).__name__} (it takes no raw events); TensorBoard may show the "
                       f"interrupted run's steps >= {resume} twice in {self.log_dir}.")
@@ -327,17 +310,17 @@ class TensorBoardSink:
             self._header = (custom_scalars_layout(run.groups, run.metrics), text, run.resume_step or 0)
             self._write_header(w)
             w.flush()
-            self._files = _event_file_identities(w)
+            self._before = before
+            self._track_files()
         except BaseException:
             if self._owned:  # attach fails: leave no half-written event file of ours behind
-                for fw in list((getattr(self._writer, "all_writers", None) or {}).values()):
-                    _abandon_file_writer(fw)
+                _release(self._writer)
                 self._remove_new_event_files(before)
                 self._writer = None
             raise
 
     def _write_header(self, w: Any) -> None:
-        """The run's custom-scalars layout and configuration text (once per run directory)."""
+        """The run's custom-scalars layout and configuration text (once per event file)."""
         if self._header is not None:
             layout, text, step = self._header
             w.add_custom_scalars(layout)
@@ -349,21 +332,24 @@ class TensorBoardSink:
         TensorBoard reopens its file by name at every write, so a deleted one would come back
         empty, without its header records, and the events before are gone silently.
         """
-        now = _event_file_identities(self._writer)
+        now = _identities(self.log_dir, [os.path.basename(p) for p in self._files])
         return next((path for path, ident in self._files.items() if now.get(path) != ident), None)
 
     def log(self, snapshot: Snapshot) -> None:
         left = self._file_left() if self._files and not self._broken else None
         if left is not None:
-            from .dispatch import safe_warn
-
             self._broken = True
             self.recover(header=True)
             last = f"up to step {self._last_step}" if self._last_step is not None else "of this run"
             safe_warn(f"attn_probe: the TensorBoard event file {left} was deleted or replaced while this run "
                       f"wrote it; the events it held ({last}) are lost. A new event file in "
                       f"{self.log_dir} continues from step {snapshot.step}.")
-        if self._broken or writer_error(self._writer) is not None:
+        if not self._broken:
+            try:
+                self._writer.flush()  # raises when the writer died (its owner's write failed too)
+            except Exception:  # noqa: BLE001 - replaced below
+                self._broken = True
+        if self._broken:
             self.recover()
         try:
             w = self._writer
@@ -377,54 +363,45 @@ class TensorBoardSink:
             for (group, layer), image in snapshot.images.items():
                 w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
             w.flush()
+            self._track_files()
             self._last_step = step
         except BaseException:
             self._broken = True
             raise
 
     def recover(self, header: bool = False) -> None:
-        """Replace a dead event file by a new one in the same directory (see the class docstring).
+        """Continue in a new event file in the same directory (see the class docstring).
 
         The new file gets the run's layout and configuration text again when ``header`` (the
         old file was deleted) or when the directory holds no event file any more. Raises (and
         changes nothing that matters) while the disk is still full.
         """
-        if not self._broken and writer_error(self._writer) is None:
+        if not self._broken:
             return
         if not _has_room(self.log_dir, self.REOPEN_MIN_FREE):
             raise OSError(errno.ENOSPC, f"no room to reopen the event file in {self.log_dir}")
         w = self._writer
         os.makedirs(self.log_dir, exist_ok=True)
         emptied = header or not _event_files(self.log_dir)  # the file went (deleted): its layout went too
-        if hasattr(w, "_get_file_writer") and hasattr(w, "all_writers") and hasattr(w, "file_writer"):
-            for fw in list((w.all_writers or {}).values()):
-                _abandon_file_writer(fw)
-            w.file_writer = w.all_writers = None
-            _wait_for_a_later_name(self.log_dir)
-            before = set(_event_files(self.log_dir))
-            try:
-                w._get_file_writer()  # a new event file: the writer is usable again, for its owner too
-            except BaseException:
-                w.file_writer = w.all_writers = None
-                self._remove_new_event_files(before)
-                raise
+        torch_like = hasattr(w, "all_writers") and hasattr(w, "file_writer")
+        if torch_like or self._owned:
+            _release(w)  # a borrowed writer of another kind is the user's to close
+        for path in self._files:
+            truncate_torn_record(path)
+        _wait_for_a_later_name(self.log_dir)
+        before = set(_event_files(self.log_dir))
+        if not self._owned and torch_like:
+            w.file_writer = w.all_writers = None  # as SummaryWriter.close() leaves it: reopens on next use
         else:
-            from .dispatch import safe_warn
-
-            try:
-                w.close() if self._owned else w.flush()
-            except Exception:  # noqa: BLE001 - it is being given up
-                pass
-            _wait_for_a_later_name(self.log_dir)
             new = self._open_own_writer()
             if not self._owned:
                 safe_warn(f"attn_probe: the given {type(w).__name__} in {self.log_dir} failed and cannot be "
                           "reopened; the probe writes through a SummaryWriter of its own in the same directory.")
             self._writer, self._owned = new, True
         self._broken = False
+        self._files, self._before = {}, before
         if emptied:
             self._write_header(self._writer)
-        self._files = _event_file_identities(self._writer)
 
     def flush(self) -> None:
         if self._writer is not None and not self._broken:
@@ -435,11 +412,8 @@ class TensorBoardSink:
         if w is None:
             return
         if self._owned:
-            if self._broken or writer_error(w) is not None:
-                for fw in list((getattr(w, "all_writers", None) or {}).values()):
-                    _abandon_file_writer(fw)
-                if hasattr(w, "all_writers"):
-                    w.file_writer = w.all_writers = None
+            if self._broken:
+                _release(w)
                 return
             w.close()
         elif not self._broken:

@@ -1,45 +1,20 @@
-"""What the experiment-tracker sinks (W&B, MLflow, trackio) share: key names and a base class.
+"""What the trackers (W&B, MLflow, trackio, the integrations' trackers) share, in one place.
 
-Keys are the TensorBoard tags of :func:`attn_probe.tags.scalar_tag`:
-
-``attn_probe/{group}/{metric}/layer_{LL}``            one layer
-``attn_probe/{group}/{metric}/layer_{LL}/head_{HH}``  one head (only with ``per_head=True``)
-``attn_probe/{group}/{metric}/{median|q25|q75}``      across layers
-
-They use only ``[A-Za-z0-9_./-]``, which every tracker accepts (MLflow rejects some other
-characters, W&B treats others specially); a group or metric name with any other character is
-rewritten with ``_`` for it. Each key of a metric's median contains the metric's name and
-``median``.
-
-The tracker sinks are *network sinks*: W&B, MLflow (over HTTP) and trackio may wait on a
-server, and MLflow's HTTP client retries a dead server for minutes
-(``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``). Their ``log`` may
-therefore block or raise; they are meant to be driven off the training thread, and the probe
-isolates a failing sink. Each sink imports its library only in ``start()``.
-
-**Resume: no step twice.** A resumed run (``RunInfo.resume_step`` = G, the step of the
-checkpoint) recomputes the snapshots at steps G and later; the tracker run it logs into may
-already hold some of them, sent before the crash. Each tracker sink therefore learns, when it
-starts (the Trainer's, at its first snapshot), the last probe step L that the same tracker
-run already holds, and does not send the snapshots at steps ``<= L`` again; it says so once,
-in one warning line. L comes from, in this order:
-
-1. the tracker itself, where it can be read back cheaply and reliably (:class:`TrackerRun`
-   ``read_back``): MLflow (the history of the run's probe metrics, through ``MlflowClient``)
-   and W&B online (``run.summary["attn_probe/step"]``, on the probe's own step axis). Its
-   answer wins, also over the record: it is what the tracker holds;
-2. otherwise (W&B offline, trackio, other integrations, or a read-back that failed or took
-   longer than :data:`READ_BACK_TIMEOUT`), the probe's own record,
-   ``<run dir>/attn_probe_trackers.json`` (:class:`SentRecord`): per tracker run, keyed by
-   the tracker's id of the run (W&B run id, MLflow run id, trackio project and run id; the
-   integration's name where no id can be had), the last step sent successfully, rewritten
-   atomically (temporary file + ``os.replace``) after every send.
-
-A fresh run (no ``resume_step``) sends every step. A resumed training that logs into a *new*
-tracker run finds no entry under that run's id and sends every step too. Failures never
-raise: an unreadable record counts as absent (the tracker may then get steps twice, it never
-loses one), and a record that cannot be written (a full disk) is warned about once while the
-tracker logging goes on.
+* Keys: :func:`tracker_key`, the TensorBoard tags of :func:`attn_probe.tags.scalar_tag`
+  (``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]``, ``.../{median|q25|q75}``) with
+  every character outside ``[A-Za-z0-9_./-]`` (which every tracker accepts) rewritten as ``_``.
+* The probe's W&B step axis: :func:`define_probe_axis`.
+* :class:`TrackerSink`, the base of the plain-loop sinks, and :class:`TrackerFanOut`, which
+  sends to the targets (:class:`TrackerTarget`) that the Trainer and Accelerate integrations hand it.
+* **Resume: no step twice.** A resumed run (``RunInfo.resume_step`` = G) recomputes the
+  snapshots at steps >= G, and the tracker run may hold some of them already. Before its first
+  snapshot each tracker run's :class:`ResendGuard` learns the last probe step L it holds and
+  skips the snapshots at steps <= L, with one warning. L comes from the tracker where it can be
+  read back (:class:`TrackerRun` ``read_back``: MLflow's metric history, W&B online's
+  ``run.summary["attn_probe/step"]``; bounded by :data:`READ_BACK_TIMEOUT`), else from the
+  probe's record ``<run dir>/attn_probe_trackers.json`` (:class:`SentRecord`: per tracker run
+  id, the last step sent, rewritten atomically after every send). Failures never raise: an
+  unreadable record counts as absent (a step may then be sent twice, never lost).
 """
 
 from __future__ import annotations
@@ -55,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..isolation import safe_warn
 from ..tags import PREFIX, scalar_tag
-from . import RunInfo, Snapshot
+from . import RunInfo, Sink, Snapshot
 
 __all__ = ["KEY_PATTERN", "STEP_KEY", "SENT_FILENAME", "TrackerSink", "TrackerRun", "SentRecord", "ResendGuard",
            "NotReadable", "READ_BACK_TIMEOUT", "make_guard", "mlflow_run", "wandb_run", "trackio_run",
-           "tracker_key", "tracker_metrics", "import_tracker"]
+           "tracker_key", "tracker_metrics", "import_tracker",
+           "define_probe_axis", "current_trackio_run", "TrackerTarget", "TrackerFanOut"]
 
 #: characters every supported tracker accepts in a metric key
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_./-]+$")
@@ -106,6 +83,18 @@ def tracker_metrics(snapshot: Snapshot, *, per_head: bool = False, layers: bool 
                 continue
             out[tracker_key(r.group, r.metric, layer=r.layer, head=r.head)] = float(r.value)
     return out
+
+
+def define_probe_axis(run: Any) -> None:
+    """Give a W&B run the probe's own step axis: ``attn_probe/*`` plotted against ``attn_probe/step``."""
+    run.define_metric(STEP_KEY)
+    run.define_metric(f"{PREFIX}/*", step_metric=STEP_KEY)
+
+
+def current_trackio_run(trackio: Any) -> Any:
+    """trackio's current run in this context (``trackio.context_vars.current_run``), or ``None``."""
+    current = getattr(getattr(trackio, "context_vars", None), "current_run", None)
+    return current.get() if current is not None else None
 
 
 def import_tracker(module: str, extra: str, who: str) -> Any:
@@ -232,8 +221,6 @@ class SentRecord:
                 first = self.path not in _RECORD_WARNED
                 _RECORD_WARNED.add(self.path)
             if first:
-                from .dispatch import safe_warn
-
                 safe_warn(f"attn_probe: could not record the steps sent to the trackers in {self.path} "
                           f"({type(exc).__name__}: {exc}); logging to the trackers continues, but if this run "
                           "is resumed they may get some of its steps twice.", stacklevel=2)
@@ -300,8 +287,6 @@ class ResendGuard:
         return None, None
 
     def _warn(self, resume: int, held: int) -> None:
-        from .dispatch import safe_warn
-
         steps = f"step {resume}" if held == resume else f"steps {resume} to {held}"
         source = ("read back from the tracker" if self.source == "tracker"
                   else f"as recorded in {self.record.path}" if self.record is not None else "")
@@ -332,8 +317,6 @@ def make_guard(describe: Callable[[], TrackerRun], run_dir: str | None, resume_s
         record = SentRecord(run_dir) if run_dir else None
         return ResendGuard(describe(), record, resume_step)
     except Exception as exc:  # noqa: BLE001 - never stop the tracker (or training) over this
-        from .dispatch import safe_warn
-
         safe_warn(f"attn_probe: could not tell which tracker run the probe logs into ({type(exc).__name__}: "
                   f"{exc}); every snapshot is sent to it, also those it may hold from before a resume.")
         return None
@@ -393,7 +376,7 @@ def trackio_run(run: Any, label: str | None = None) -> TrackerRun:
     return TrackerRun("trackio", f"{project}/{run_id}", label or f"trackio run {name!r} of project {project!r}")
 
 
-class TrackerSink:
+class TrackerSink(Sink):
     """Base of the tracker sinks: lifecycle, key naming, resume, and whether the run is ours to finish.
 
     Subclasses implement ``_open(run_info)`` (set ``self.run`` and ``self.owns_run``),
@@ -401,10 +384,9 @@ class TrackerSink:
     logged into, once open). ``finish()`` finishes only a run the sink created; a run handed in
     by the user stays open.
 
-    Resume: the dispatcher tells the sink the probe's run directory (:meth:`bind_run_dir`)
-    before ``start()``; ``start()`` builds the sink's :class:`ResendGuard`, and ``log`` skips
-    the snapshots the tracker run already holds and records each successful send (subclasses
-    whose sends complete later override ``_sent``).
+    Resume: the dispatcher binds the probe's run directory before ``start()``, which builds the
+    sink's :class:`ResendGuard`; ``log`` skips the snapshots the tracker run already holds and
+    records each step once ``_send`` returned.
     """
 
     #: module imported in ``start()`` and the pip extra that installs it
@@ -416,19 +398,12 @@ class TrackerSink:
         self.run: Any = None
         self.owns_run = False
         self.run_info: RunInfo | None = None
-        #: the probe's run directory (where the sent-steps record lives), from the dispatcher
-        self.run_dir: str | None = None
         #: which snapshots the tracker run gets (set at ``start()``; ``None``: all)
         self.guard: ResendGuard | None = None
         self._open_now = False
 
     def _import(self) -> Any:
         return import_tracker(self.module, self.extra, type(self).__name__)
-
-    # ------------------------------------------------------------------ Sink protocol
-    def bind_run_dir(self, run_dir: str | None) -> None:
-        """The probe's run directory (TensorBoard, ``attn_probe.jsonl``), given before ``start()``."""
-        self.run_dir = run_dir
 
     def start(self, run: RunInfo) -> None:
         if self._open_now:
@@ -447,7 +422,8 @@ class TrackerSink:
         values = self.metrics(snapshot)
         if values:
             self._send(snapshot, values)
-            self._sent(step)
+            if self.guard is not None:
+                self.guard.sent(step)  # reached the tracker: recorded for a resume
 
     def finish(self) -> None:
         if not self._open_now:
@@ -459,11 +435,6 @@ class TrackerSink:
     def metrics(self, snapshot: Snapshot) -> dict[str, float]:
         """The ``{key: value}`` this sink sends for ``snapshot``."""
         return tracker_metrics(snapshot, per_head=self.per_head)
-
-    def _sent(self, step: int) -> None:
-        """``step`` reached the tracker: record it (never raises)."""
-        if self.guard is not None:
-            self.guard.sent(step)
 
     @staticmethod
     def timestamp_ms(snapshot: Snapshot) -> int:
@@ -484,3 +455,66 @@ class TrackerSink:
 
     def _close(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+@dataclass
+class TrackerTarget:
+    """One tracker that an integration (Trainer, Accelerate) hands to :class:`TrackerFanOut`.
+
+    ``name`` names it in errors; ``run()`` says which tracker run it logs into, called once,
+    before its first snapshot (it may set the tracker up first); ``send(values, step)`` sends one
+    snapshot's ``{key: value}``. ``step_axis``: a W&B run to give the probe's own step axis
+    (:func:`define_probe_axis`, once); its values then carry ``attn_probe/step``.
+    """
+
+    name: str
+    run: Callable[[], TrackerRun]
+    send: Callable[[dict[str, float], int], None]
+    step_axis: Any = None
+
+
+class TrackerFanOut(Sink):
+    """Send each snapshot to an integration's trackers: keys, step axis and resume in one place.
+
+    Runs on the training thread (the integrations' tracker runs live there). Each target's
+    :class:`ResendGuard` is made before its first snapshot, so on a resumed run it skips the
+    steps its tracker run already holds. A failing target does not stop the others; the errors
+    are raised together afterwards (the dispatcher counts that snapshot as lost for this sink).
+    """
+
+    def __init__(self, targets: list[TrackerTarget], *, per_head: bool = False) -> None:
+        self.targets = list(targets)
+        self.per_head = bool(per_head)
+        self.resume_step: int | None = None
+        #: per target (by position), its guard once made (``None``: send everything)
+        self.guards: dict[int, ResendGuard | None] = {}
+
+    def start(self, run: RunInfo) -> None:
+        self.resume_step = run.resume_step
+
+    def _guard(self, i: int, target: TrackerTarget) -> ResendGuard | None:
+        if i not in self.guards:
+            if target.step_axis is not None:
+                define_probe_axis(target.step_axis)
+            self.guards[i] = make_guard(target.run, self.run_dir, self.resume_step)
+        return self.guards[i]
+
+    def log(self, snapshot: Snapshot) -> None:
+        step = int(snapshot.step)
+        values = tracker_metrics(snapshot, per_head=self.per_head)
+        errors = []
+        for i, target in enumerate(self.targets):
+            try:
+                guard = self._guard(i, target)
+                if guard is not None and not guard.wants(step):
+                    continue  # this tracker run holds the step from before the resume
+                target.send({**values, STEP_KEY: step} if target.step_axis is not None else dict(values), step)
+                if guard is not None:
+                    guard.sent(step)
+            except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
+                errors.append(f"{target.name}: {type(exc).__name__}: {exc}")
+        if errors:
+            raise RuntimeError("tracker failed: " + "; ".join(errors))
+
+    def finish(self) -> None:
+        self.targets = []  # what the integrations' callables hold (the Trainer's model): no longer

@@ -22,15 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import RunInfo, Snapshot
-from .trackers import TrackerRun, TrackerSink, trackio_run
+from .trackers import TrackerRun, TrackerSink, current_trackio_run, trackio_run
 
 __all__ = ["TrackioSink"]
-
-
-def _current_run(trackio: Any) -> Any:
-    context_vars = getattr(trackio, "context_vars", None)
-    current = getattr(context_vars, "current_run", None)
-    return current.get() if current is not None else None
 
 
 class TrackioSink(TrackerSink):
@@ -65,7 +59,7 @@ class TrackioSink(TrackerSink):
         if self._given is not None:
             self.run, self.owns_run = self._given, False
             return
-        current = _current_run(trackio)
+        current = current_trackio_run(trackio)
         if current is not None:
             project = getattr(current, "project", None)
             if self.project is not None and project is not None and project != self.project:
@@ -91,7 +85,7 @@ class TrackioSink(TrackerSink):
         if not self.owns_run or run is None:
             return
         trackio = self._import()
-        if _current_run(trackio) is run:
+        if current_trackio_run(trackio) is run:
             trackio.finish()  # also clears trackio's current run
         else:
             run.finish()

@@ -1,7 +1,10 @@
 """The lossless trajectory sink: ``attn_probe.jsonl`` beside the event files.
 
-Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Every snapshot is
-appended with ``os.write`` and fsync'd, so a crash loses at most the snapshot being written.
+Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Snapshots are
+appended with ``os.write`` and fsync'd; the snapshots waiting in the sink's lane go out in one
+write and one fsync (:meth:`TrajectorySink.log_batch`), so a crash loses at most the
+snapshots being written. It is a ``lossless`` sink: when its lane is full the training thread
+waits (bounded) for room instead of dropping a snapshot (:mod:`attn_probe.sinks.dispatch`).
 
 The file only ever holds complete lines:
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 import json
 import os
 
+from ..isolation import safe_warn
 from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
-from . import RunInfo, Snapshot
+from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TrajectorySink", "truncate_trajectory", "last_complete_line_end"]
 
@@ -119,11 +123,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-class TrajectorySink:
+class TrajectorySink(Sink):
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
-    #: safe to drive from the dispatcher's background lane (see :mod:`attn_probe.sinks.dispatch`)
     background = True
+    lossless = True
 
     def __init__(self, log_dir: str, filename: str = TRAJECTORY_FILENAME) -> None:
         self.path = os.path.join(log_dir, filename)
@@ -135,13 +139,14 @@ class TrajectorySink:
         #: how many times the file was found deleted or replaced and recreated
         self.recreated = 0
 
+    def directory(self) -> str:
+        return os.path.dirname(self.path) or "."
+
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if run.resume_step is not None:
             truncate_trajectory(self.path, run.resume_step)
         elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            from .dispatch import safe_warn
-
             safe_warn(
                 f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "
                 "and its rows are appended after the old ones. Use a fresh log_dir for a new run.",
@@ -176,20 +181,26 @@ class TrajectorySink:
                 pass
 
     def log(self, snapshot: Snapshot) -> None:
+        self.log_batch([snapshot])
+
+    def log_batch(self, snapshots: list[Snapshot]) -> None:
+        """Append the snapshots' rows in one write and one fsync (all of them, or none)."""
         if self._fd is None:
             raise RuntimeError("TrajectorySink.log() before start() or after a failure it could not undo")
         lines = []
-        for r in snapshot.records:
-            row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
-                                    r.metric, encode_value(r.value)), strict=True))
-            lines.append(json.dumps(row, allow_nan=False) + "\n")
+        for snapshot in snapshots:
+            for r in snapshot.records:
+                row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
+                                        r.metric, encode_value(r.value)), strict=True))
+                lines.append(json.dumps(row, allow_nan=False) + "\n")
         data = "".join(lines).encode("utf-8")
-        self._reopen_if_detached(snapshot.step)
+        step, last = snapshots[0].step, snapshots[-1].step
+        self._reopen_if_detached(step)
         self._append(data)
-        if self._reopen_if_detached(snapshot.step):  # deleted while this snapshot was written: again
+        if self._reopen_if_detached(step):  # deleted while these snapshots were written: again
             self._append(data)
-        first, _, count = self._written or (snapshot.step, snapshot.step, 0)
-        self._written = (first, snapshot.step, count + 1)
+        first, _, count = self._written or (step, step, 0)
+        self._written = (first, last, count + len(snapshots))
 
     def _append(self, data: bytes) -> None:
         assert self._fd is not None
@@ -247,8 +258,6 @@ class TrajectorySink:
         if restore_lock(directory) is False:  # a no-op while the lock file is still in place
             lock_note = (" The directory's lock file went too and could not be locked again (another "
                          "writer took it?): a second writer would not be refused now.")
-        from .dispatch import safe_warn
-
         others = (" The other files of the directory (TensorBoard's event files) went with it."
                   if how.endswith("with its directory") else "")
         where = ("appended to the file now at that path, after the rows it already holds" if self._inherited

@@ -1,29 +1,29 @@
 """Weights & Biases sink for plain PyTorch loops: the probe's values in a W&B run.
 
-The probe gets its own step axis: ``define_metric("attn_probe/*", step_metric="attn_probe/step")``
-and every payload carries ``attn_probe/step``. The sink never passes ``step=`` to ``run.log``:
-W&B drops a log whose ``step=`` is lower than the last one it saw, so a probe step ahead of
-the user's counter would drop the user's loss.
+The probe gets its own step axis (:func:`~attn_probe.sinks.trackers.define_probe_axis`:
+``attn_probe/*`` plotted against ``attn_probe/step``) and every payload carries
+``attn_probe/step``. The sink never passes ``step=`` to ``run.log`` (W&B drops a log whose
+``step=`` is below the last one it saw) and never reads ``run.step`` (a blocking round-trip to
+the W&B service, up to 30 s when the service hangs).
 
-Rows. W&B's history is one sequence of rows, and ``run.log`` without ``step=`` writes into the
-open row. In a run the sink created, each snapshot is one committed row. In the user's run the
-values join the row the user has open (``commit=False``) and are committed with it, so a user
-who logs one step in several ``run.log(..., step=s)`` calls, with the probe's snapshot between
-them, loses nothing. At most one snapshot goes into a row; the next one waits until the user
-opens a new row, and when a third arrives first (the user logs less often than the probe
-snapshots, or not at all) the sink commits its row itself. So if you pass ``step=`` yourself,
-use a counter that advances at least as often as the probe's snapshots (the optimizer step), or
-give your metrics a step metric of their own; a log at a ``step=`` the sink has already
-committed past is dropped by W&B. ``finish()`` writes the waiting snapshot into a new row.
+**Rows.** W&B's history is one sequence of rows. In a run the sink created, each snapshot is
+a row of its own. In the user's run the values join the row the user has open
+(``run.log(values, commit=False)``) and are written when the user's next ``run.log`` commits
+that row, so the sink never advances W&B's step and never makes a user's ``run.log(...,
+step=s)`` be dropped. The probe's charts use its own axis, so they do not depend on the row.
+A row holds one value per key: when the probe snapshots more often than the user commits rows,
+only the last snapshot between two of the user's rows reaches W&B (``attn_probe.jsonl`` and
+TensorBoard keep them all); snapshot at most as often as you log, or log the probe into a run
+of its own. ``finish()`` leaves the user's open row to the user.
+
+**Thread.** A background sink: ``wandb`` keeps no per-thread state for ``run.log``, so the sink
+runs on its own lane and a hung W&B service never stalls the training step; snapshots wait in
+the lane (the oldest dropped when it is full) and go out when the service answers again.
 
 Resume: on a resumed probe run, the snapshots the W&B run already holds are not sent again
 (:mod:`attn_probe.sinks.trackers`): online, the last ``attn_probe/step`` is read back from
-``run.summary``; offline (whose resumed run starts with an empty summary) the probe's record
-in its run directory, keyed by ``run.id``, says it. A step is recorded when its row is handed
-to ``run.log``.
-
-This is a network sink (see :mod:`attn_probe.sinks.trackers`); ``wandb`` is imported in
-:meth:`WandbSink.start` (``pip install 'attn-probe[wandb]'``).
+``run.summary``; offline, the probe's record in its run directory, keyed by ``run.id``.
+``wandb`` is imported in :meth:`WandbSink.start` (``pip install 'attn-probe[wandb]'``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from ..tags import PREFIX
 from . import RunInfo, Snapshot
-from .trackers import STEP_KEY, TrackerRun, TrackerSink, wandb_run
+from .trackers import STEP_KEY, TrackerRun, TrackerSink, define_probe_axis, wandb_run
 
 __all__ = ["WandbSink"]
 
@@ -55,6 +55,8 @@ class WandbSink(TrackerSink):
 
     module = "wandb"
     extra = "wandb"
+    #: driven from the dispatcher's lane: only ``run.log`` is called after ``start()``
+    background = True
 
     def __init__(self, run: Any = None, *, per_head: bool = False, log_config: bool = True,
                  **init_kwargs: Any) -> None:
@@ -62,8 +64,6 @@ class WandbSink(TrackerSink):
         self._given = run
         self._init_kwargs = init_kwargs
         self._log_config = log_config
-        self._row: int | None = None
-        self._held: dict[str, float] | None = None
 
     def _open(self, run_info: RunInfo) -> None:
         wandb = self._import()
@@ -73,53 +73,18 @@ class WandbSink(TrackerSink):
             self.run, self.owns_run = wandb.run, False
         else:
             self.run, self.owns_run = wandb.init(**self._init_kwargs), True
-        self.run.define_metric(STEP_KEY)
-        self.run.define_metric(f"{PREFIX}/*", step_metric=STEP_KEY)
+        define_probe_axis(self.run)
         if self._log_config:
             self.run.config.update({PREFIX: {"config": run_info.config, "model": run_info.model}},
                                    allow_val_change=True)
-        self._row, self._held = None, None
 
     def _tracker_run(self) -> TrackerRun:
         return wandb_run(self.run)
 
-    def _sent(self, step: int) -> None:
-        if self.owns_run:
-            super()._sent(step)
-        # in the user's run the step is recorded when _write hands its row to run.log
-
     def _send(self, snapshot: Snapshot, values: dict[str, float]) -> None:
-        payload = {**values, STEP_KEY: int(snapshot.step)}
-        if self.owns_run:
-            self.run.log(payload)
-            return
-        self._write(payload)
-
-    def _write(self, payload: dict[str, float] | None) -> None:
-        """Place ``payload`` (``None``: only the waiting one) into the user's open row, one snapshot a row."""
-        run = self.run
-        row_taken = self._row is not None and run.step == self._row
-        if row_taken and self._held is not None:
-            run.log({}, commit=True)  # two snapshots waiting: commit the row holding ours
-            row_taken = False
-        if row_taken:
-            self._held = payload
-            return
-        first, self._held = (self._held, payload) if self._held is not None else (payload, None)
-        if first is not None:
-            run.log(first, commit=False)
-            self._row = run.step
-            TrackerSink._sent(self, int(first[STEP_KEY]))
+        self.run.log({**values, STEP_KEY: int(snapshot.step)}, commit=self.owns_run)
 
     def _close(self) -> None:
-        run = self.run
-        try:
-            if run is not None and not self.owns_run and self._held is not None:
-                if run.step == self._row:
-                    run.log({}, commit=True)
-                self._write(None)
-        finally:
-            self.run = None
-            self._row, self._held = None, None
-            if self.owns_run and run is not None:
-                run.finish()
+        run, self.run = self.run, None
+        if self.owns_run and run is not None:
+            run.finish()

@@ -55,10 +55,10 @@ def main() -> None:
     builtin_probe.step = 1  # never due again
     vote = [1, 1, 1, 7, -7]
     result = {
-        "agreement_us": per_call(lambda: callable_probe._agreement.min(vote)),
+        "agreement_us": per_call(lambda: callable_probe.decision.agreement.min(vote)),
         "on_update_callable_us": per_call(callable_probe.on_update),
         "on_update_builtin_us": per_call(builtin_probe.on_update),
-        "surgery_check_per_layer_us": per_call(callable_probe._changed_layers) / len(callable_probe.layers),
+        "surgery_check_per_layer_us": per_call(callable_probe.measurement.surgery.changed_layers) / len(callable_probe.layers),
         "layers": len(callable_probe.layers),
     }
     callable_probe.close(final_snapshot=False)

@@ -123,7 +123,9 @@ def main() -> None:
 
     class Record(TrainerCallback):
         def on_step_end(self, args, s, control, **kwargs):
-            sinks["count"] = len(callback.probe._sinks) if callback.probe is not None else None
+            probe = callback.probe
+            outputs = probe.outputs if probe is not None else None  # None off the main process: no sinks
+            sinks["count"] = (len(outputs.sinks) if outputs is not None else 0) if probe is not None else None
             sinks["main"] = callback.probe.is_main_process if callback.probe is not None else None
 
     trainer.add_callback(Record())  # after the probe callback: runs while the probe is open

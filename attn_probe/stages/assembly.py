@@ -1,0 +1,81 @@
+"""Stage 3: a snapshot's records and statistics, from values already on the host.
+
+The live probe (:class:`Assembler`) and checkpoint trajectories
+(:func:`snapshot_from_rows`, :mod:`attn_probe.checkpoint`) assemble snapshots here, so the
+records and the across-layer statistics (:func:`layer_statistics`: median, quartiles, ...
+of the layer-level values, :func:`attn_probe.tags.layer_stats`) are the same on every path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..extraction import AttentionLayer
+from ..isolation import safe_warn
+from ..metrics import table_entries
+from ..sinks import Record, Snapshot
+from ..tags import layer_stats
+
+__all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
+
+#: per layer, each pair's host table ``(len(pair.metrics), 1 + H * per_head)``
+LayerTables = Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]]
+
+
+def layer_statistics(records: Iterable[Record]) -> dict[tuple[str, str, str], float]:
+    """``(group, metric, stat) -> value`` across the layers, from the layer-level records."""
+    by_key: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r.head is None:
+            by_key.setdefault((r.group, r.metric), []).append(r.value)
+    return {(group, metric, stat): value
+            for (group, metric), vals in by_key.items()
+            for stat, value in layer_stats(vals, metric).items()}
+
+
+def records_from_rows(rows: Iterable[dict[str, Any]], metrics: Sequence[str]) -> list[Record]:
+    """Records of rows ``{group, layer, head, <metric>: value}`` (:func:`attn_probe.score_model`)."""
+    return [Record(r["group"], r["layer"], r["head"], m, float(r[m])) for r in rows for m in metrics]
+
+
+def snapshot_from_rows(step: int, rows: Iterable[dict[str, Any]], metrics: Sequence[str]) -> Snapshot:
+    """A :class:`~attn_probe.sinks.Snapshot` of post-hoc rows at ``step`` (checkpoint trajectories)."""
+    records = records_from_rows(rows, metrics)
+    return Snapshot(step=int(step), wall_time=time.time(), records=records, stats=layer_statistics(records))
+
+
+class Assembler:
+    """Snapshots of the live probe from host tables; warns once about non-finite values.
+
+    ``pair_metrics``: per pair, the metric names of its table's rows, in the pairs' order.
+    """
+
+    def __init__(self, pair_metrics: Sequence[Sequence[str]]) -> None:
+        self.pair_metrics = [tuple(m) for m in pair_metrics]
+        self.warned_nonfinite = False
+
+    def assemble(self, step: int, tables: LayerTables,
+                 images: dict[tuple[str, int], np.ndarray]) -> Snapshot:
+        """The snapshot at ``step``: a record per layer, head and metric, and the statistics."""
+        records: list[Record] = []
+        nonfinite: list[str] = []
+        for layer, layer_tables in tables:
+            for metrics, table in zip(self.pair_metrics, layer_tables, strict=True):
+                for head, metric, value in table_entries(metrics, table):
+                    records.append(Record(layer.group, layer.layer, head, metric, value))
+                    if head is None and not math.isfinite(value):
+                        nonfinite.append(f"{layer.name} {metric}")
+        if nonfinite and not self.warned_nonfinite:
+            self.warned_nonfinite = True
+            safe_warn(
+                f"attn_probe: non-finite weights or undefined scores at step {step} "
+                f"({', '.join(nonfinite[:6])}{', ...' if len(nonfinite) > 6 else ''}); logged as NaN. "
+                "This warning is shown once."
+            )
+        return Snapshot(step=step, wall_time=time.time(), records=records,
+                        stats=layer_statistics(records), images=images)

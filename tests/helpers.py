@@ -1,0 +1,128 @@
+"""Shared test helpers: tiny models from config classes, random tokens, Trainer arguments,
+``torchrun`` launches, and the explicit float64 reference of every metric.
+
+One place for what several test files use (``from helpers import tiny_bert, ...``); test
+modules do not import from each other. Nothing downloads: every model is built from its
+config class with a seed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from attn_probe.metrics import is_magnitude
+from attn_probe.scores import directionality_score, symmetry_score
+
+VOCAB, SEQ = 50, 12
+
+
+def tiny_bert(seed: int | None = 0, layers: int = 2, hidden: int = 32, heads: int = 4, *, vocab: int = VOCAB,
+              seq: int = SEQ, intermediate: int | None = None, cls: type = BertForMaskedLM) -> Any:
+    """A BERT of ``layers`` layers, ``hidden`` wide with ``heads`` heads (``cls``: the head class).
+
+    ``seed`` seeds torch's global generator first (``None``: leave it as it is);
+    ``intermediate`` defaults to ``2 * hidden``.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    return cls(BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          intermediate_size=intermediate or 2 * hidden, max_position_embeddings=seq))
+
+
+def tiny_llama(seed: int | None = 0, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, *,
+               vocab: int = 40, seq: int = 16, intermediate: int = 48, cls: type = LlamaForCausalLM) -> Any:
+    """A Llama with grouped-query heads (``kv_heads`` key/value heads), like :func:`tiny_bert`."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return cls(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=seq))
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """64 fixed random sequences (seeded by index), labels = inputs."""
+
+    def __init__(self, vocab: int = VOCAB, seq: int = SEQ) -> None:
+        self.vocab, self.seq = vocab, seq
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make_args(out: Any, steps: int, **kw: Any) -> TrainingArguments:
+    """CPU, batch 8, lr 5e-3, no checkpoints, no reporting unless ``report_to=`` says so."""
+    base = dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, learning_rate=5e-3,
+                report_to="none", logging_steps=2, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+# --------------------------------------------------------------------------- multi-process runs
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = REPO / "tests" / "distributed_workers"
+LAUNCH_TIMEOUT = 240  # seconds per torchrun launch (they take ~20-40 s on 2 idle cores)
+
+
+def launch(script: str, args: list[str], nproc: int, timeout: float = LAUNCH_TIMEOUT) -> float:
+    """Run ``torchrun`` on a worker of ``tests/distributed_workers`` in its own session; kill the
+    whole group and fail on timeout or error. Returns the wall time in seconds."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WORKER_PG_TIMEOUT": "60",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKERS / script), *args]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(REPO), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the group we started
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} {args} did not finish within {timeout} s (hang?)\n{output[-4000:]}")
+    elapsed = time.monotonic() - start
+    if proc.returncode != 0:
+        pytest.fail(f"{script} {args} exited with {proc.returncode}\n{output[-6000:]}")
+    return elapsed
+
+
+# --------------------------------------------------------------------------- references
+def reference(m: torch.Tensor, qs: list[torch.Tensor], ks: list[torch.Tensor]) -> dict[str, float]:
+    """Every metric of the explicit float64 matrix ``m``; ``qk_bound`` from the heads' factors."""
+    sv = torch.linalg.svdvals(m)
+    return {
+        "symmetry": symmetry_score(m),
+        "directionality": directionality_score(m),
+        "spectral_norm": float(sv[0]),
+        "frobenius_norm": float(torch.linalg.norm(m)),
+        "stable_rank": float(sv.square().sum() / sv[0] ** 2),
+        "qk_bound": max(float(torch.linalg.svdvals(q)[0] * torch.linalg.svdvals(k)[0])
+                        for q, k in zip(qs, ks, strict=True)),
+    }
+
+
+def assert_matches(got: dict, want: dict, where: Any) -> None:
+    """``got`` equals :func:`reference`'s ``want``: magnitudes to 1e-4 relative, scores to 1e-4 absolute."""
+    for metric, value in want.items():
+        if is_magnitude(metric):
+            assert got[metric] == pytest.approx(value, rel=1e-4), (where, metric)
+        else:
+            assert got[metric] == pytest.approx(value, abs=1e-4), (where, metric)
