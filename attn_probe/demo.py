@@ -932,6 +932,9 @@ def train_model(
         model_hook(model)
     all_callbacks = [*callbacks, *cfg.extra_callbacks]
     resume_from = _last_checkpoint(run_dir / "trainer") if cfg.resume else None
+    if resume_from is not None and _checkpoint_step(resume_from) >= cfg.steps:
+        # finished already: the Trainer would train one step past max_steps (transformers 5.23)
+        return _finished_run(kind, model, tokenizer, run_dir, resume_from, save_final)
     if probe:
         from torch.utils.tensorboard import SummaryWriter
         from transformers.integrations import TensorBoardCallback
@@ -989,6 +992,28 @@ def train_model(
             trainer.save_model(str(model_dir))
             tokenizer.save_pretrained(str(model_dir))
     return ModelResult(kind, run_dir, final, losses, rows, seconds, resumed_from=resume_from, model_dir=model_dir)
+
+
+def _finished_run(kind: str, model: Any, tokenizer: Any, run_dir: Path, checkpoint: Path,
+                  save_final: bool) -> ModelResult:
+    """The :class:`ModelResult` of a run whose last checkpoint is its last step: nothing to train."""
+    import json
+
+    import attn_probe
+
+    with _no_hf_progress_bars():
+        model = type(model).from_pretrained(str(checkpoint))
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    losses = _logged_losses(state.get("log_history", []))
+    model_dir = None
+    if save_final:
+        model_dir = run_dir / "model"
+        with _no_hf_progress_bars():
+            model.save_pretrained(str(model_dir))
+            tokenizer.save_pretrained(str(model_dir))
+    final = losses[-1][1] if losses else float("nan")
+    return ModelResult(kind, run_dir, final, losses, attn_probe.score_model(model), 0.0, resumed_from=checkpoint,
+                       model_dir=model_dir)
 
 
 class _no_hf_progress_bars:

@@ -185,11 +185,35 @@ def test_a_rerun_starts_afresh_and_says_so(tmp_path, capsys):
 def test_resume_without_a_checkpoint_starts_afresh(tmp_path, capsys):
     args = [*TINY, "--models", "encoder", "--sequential", "--save-every", "100", "--out-dir", str(tmp_path),
             "--name", "n"]
-    assert main(["demo", *args]) == 0  # 6 steps: no checkpoint saved
+    assert main(["demo", *args]) == 0
+    shutil.rmtree(tmp_path / "n" / "encoder" / "trainer")  # stopped before its first checkpoint
     capsys.readouterr()
     assert main(["demo", *args, "--resume"]) == 0
     assert "encoder: no checkpoint under" in capsys.readouterr().out
     assert [s for s, _ in _tb_loss(tmp_path / "n" / "encoder")] == [2, 4, 6]
+    assert {k[0] for k in _values(tmp_path / "n" / "encoder")} == {0, 2, 4, 6}
+
+
+def test_resume_of_a_finished_run_trains_nothing(tmp_path, capsys):
+    """The Trainer saves a checkpoint at the last step; resuming from it trained one step past
+    --steps (transformers 5.23) and wrote that step into the trajectory."""
+    args = [*TINY, "--models", "encoder", "--sequential", "--save-every", "3", "--out-dir", str(tmp_path),
+            "--name", "d"]
+    assert main(["demo", *args]) == 0
+    run = tmp_path / "d" / "encoder"
+    before = _values(run)
+    capsys.readouterr()
+    assert main(["demo", *args, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "(resumed from checkpoint-6)" in out
+    assert _values(run) == before  # no step 7, nothing rewritten
+    assert sorted(p.name for p in (run / "trainer").iterdir()) == ["checkpoint-3", "checkpoint-6"]
+    # the table and the saved model are the finished model's
+    final = sorted(v for (step, layer, head, metric), v in before.items()
+                   if step == 6 and head is None and metric == "symmetry")
+    table = next(ln for ln in out.splitlines() if ln.startswith("encoder  "))
+    assert f"{(final[0] + final[1]) / 2:+.3f}" in table
+    assert (run / "model" / "model.safetensors").is_file()
 
 
 def test_a_directory_with_other_files_is_refused(tmp_path, capsys):
