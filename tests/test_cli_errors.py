@@ -277,7 +277,6 @@ def test_a_url_log_dir_is_a_log_dir_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(strict=True, reason="lead: watching.announce must print attn_probe.logdir.printable(line)")
 def test_the_attach_announcement_escapes_control_characters(tmp_path, capsys):
     from transformers import BertConfig, BertModel
 

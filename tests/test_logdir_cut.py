@@ -177,7 +177,6 @@ def test_a_failed_rewrite_leaves_the_file_and_no_temporary_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["attn_probe.jsonl"]
 
 
-@pytest.mark.xfail(strict=True, reason="lead: TrajectorySink.start must call attn_probe.logdir.cut_trajectory")
 def test_the_trajectory_sink_resumes_through_the_streaming_cut(tmp_path):
     from attn_probe.sinks import RunInfo
     from attn_probe.sinks.trajectory import TrajectorySink

@@ -223,10 +223,10 @@ for leave, limit in ((0, 1), (4096, 400)):  # full; a little room (the trajector
     free()
     outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
                       "before": names}})
-from attn_probe.sinks.trajectory import truncate_trajectory
+from attn_probe.logdir import cut_trajectory
 fill(limit=400)
 try:  # the rewrite (the kept rows are not a prefix) fails: no temporary file, the file untouched
-    truncate_trajectory(path, 30)
+    cut_trajectory(path, 30)
     outcomes.append("truncated")
 except OSError as exc:
     outcomes.append("LogDirError: attn_probe cannot write its log directory (full) " + repr(exc))

@@ -386,7 +386,7 @@ class _RunSplitter:
     """Tells apart the runs that one trajectory file holds, row by row, in file order.
 
     A probe's steps only increase, and a resumed run first cuts the file before its resume step
-    (:func:`attn_probe.sinks.trajectory.truncate_trajectory`), so a value (``group, layer, head,
+    (:func:`attn_probe.logdir.cut_trajectory`), so a value (``group, layer, head,
     metric``) is written again at a step at or before its last one only where a fresh run was
     started in a ``log_dir`` that already held one (its sink warns and appends), and such a run
     counts from step 0. A value written again at a step ``s`` starts a new run when ``s`` is at or

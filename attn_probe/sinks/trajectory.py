@@ -20,9 +20,11 @@ The file only ever holds complete lines:
   into the deleted file is written again into the new one. One warning per incident says what
   the file held that went with it and from which step the new file holds the trajectory;
 * on resume, rows with ``step >= resume_step`` (and unreadable lines) are dropped first, so
-  steps stay unique and ordered. When the kept rows are a prefix of the file (the usual case)
-  the file is truncated in place, which needs no free space; otherwise it is rewritten through
-  a temporary file that is removed again if the write fails.
+  steps stay unique and ordered (:func:`attn_probe.logdir.cut_trajectory`: one chunked scan in
+  constant memory; when the kept rows are a prefix of the file, the usual case, it is cut in
+  place at the first dropped line's byte offset, which needs no free space; otherwise the kept
+  rows are streamed into a temporary file that is removed again if the write fails; every
+  failure a :class:`~attn_probe.logdir.LogDirError`).
 """
 
 from __future__ import annotations
@@ -31,66 +33,13 @@ import json
 import os
 
 from ..isolation import safe_warn
+from ..logdir import cut_trajectory
 from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
 from . import RunInfo, Sink, Snapshot
 
-__all__ = ["TrajectorySink", "truncate_trajectory", "last_complete_line_end"]
+__all__ = ["TrajectorySink", "last_complete_line_end"]
 
 _CHUNK = 1 << 16
-
-
-def _keep_row(line: bytes, resume_step: int) -> bool:
-    """A complete, readable line of a step before ``resume_step``."""
-    if not line.endswith(b"\n"):
-        return False
-    try:
-        row = json.loads(line)
-        return int(row["step"]) < resume_step
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, IndexError):
-        return False
-
-
-def truncate_trajectory(path: str, resume_step: int) -> int:
-    """Drop rows with ``step >= resume_step`` (and unreadable or torn lines) in place; returns rows dropped.
-
-    Raises ``OSError`` when the file cannot be rewritten (no temporary file is left then).
-    """
-    if not os.path.exists(path):
-        return 0
-    kept: list[bytes] = []
-    dropped = 0
-    prefix = 0  # bytes of the leading run of kept lines
-    in_prefix = True
-    with open(path, "rb") as f:
-        for line in f:
-            if _keep_row(line, resume_step):
-                kept.append(line)
-                if in_prefix:
-                    prefix += len(line)
-            else:
-                dropped += 1
-                in_prefix = False
-    if not dropped:
-        return 0
-    if prefix == sum(len(line) for line in kept):  # the rows to keep come first: cut the tail
-        os.truncate(path, prefix)
-        return dropped
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _write_all(fd, b"".join(kept))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    return dropped
 
 
 def last_complete_line_end(fd: int) -> int:
@@ -145,7 +94,7 @@ class TrajectorySink(Sink):
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         if run.resume_step is not None:
-            truncate_trajectory(self.path, run.resume_step)
+            cut_trajectory(self.path, run.resume_step)
         elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
             safe_warn(
                 f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "

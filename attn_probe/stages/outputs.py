@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ProbeConfig
 from ..extraction import AttentionLayer, unwrap
 from ..live_view import tensorboard_command
-from ..logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir
+from ..logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir, printable
 from ..sinks import RunInfo, Sink, Snapshot
 from ..sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
 
@@ -177,4 +177,4 @@ def announce_line(model: nn.Module, layers: int, log_dir: str | None, *, every: 
             f"{_describe_schedule(every, unit)} -> {where}")
     if log_dir is not None:
         line += f"  (live view: {tensorboard_command(log_dir)})"
-    return line
+    return printable(line)  # control characters in a model or directory name are escaped
