@@ -86,7 +86,7 @@ def gpu_algorithm(device: torch.device) -> bool:
     (:func:`attn_probe.pairs.stack_budget`), bf16/fp16 factors entering Gram products as they
     are with float32 output where torch supports it (:func:`gram_out_dtype_supported`).
     The CPU algorithm: LAPACK ``eigh``/``eigvalsh`` up to :func:`lanczos_threshold`, Lanczos
-    above it, cache-sized stacks (faster there, docs/performance.md).
+    above it, one stack per shape up to :data:`attn_probe.pairs.CPU_STACK_BYTES` (docs/performance.md).
 
     On CPU tensors the GPU algorithm runs inside :func:`gpu_algorithm_on_cpu` or with the
     environment variable ``ATTN_PROBE_GPU_ALGORITHM=1``: the same operations (a fixed stack
@@ -180,7 +180,8 @@ def lambda_max_by_squaring(c: Tensor, squarings: int = SQUARINGS, dtype: torch.d
     A non-finite matrix gives NaN, a zero matrix 0.
     """
     p = c.to(dtype)
-    finite = torch.isfinite(p).flatten(-2).all(-1)
+    total = p.sum((-1, -2))
+    finite = (total - total) == 0  # every entry finite (see _finite_or_zero): one reduction
     p = p.nan_to_num(0.0, 0.0, 0.0)
     c0 = p
     tiny = torch.finfo(dtype).tiny
@@ -337,8 +338,8 @@ class Products:
     @cached_property
     def frob_sq(self) -> Tensor:
         """``||M||_F^2`` (non-finite input propagates)."""
-        if self.explicit:
-            return self.matrix.square().sum((-1, -2))
+        if self.explicit:  # a reduction without a d x d temporary
+            return torch.linalg.vector_norm(self.matrix, dim=(-2, -1)).square()
         return (self.gram_a * self.gram_b[:, None]).sum((-1, -2))
 
     @cached_property
@@ -359,7 +360,8 @@ class Products:
     def factor_sq(self) -> tuple[Tensor, Tensor]:
         """``||A||_F^2`` ``(n, G)`` and ``||B||_F^2`` ``(n, 1)``."""
         if self.explicit:
-            return self.a.square().sum((-1, -2)), self.b.square().sum((-1, -2))[:, None]
+            norm = torch.linalg.vector_norm
+            return norm(self.a, dim=(-2, -1)).square(), norm(self.b, dim=(-2, -1)).square()[:, None]
         return _trace(self.gram_a), _trace(self.gram_b)[:, None]
 
     @cached_property
@@ -463,7 +465,8 @@ def _pow2_scale(t: Tensor, dims: int) -> Tensor:
     non-finite entries then give NaN downstream, its finite ones stay in range). Float32 for
     half-precision input, else ``t``'s dtype.
     """
-    amax = t.abs().amax(tuple(range(-dims, 0)))
+    block = tuple(range(-dims, 0))
+    amax = torch.maximum(t.amax(block), -t.amin(block))  # no |t| copy (NaN propagates; aminmax is slower)
     if amax.dtype in (torch.float16, torch.bfloat16):
         amax = amax.float()
     return torch.exp2(torch.floor(torch.log2(amax.clamp_min(torch.finfo(amax.dtype).tiny)))).nan_to_num(1.0, 1.0, 1.0)
@@ -483,8 +486,14 @@ def _small_gram(x: Tensor, gram: Callable[[], Tensor]) -> Tensor:
 
 
 def _finite_or_zero(c: Tensor) -> tuple[Tensor, Tensor]:
-    finite = torch.isfinite(c).all(-1).all(-1)
-    return torch.where(finite[..., None, None], c, 0.0), finite
+    """``c`` with non-finite entries zeroed (LAPACK fails on them), and whether each matrix was finite.
+
+    One pass over ``c`` (``nan_to_num``) and one reduction: a matrix is finite iff its entry sum
+    is (``x - x == 0`` holds for finite ``x`` only). The sum overflows only for entries near the
+    dtype's maximum over ``m^2``, far outside the power-of-two rescaled products of the core.
+    """
+    total = c.sum((-1, -2))
+    return c.nan_to_num(0.0, 0.0, 0.0), (total - total) == 0
 
 
 def _eigh(c: Tensor) -> tuple[Tensor, Tensor]:
@@ -503,8 +512,7 @@ def _lambda_max(c: Tensor) -> Tensor:
     if not host_eigensolver(c.device):
         return lambda_max_by_squaring(c).to(c.dtype).clamp_min(0)
     c0, finite = _finite_or_zero(c)
-    c0 = (c0 + c0.mT) * 0.5
-    lam = torch.linalg.eigvalsh(c0)[..., -1]
+    lam = torch.linalg.eigvalsh(c0)[..., -1]  # reads the lower triangle: no symmetrising pass
     return torch.where(finite, lam.clamp_min(0), float("nan"))
 
 

@@ -155,9 +155,10 @@ def pair_metric_names(pairs: Sequence[ScorePair]) -> list[str]:
 STACK_BYTES = 8 << 30
 #: share of the device's free memory (``torch.cuda.mem_get_info``) a stack may take
 FREE_MEMORY_SHARE = 0.5
-#: the budget on the CPU algorithm: a stack larger than the caches makes the element-wise
-#: passes memory-bound, so chunks stay cache-sized there (docs/performance.md)
-CPU_STACK_BYTES = 8 << 20
+#: the budget on the CPU algorithm: all layers of one shape in one stack up to this size, so that
+#: a snapshot's operation count does not grow with the layer count (the core avoids full-size
+#: temporaries, which made cache-sized chunks faster before; docs/performance.md)
+CPU_STACK_BYTES = 256 << 20
 
 
 def stack_budget(device: torch.device) -> int:

@@ -6,7 +6,9 @@ denormals and NaNs that skew timings) and copies every buffer (rotary ``inv_freq
 one-layer model of the same config built for real, then times, median of ``--repeats``:
 
 * ``snapshot``: ``probe.snapshot()`` of a probe made by ``attn_probe.watch(model, log_dir=tmp)``
-  with the default metrics and sinks (what a training step pays when a snapshot is due);
+  with the default metrics and sinks (what a training step pays when a snapshot is due), wall
+  time and the calling thread's CPU time (``time.thread_time``: steadier than the wall time
+  on a loaded machine, where other processes take the cores);
 * ``read_once``: ``torch._foreach_norm`` over every W_q/W_k tensor (reading them once);
 * their ratio;
 * ``ops``: the non-view ATen ops one synchronous ``probe.snapshot()`` dispatches on the calling
@@ -50,6 +52,8 @@ def llama_config(layers: int, d: int, heads: int, kv_heads: int, inter: int, voc
 #: name -> (config builder, attention-only?) ; attention-only keeps the MLPs tiny (a q/k benchmark)
 SHAPES: dict[str, Any] = {
     "cpu-32x256": lambda: llama_config(32, 256, 4, 4, 512),
+    # the op-count shape of issue 21 and tests/test_gpu_algorithm.py: 8 query / 2 KV heads of 32
+    "cpu-gqa-32x256": lambda: llama_config(32, 256, 8, 2, 512),
     "llama-1b": lambda: llama_config(16, 2048, 32, 8, 8192, vocab=128256),
     "llama-70b-attn": lambda: llama_config(80, 8192, 64, 8, 16),
 }
@@ -87,16 +91,19 @@ def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Modul
     return model
 
 
-def median_time(fn, device: torch.device, repeats: int) -> float:
+def median_time(fn, device: torch.device, repeats: int, cpu_times: list[float] | None = None) -> float:
+    """Median wall time of ``fn()`` after a warm-up; ``cpu_times`` gets each call's thread CPU time."""
     fn()  # warm-up
     sync(device)
     times = []
     for _ in range(repeats):
         sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
+        if cpu_times is not None:
+            cpu_times.append(time.thread_time() - cpu)
     return statistics.median(times)
 
 
@@ -139,7 +146,8 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
             probe.snapshot(step[0])
             step[0] += 1
 
-        snapshot = median_time(snap, device, repeats)
+        cpu_times: list[float] = []
+        snapshot = median_time(snap, device, repeats, cpu_times)
         counts["ops"] = snapshot_op_count(probe, snapshot=lambda _: snap()).total
         if device.type == "cpu":
             with gpu_algorithm_on_cpu():
@@ -164,7 +172,8 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
     qk_bytes = sum(t.numel() * t.element_size() for t in tensors)
     del model
     return {"shape": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-            "per_head": per_head, "snapshot_ms": snapshot * 1e3, "read_once_ms": read_once * 1e3,
+            "per_head": per_head, "snapshot_ms": snapshot * 1e3,
+            "snapshot_cpu_ms": statistics.median(cpu_times) * 1e3, "read_once_ms": read_once * 1e3,
             "async_training_thread_ms": async_thread * 1e3,
             "ratio": snapshot / read_once, "qk_mb": qk_bytes / 2**20, **counts}
 
@@ -229,7 +238,7 @@ def trainer_ratio(device: torch.device, every: int, steps: int, repeats: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
-                   help="default: cpu-32x256 on CPU; llama-1b and llama-70b-attn on CUDA")
+                   help="default: cpu-32x256 and cpu-gqa-32x256 on CPU; llama-1b and llama-70b-attn on CUDA")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--per-head", action="store_true", help="also time per-head snapshots")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (0: torch default)")
@@ -242,22 +251,23 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
-    shapes = args.shapes or (["llama-1b", "llama-70b-attn"] if device.type == "cuda" else ["cpu-32x256"])
+    shapes = args.shapes or (["llama-1b", "llama-70b-attn"] if device.type == "cuda" else ["cpu-32x256", "cpu-gqa-32x256"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"{hardware}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
           f"load average {os.getloadavg()[0]:.1f}")
     results: dict[str, Any] = {"hardware": hardware, "torch": torch.__version__, "shapes": []}
     count_col = "ops (GPU alg.)" if device.type == "cpu" else "CUDA kernels"
-    print("| shape | device | dtype | per head | snapshot ms | read-once ms | ratio | async: training thread ms "
-          f"| W_q+W_k MB | ops | {count_col} |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | device | dtype | per head | snapshot ms | snapshot CPU ms | read-once ms | ratio "
+          f"| async: training thread ms | W_q+W_k MB | ops | {count_col} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in shapes:
         for per_head in ([False, True] if args.per_head else [False]):
             r = time_shape(name, device, dtype, args.repeats, per_head, kernels=args.kernels)
             results["shapes"].append(r)
             other = r.get("ops_gpu_algorithm", r.get("cuda_kernels", "-"))
             print(f"| {r['shape']} | {r['device']} | {r['dtype']} | {per_head} | {r['snapshot_ms']:.2f} | "
+                  f"{r['snapshot_cpu_ms']:.2f} | "
                   f"{r['read_once_ms']:.3f} | {r['ratio']:.1f}x | {r['async_training_thread_ms']:.2f} | "
                   f"{r['qk_mb']:.1f} | {r['ops']} | {other} |", flush=True)
     if args.trainer_steps > 0:

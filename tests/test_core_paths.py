@@ -190,6 +190,36 @@ def test_lanczos_steps_grow_with_the_problem():
     assert core.lanczos_steps(8192) > core.lanczos_steps(2048) == core.LANCZOS_STEPS
 
 
+# ------------------------------------------------------------------ the CPU algorithm's helpers
+def test_host_lambda_max_flags_non_finite_matrices_and_matches_eigvalsh():
+    """_lambda_max (CPU algorithm): one finiteness reduction instead of an element-wise mask, no
+    symmetrising pass; finite matrices against float64 eigvalsh of the symmetrised matrix, NaN,
+    +inf, -inf and +inf with -inf (entry sum NaN) each give NaN without touching the others."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 20, 50, generator=gen, dtype=torch.float64)
+    c = (a @ a.mT).float()  # bmm output: symmetric up to rounding only
+    want = torch.linalg.eigvalsh(((c + c.mT) / 2).double())[..., -1]
+    bad = c.clone()
+    bad[1, 3, 4], bad[2, 0, 0], bad[3, 5, 2] = float("nan"), float("inf"), -float("inf")
+    bad[4, 1, 1], bad[4, 2, 2] = float("inf"), -float("inf")
+    got, got_bad = core._lambda_max(c), core._lambda_max(bad)
+    assert torch.allclose(got.double(), want, rtol=1e-5), (got, want)
+    assert torch.isnan(got_bad[1:5]).all() and torch.equal(got_bad[[0, 5]], got[[0, 5]])
+    s, u = core._eigh(bad)
+    assert torch.isnan(s[1:5]).all() and torch.isfinite(s[[0, 5]]).all() and torch.isfinite(u).all()
+    big = torch.tensor([[[1e300, 0.0], [0.0, 3.0]]], dtype=torch.float64)  # finite, far from overflow
+    assert float(core._lambda_max(big)[0]) == pytest.approx(1e300, rel=1e-12)
+
+
+def test_power_of_two_scale_reads_the_largest_magnitude_of_either_sign():
+    t = torch.tensor([[[0.3, -5.0], [2.0, 1.0]], [[7.5, -0.1], [0.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]],
+                      [[1.0, float("nan")], [0.0, 1.0]]])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        scale = core._pow2_scale(t.to(dtype), 2)
+        assert scale[:2].tolist() == [4.0, 4.0] and scale[3] == 1.0, (dtype, scale)
+        assert scale[2] == torch.finfo(scale.dtype).tiny, (dtype, scale)
+
+
 # ------------------------------------------------------------------ the eigensolver-free path
 def test_lambda_max_by_squaring_matches_eigvalsh():
     gen = torch.Generator().manual_seed(1)
