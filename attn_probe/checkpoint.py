@@ -195,6 +195,56 @@ def _key_resolver(saved: set[str], prefix: str) -> Callable[[str], str]:
 
 
 # --------------------------------------------------------------------------- skeleton
+#: config.json keys holding a layer count (checked against the saved tensors)
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                    "num_encoder_layers", "num_decoder_layers")
+_MAX_CONFIG_BYTES = 16 << 20  # a model configuration is far smaller
+
+
+def check_layer_counts(directory: str | Path) -> None:
+    """Refuse a ``config.json`` whose layer counts exceed the tensors saved beside it, before any model is built.
+
+    Every layer of a model owns at least one saved tensor (ALBERT's shared layer counts once and
+    its count stays below its tensors), so a count ``N`` > the number of saved tensors cannot
+    describe these weights: a config claiming 1,000,000 layers for a 2-layer checkpoint would
+    otherwise build a skeleton of that size, for minutes and gigabytes, before a tensor is read.
+    Reads the JSON and the weight files' headers only. Raises
+    :class:`~attn_probe.checkpoint.CheckpointError`; a directory without ``config.json`` passes
+    (the scorer reports it).
+    """
+    directory = Path(directory).expanduser()
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return
+    try:
+        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{config_path}: {config_path.stat().st_size} bytes is not a model configuration")
+        config = json.loads(config_path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{config_path}: unreadable ({type(exc).__name__}: {exc})") from None
+    counts = []
+
+    def walk(node: Any, where: str, depth: int) -> None:
+        if not isinstance(node, dict) or depth > 4:
+            return
+        for key, value in node.items():
+            if key in LAYER_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
+                counts.append((f"{where}{key}", value))
+            elif isinstance(value, dict):
+                walk(value, f"{where}{key}.", depth + 1)
+
+    walk(config, "", 0)
+    if not counts:
+        return
+    tensors = len(CheckpointWeights(directory).keys())
+    for key, value in counts:
+        if value > tensors:
+            raise CheckpointError(
+                f"{config_path}: {key} = {value}, but the checkpoint holds {tensors} tensor"
+                f"{'s' if tensors != 1 else ''} and every layer needs at least one; config.json does not "
+                "describe these weights (corrupt or hostile)")
+
+
 def _load_config(directory: Path) -> Any:
     if not (directory / "config.json").is_file():
         subs = sorted(p.name for p in directory.iterdir() if p.is_dir() and (p / "config.json").is_file())
@@ -265,6 +315,7 @@ def open_checkpoint(
         raise CheckpointError(f"{directory}: no such file or directory")
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory (pass the checkpoint directory)")
+    check_layer_counts(directory)  # a hostile count is refused before a skeleton of that size is built
     config = _load_config(directory)
     weights = CheckpointWeights(directory)
     skeleton = _build_skeleton(config)

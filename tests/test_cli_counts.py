@@ -134,10 +134,27 @@ def test_a_config_claiming_more_layers_than_tensors_is_one_line(llama_checkpoint
 
 
 def test_a_nested_count_is_checked_and_a_true_count_passes(llama_checkpoint, tmp_path):
-    from attn_probe.checkpoint import CheckpointError
-    from attn_probe.commands.score import check_layer_counts
+    from attn_probe.checkpoint import CheckpointError, check_layer_counts
 
     check_layer_counts(llama_checkpoint)  # 2 layers, ~20 tensors
     nested = with_layers(llama_checkpoint, tmp_path / "nested", "text_config.num_hidden_layers", 5000)
     with pytest.raises(CheckpointError, match=r"text_config\.num_hidden_layers = 5000, but the checkpoint holds"):
         check_layer_counts(nested)
+
+
+def test_the_library_path_refuses_a_hostile_count_before_building_the_model(llama_checkpoint, tmp_path):
+    """``score_checkpoint`` (the Python API, not only the CLI) checks counts before the meta skeleton."""
+    ckpt = with_layers(llama_checkpoint, tmp_path / "hostile", "num_hidden_layers", 1_000_000)
+    code = ("import sys, attn_probe\n"
+            "try:\n"
+            f"    attn_probe.score_checkpoint({str(ckpt)!r})\n"
+            "except attn_probe.CheckpointError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=MAX_SECONDS)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"score_checkpoint ran past {MAX_SECONDS} s on a config claiming 1,000,000 layers")
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "num_hidden_layers = 1000000, but the checkpoint holds" in done.stdout
+    assert time.monotonic() - start < MAX_SECONDS

@@ -12,14 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import Any
-
-#: config.json keys that count layers (at the top or in a nested sub-config, e.g. text_config)
-LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
-                    "num_encoder_layers", "num_decoder_layers")
-#: a config.json larger than this is not a model configuration
-_MAX_CONFIG_BYTES = 16 << 20
 
 
 def _finite_float(text: str) -> float:
@@ -125,52 +118,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_layer_counts(directory: str | Path) -> None:
-    """Refuse a ``config.json`` whose layer counts exceed the tensors saved beside it, before any model is built.
-
-    Every layer of a model owns at least one saved tensor (ALBERT's shared layer counts once and
-    its count stays below its tensors), so a count ``N`` > the number of saved tensors cannot
-    describe these weights: a config claiming 1,000,000 layers for a 2-layer checkpoint would
-    otherwise build a skeleton of that size, for minutes and gigabytes, before a tensor is read.
-    Reads the JSON and the weight files' headers only. Raises
-    :class:`~attn_probe.checkpoint.CheckpointError`; a directory without ``config.json`` passes
-    (the scorer reports it).
-    """
-    from ..checkpoint import CheckpointError, CheckpointWeights
-
-    directory = Path(directory).expanduser()
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        return
-    try:
-        if config_path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{config_path}: {config_path.stat().st_size} bytes is not a model configuration")
-        config = json.loads(config_path.read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{config_path}: unreadable ({type(exc).__name__}: {exc})") from None
-    counts = []
-
-    def walk(node: Any, where: str, depth: int) -> None:
-        if not isinstance(node, dict) or depth > 4:
-            return
-        for key, value in node.items():
-            if key in LAYER_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool):
-                counts.append((f"{where}{key}", value))
-            elif isinstance(value, dict):
-                walk(value, f"{where}{key}.", depth + 1)
-
-    walk(config, "", 0)
-    if not counts:
-        return
-    tensors = len(CheckpointWeights(directory).keys())
-    for key, value in counts:
-        if value > tensors:
-            raise CheckpointError(
-                f"{config_path}: {key} = {value}, but the checkpoint holds {tensors} tensor"
-                f"{'s' if tensors != 1 else ''} and every layer needs at least one; config.json does not "
-                "describe these weights (corrupt or hostile)")
-
-
 def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any]]:
     """``attn-probe score model.gguf``: llama.cpp's format, architecture from its metadata."""
     import sys
@@ -198,7 +145,13 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
     import sys
 
     from ..analysis import error_message
-    from ..checkpoint import CheckpointError, find_checkpoints, score_checkpoint, write_checkpoint_trajectory
+    from ..checkpoint import (
+        CheckpointError,
+        check_layer_counts,
+        find_checkpoints,
+        score_checkpoint,
+        write_checkpoint_trajectory,
+    )
     from ..cli import CommandError
 
     try:
