@@ -67,7 +67,12 @@ class ProbeConfig:
     * ``start_step``: the counter's first value (resume);
     * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...);
     * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
-      agreements (``docs/distributed.md``); default the training process group's timeout.
+      agreements (``docs/distributed.md``); default the training process group's timeout;
+    * ``attention_stats``: also measure ``max_logit`` and ``entropy`` from the activations on due
+      steps (:mod:`attn_probe.attention_stats`, ``docs/scores.md``);
+    * ``alerts``: :class:`~attn_probe.alerts.AlertRule` s on logged metrics; ``alert_callback``
+      (called with each :class:`~attn_probe.alerts.Alert`, main process); ``stop_on_alert``: a
+      fired alert stops the Trainer (``control.should_training_stop``).
 
     Where it goes and how it is written (not recorded in the run header):
 
@@ -94,6 +99,10 @@ class ProbeConfig:
     start_step: int = 0
     find_kwargs: Mapping[str, Any] = field(default_factory=dict)
     agreement_timeout: float | None = None
+    attention_stats: bool = False
+    alerts: tuple[Any, ...] = ()
+    alert_callback: Any = None
+    stop_on_alert: bool = False
     # -- where it goes, how it is written
     log_dir: str | None = None
     writer: Any = None
@@ -146,6 +155,14 @@ class ProbeConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"agreement_timeout must be a positive number of seconds or None, got {t!r}")
             set_(self, "agreement_timeout", float(t))
+        for name in ("attention_stats", "stop_on_alert"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        from .alerts import check_rules
+
+        set_(self, "alerts", check_rules(self.alerts))
+        if self.alert_callback is not None and not callable(self.alert_callback):
+            raise TypeError(f"alert_callback must be callable, got {self.alert_callback!r}")
 
     def _check_writing(self) -> None:
         """The writing and scoring options; every message names the option."""
@@ -204,6 +221,8 @@ class ProbeConfig:
             "image_mode": self.image_mode,
             "start_step": self.start_step,
             "agreement_timeout": self.agreement_timeout,
+            "attention_stats": self.attention_stats,
+            "alerts": [rule.describe() + f" on {rule.metric}" for rule in self.alerts],
         }
 
 

@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +37,7 @@ from .logdir import LogDirError, LogDirInUseError
 from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
 from .sinks import Snapshot
 from .stages.assembly import Assembler
+from .stages.attention import RATIO_METRIC, AttentionStage, AttentionTables, bound_ratio_table
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measured, Measurement
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
@@ -110,6 +112,21 @@ class Probe:
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
                                        is_main_process=self.is_main_process)
         self.assembler = Assembler([pair.metrics for pair in self.pairs])
+        self.attention: AttentionStage | None = None
+        #: plain loops arm the attention capture right after the update before a due step; the
+        #: Trainer callback turns this off and arms at ``on_step_begin`` (evaluation runs between)
+        self.arm_after_update = True
+        if cfg.attention_stats:
+            self.attention = self._attention_stage(model, layers, agreement)
+            if self.attention.available:
+                self.metrics = [*self.metrics, *self.attention_metrics()]
+        self.alerts = None
+        if cfg.alerts:
+            from .alerts import AlertMonitor
+
+            self.alerts = AlertMonitor(cfg.alerts)
+        #: set on every rank when an alert fires and ``stop_on_alert`` (the Trainer stops on it)
+        self.stop_requested = False
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
@@ -120,6 +137,34 @@ class Probe:
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
+        self._arm_next()  # the first update after attach
+
+    def _attention_stage(self, model: nn.Module, layers: list[AttentionLayer], agreement: Any) -> AttentionStage:
+        """The attention statistics' stage; its unavailability is one warning, the weights go on."""
+        group = agreement.group if agreement is not None else None
+        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            from .distributed import Agreement
+
+            group = Agreement(self.config.agreement_timeout).group  # collective: every rank attaches
+        stage = AttentionStage(model, layers, group)
+        if stage.reason is not None:
+            safe_warn(f"attn_probe: {stage.reason}; max_logit and entropy are not logged, the weight metrics go on.")
+        return stage
+
+    def attention_metrics(self) -> list[str]:
+        """The activation metrics logged: ``max_logit``, ``entropy`` and, with ``qk_bound`` among
+        the W_qk metrics, ``logit_bound_ratio``."""
+        names = ["max_logit", "entropy"]
+        if self._qk_bound_index() is not None:
+            names.append(RATIO_METRIC)
+        return names
+
+    def _qk_bound_index(self) -> tuple[int, int] | None:
+        for p, pair in enumerate(self.pairs):
+            if type(pair) is QKPair and "qk_bound" in pair.metrics:
+                return p, list(pair.metrics).index("qk_bound")
+        return None
 
     # -- state read through the stages ---------------------------------------------------------
     @property
@@ -171,15 +216,60 @@ class Probe:
             pass
 
     # -- running the stages --------------------------------------------------------------------
-    def _assemble(self, measured: Measured) -> Snapshot:
-        return self.assembler.assemble(measured.step, measured.tables, measured.images)
+    def _assemble(self, measured: Measured, attention: AttentionTables | None = None) -> Snapshot:
+        extra = self._attention_extra(measured, attention) if attention is not None else ()
+        return self.assembler.assemble(measured.step, measured.tables, measured.images, extra)
+
+    def _attention_extra(self, measured: Measured, attention: AttentionTables) -> list:
+        """The attention tables (and the bound ratio) as ``(layer, metrics, table)`` for the assembly."""
+        index = {(layer.group, layer.layer): i for i, layer in enumerate(self.attention.layers)}
+        qk = self._qk_bound_index()
+        per_head = self.config.per_head
+        extra = []
+        for layer, tables in measured.tables:
+            i = index.get((layer.group, layer.layer))
+            if i is None:
+                continue
+            table = attention.tables[i]
+            if qk is not None:
+                ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
+                table = np.concatenate([table[:, :ratio.shape[1]], ratio])
+            extra.append((layer, self.attention_metrics(), table if per_head else table[:, :1]))
+        return extra
 
     def _take(self, step: int, images: bool | None, asynchronous: bool) -> Snapshot | None:
         """Stages 2 to 4 at ``step`` (already decided): measure, assemble, write."""
-        snap = self.measurement.measure(step, images, asynchronous=asynchronous, finish=self._assemble)
+        attention = self.attention.take(step) if self.attention is not None else None  # every rank
+        snap = self.measurement.measure(step, images, asynchronous=asynchronous,
+                                        finish=lambda measured: self._assemble(measured, attention))
         if snap is not None:
+            self._check_alerts(snap)
             self._write(snap)
         return snap
+
+    def _check_alerts(self, snapshot: Snapshot) -> None:
+        """Evaluate the alert rules on the snapshot's values (every rank that has them; the values
+        are the combined ones); warn, call back and alert trackers on the main process."""
+        if self.alerts is None:
+            return
+        rows: dict[tuple, dict[str, Any]] = {}
+        for r in snapshot.records:
+            rows.setdefault((r.group, r.layer, r.head), {"group": r.group, "layer": r.layer, "head": r.head})[r.metric] = r.value
+        fired = self.alerts.evaluate(snapshot.step, rows.values())
+        if not fired:
+            return
+        if self.config.stop_on_alert:
+            self.stop_requested = True
+        if not self.is_main_process:
+            return
+        for alert in fired:
+            safe_warn(alert.message())
+            if self.config.alert_callback is not None:
+                try:
+                    self.config.alert_callback(alert)
+                except Exception as exc:  # noqa: BLE001 - user code must not stop training
+                    self.failure_log.report("the alert callback", exc)
+            _tracker_alert(alert, self.failure_log)
 
     def _agreed(self, step: int, want: bool, images: bool | None, error: BaseException | None) -> Snapshot | None:
         """Sharded: the ranks agree (:meth:`StepDecision.agree`), then every rank takes part in the walk."""
@@ -210,6 +300,7 @@ class Probe:
             if error is not None:
                 self.failure_log.report("an asynchronous snapshot", error)
             elif snap is not None:
+                self._check_alerts(snap)
                 self._write(snap)
             return settled
         except Exception as exc:  # noqa: BLE001 - never raises
@@ -276,6 +367,7 @@ class Probe:
             self._deliver()
             if self.due(self.step):
                 self.snapshot(self.step)
+            self._arm_next()
             return
         due = None
         if error is None:
@@ -285,6 +377,25 @@ class Probe:
                 error = exc
         if self.decision.needs_vote(due, error):
             self._agreed(self.step, due is not None and due.any(), due.images if due is not None else False, error)
+        self._arm_next()
+
+    def _arm_next(self) -> None:
+        """Plain loops: arm the attention capture when the next update's step will be due."""
+        if self.attention is not None and self.arm_after_update and self._forward_counter is None and not self._closed:
+            self.arm_attention(self.step + 1)
+
+    @never_raise
+    def arm_attention(self, step: int) -> None:
+        """Measure the attention of the forward passes from now on if ``step`` is due (the
+        Trainer calls it at ``on_step_begin`` with the step it is about to take)."""
+        if self.attention is not None and not self.decision.disabled and self.decision.due(step).scores:
+            self.attention.arm(step)
+
+    @never_raise
+    def stop_attention(self) -> None:
+        """No more forwards belong to the armed step (the Trainer's ``on_pre_optimizer_step``)."""
+        if self.attention is not None:
+            self.attention.stop()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer.step()`` calls (:class:`attn_probe.counting.OptimizerUpdates`)."""
@@ -293,6 +404,8 @@ class Probe:
     def attach_forward_counter(self, module: nn.Module) -> None:
         """Count training-mode forward passes of ``module`` (:class:`attn_probe.counting.ForwardPasses`)."""
         self._forward_counter = ForwardPasses(module, self)
+        if self.attention is not None:
+            self.attention.cancel()  # forward-counted loops are not measured (see docs/scores.md)
         self.add_hook_handle(self._forward_counter)
 
     def add_hook_handle(self, handle: Any) -> None:
@@ -344,6 +457,11 @@ class Probe:
         finally:
             self._closed = True
             _SCORING.discard(self)
+            if self.attention is not None:
+                try:
+                    self.attention.close()  # the registry's previous entries are restored
+                except Exception as exc:  # noqa: BLE001
+                    self.failure_log.report("closing the attention capture", exc)
             self.decision.close()  # local: the agreement group's sockets and threads
             try:
                 if self.outputs is not None:
@@ -360,3 +478,17 @@ class Probe:
     def __repr__(self) -> str:
         return (f"Probe({len(self.layers)} layers, step={self.step}, "
                 f"last_snapshot={self.last_snapshot_step}, log_dir={self.log_dir!r})")
+
+
+def _tracker_alert(alert: Any, failures: Failures) -> None:
+    """``run.alert`` of the active W&B run, when W&B is in use in this process (never raises)."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None or not hasattr(run, "alert"):
+        return
+    try:
+        run.alert(title=f"attn_probe: {alert.metric} in layer {alert.layer}", text=alert.message())
+    except Exception as exc:  # noqa: BLE001
+        failures.report("the W&B alert", exc)

@@ -299,6 +299,16 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 return emit_session_start(writer, step)
         return False
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        probe = self.probe
+        if probe is not None and probe.attention is not None:  # attention_stats: this step's forwards if due
+            probe.arm_after_update = False  # not after on_step_end: evaluation runs between the steps
+            probe.arm_attention(int(state.global_step) + 1)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.probe is not None and self.probe.attention is not None:
+            self.probe.stop_attention()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         probe = self.probe
         if probe is None:
@@ -308,6 +318,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         if last:  # async_scoring: the snapshot still being scored first, or the final one would be skipped
             _flush(probe)
         probe.on_update(step)
+        if probe.stop_requested and not last:  # stop_on_alert: the same decision on every rank
+            control.should_training_stop = last = True
         if last:
             # the final snapshot now: the tracker callbacks end their runs in on_train_end,
             # which they receive before this callback does

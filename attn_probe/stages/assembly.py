@@ -60,15 +60,24 @@ class Assembler:
         self.warned_nonfinite = False
 
     def assemble(self, step: int, tables: LayerTables,
-                 images: dict[tuple[str, int], np.ndarray]) -> Snapshot:
-        """The snapshot at ``step``: a record per layer, head and metric, and the statistics."""
+                 images: dict[tuple[str, int], np.ndarray],
+                 extra: Sequence[tuple[AttentionLayer, Sequence[str], np.ndarray]] = ()) -> Snapshot:
+        """The snapshot at ``step``: a record per layer, head and metric, and the statistics.
+
+        ``extra``: more ``(layer, metric names, table)`` of quantities measured beside the
+        weights (the attention statistics), in the same layout.
+        """
         records: list[Record] = []
         nonfinite: list[str] = []
+        by_layer: dict[tuple, list] = {}
+        for layer, metrics, table in extra:
+            by_layer.setdefault((layer.group, layer.layer), []).append((metrics, table))
         for layer, layer_tables in tables:
-            for metrics, table in zip(self.pair_metrics, layer_tables, strict=True):
+            weights = list(zip(self.pair_metrics, layer_tables, strict=True))
+            for k, (metrics, table) in enumerate([*weights, *by_layer.pop((layer.group, layer.layer), [])]):
                 for head, metric, value in table_entries(metrics, table):
                     records.append(Record(layer.group, layer.layer, head, metric, value))
-                    if head is None and not math.isfinite(value):
+                    if head is None and k < len(weights) and not math.isfinite(value):
                         nonfinite.append(f"{layer.name} {metric}")
         if nonfinite and not self.warned_nonfinite:
             self.warned_nonfinite = True

@@ -1,0 +1,133 @@
+"""A stage beside the measurement: ``max_logit`` and ``entropy`` measured in the attention path.
+
+:class:`AttentionStage` owns one :class:`~attn_probe.attention_stats.AttentionCapture` (the
+registry wrappers, a flag check on steps that are not due). The façade arms it for a step
+that will be due (:meth:`AttentionStage.arm`: plain loops right after the previous update,
+the Trainer at ``on_step_begin``), stops it before the optimizer step when it knows that
+moment (:meth:`AttentionStage.stop`), and at the snapshot of that step :meth:`AttentionStage.take`
+collects the values and combines them over ranks (max for logits and input norms, sum for
+entropy sums and token counts: one process on the global batch), on every rank, two
+all-reduces per snapshot on the probe's gloo group. Values of a step that was not armed are
+not logged (the snapshot at attach, the final one at close).
+
+:func:`bound_ratio_table` puts the measured logit beside its weight-only bound:
+``logit_bound_ratio = max_logit / (qk_bound * ||x||_max^2 * s)`` (``docs/scores.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..attention_stats import ATTENTION_METRICS, AttentionCapture, StepStats, combine, unavailable_reason
+from ..extraction import AttentionLayer
+
+__all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "bound_ratio_table"]
+
+#: the ratio of the measured max logit to its weight-only bound (with ``qk_bound`` among the metrics)
+RATIO_METRIC = "logit_bound_ratio"
+
+
+class AttentionTables:
+    """One step's host values: per layer a ``(2, 1 + H)`` table (rows :data:`ATTENTION_METRICS`),
+    the largest input norm and the scaling the attention received."""
+
+    def __init__(self, stats: StepStats) -> None:
+        self.tables = [t.cpu().numpy() for t in stats.tables()]
+        self.norms = stats.input_norms().cpu().numpy()
+        self.scaling = stats.scaling
+
+
+def bound_ratio_table(attention: np.ndarray, qk_bound: np.ndarray, norm: float, scaling: float | None) -> np.ndarray:
+    """``(1, n)`` ratio ``max_logit / (qk_bound * norm**2 * scaling)`` column by column (layer, heads).
+
+    ``attention`` the layer's attention table, ``qk_bound`` the ``qk_bound`` row of its weight
+    table (the same columns); NaN where the bound is 0 or a value is missing.
+    """
+    n = min(attention.shape[1], qk_bound.shape[0])
+    if scaling is None or not math.isfinite(norm):
+        return np.full((1, n), math.nan)
+    bound = qk_bound[:n].astype(np.float64) * float(norm) ** 2 * float(scaling)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(bound > 0, attention[0, :n] / np.where(bound > 0, bound, 1.0), math.nan)
+    return ratio[None]
+
+
+class AttentionStage:
+    """The attention-path quantity of a probe: arm, stop, take (see the module docstring).
+
+    ``reason`` is the one line saying why the model cannot be measured (``capture`` is then
+    ``None`` and nothing is registered). ``group`` is the gloo group the ranks combine on
+    (``None``: a single process).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None) -> None:
+        self.layers = list(layers)
+        self.group = group
+        self.reason = unavailable_reason(self.layers)
+        self.capture = AttentionCapture(model, self.layers) if self.reason is None else None
+        self.armed_for: int | None = None
+        self.stopped = False
+
+    @property
+    def available(self) -> bool:
+        return self.capture is not None
+
+    def arm(self, step: int) -> None:
+        """Measure the forward passes from now until :meth:`stop` or the snapshot of ``step``."""
+        if self.capture is None or self.armed_for == step:
+            return
+        self.capture.disarm()
+        self.capture.arm()
+        self.armed_for, self.stopped = step, False
+
+    def stop(self) -> None:
+        """No more forwards of the armed step (the Trainer's ``on_pre_optimizer_step``); values kept."""
+        if self.capture is not None and self.capture.armed:
+            self.capture.disarm()
+            self.stopped = True
+
+    def cancel(self) -> None:
+        """Nothing armed any more (local: no collective)."""
+        if self.capture is not None:
+            self.capture.disarm()
+        self.armed_for = None
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self.group is None:
+            return tensor
+        dist = torch.distributed
+        out = tensor.detach().to("cpu", torch.float64).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def take(self, step: int) -> AttentionTables | None:
+        """The values of ``step`` combined over ranks, or ``None`` when it was not measured
+        (identical on every rank). Collective when ``group`` is set: call on every rank."""
+        if self.capture is None:
+            return None
+        measured = self.armed_for == step
+        stats = self.capture.collect()
+        if self.armed_for is not None and self.armed_for <= step:  # this step's, or a stale one
+            self.capture.disarm()
+            self.armed_for = None
+        if not measured:  # not this step's: every rank still takes part in the reduction
+            stats = StepStats(stats.names, stats.heads, torch.full_like(stats.max_logit, -math.inf),
+                              torch.zeros_like(stats.entropy_sum), torch.zeros_like(stats.tokens),
+                              torch.full_like(stats.input_norm, -math.inf), stats.scaling)
+        if self.group is not None:
+            stats = combine(stats, self._reduce)
+        if not bool(torch.isfinite(stats.max_logit).any()) and not bool((stats.tokens > 0).any()):
+            return None
+        return AttentionTables(stats)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
+
+
+METRICS = ATTENTION_METRICS

@@ -1,0 +1,233 @@
+"""attention_stats=True and alerts=[...] in the live probe, in real Trainer runs.
+
+References are computed here from each attention module's input (a hook of the test's own on a
+copy of the model as it was when the step began), its own q/k projections and Llama's own
+rotary function, with explicit causal and padding masks, in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+from attn_probe import AttnProbeCallback  # noqa: E402
+from attn_probe.alerts import AlertRule  # noqa: E402
+from attn_probe.attention_stats import installed_wrappers  # noqa: E402
+from attn_probe.extraction import find_attention  # noqa: E402
+from tests.helpers import make_args  # noqa: E402
+
+L = 9
+TOL = 1e-5
+
+
+def _llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=99,
+                                         initializer_range=0.4)).double()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+class Data(torch.utils.data.Dataset):
+    """Right padding of 0-3 tokens; ``same``: one sequence repeated (constant logits)."""
+
+    def __init__(self, same: bool = False) -> None:
+        self.same = same
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        j = 0 if self.same else i
+        ids = torch.randint(1, 99, (L,), generator=torch.Generator().manual_seed(j))
+        mask = torch.ones(L, dtype=torch.long)
+        mask[L - j % 4:] = 0
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+class Records:
+    """A sink keeping the snapshots."""
+
+    def __init__(self) -> None:
+        self.snapshots = []
+
+    def start(self, run) -> None:
+        pass
+
+    def log(self, snapshot) -> None:
+        self.snapshots.append(snapshot)
+
+    def finish(self) -> None:
+        pass
+
+    def values(self, metric: str) -> dict[int, dict[tuple[int, int | None], float]]:
+        out: dict[int, dict] = {}
+        for snap in self.snapshots:
+            for r in snap.records:
+                if r.metric == metric:
+                    out.setdefault(snap.step, {})[(r.layer, r.head)] = r.value
+        return out
+
+
+def reference(model, ids, mask) -> dict[tuple[int, int | None], tuple[float, float]]:
+    """(layer, head) -> (max |logit|, mean entropy) from the model's projections and rotary function."""
+    layers = find_attention(model)
+    seen, hooks = {}, []
+    for i, layer in enumerate(layers):
+        def hook(module, args, kwargs, i=i):
+            seen[i] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+        hooks.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
+    with torch.no_grad():
+        model.eval()(ids, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    B, n = ids.shape
+    pad = mask.bool()
+    visible = pad[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
+    out = {}
+    for i, layer in enumerate(layers):
+        x, (cos, sin) = seen[i]
+        attn, H, Hkv, D = layer.module, layer.num_heads, layer.num_kv_heads, layer.head_dim
+        with torch.no_grad():
+            q = attn.q_proj(x).view(B, n, H, D).transpose(1, 2)
+            k = attn.k_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            logits = q @ k.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) * D ** -0.5
+        counted = visible & pad[:, None, :, None]
+        head_max = torch.where(counted, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+        p = torch.softmax(logits.masked_fill(~visible, -math.inf), dim=-1)
+        row = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)  # (B, H, n)
+        q_valid = pad[:, None, :].expand_as(row)
+        head_ent = (row * q_valid).sum(dim=(0, 2)) / q_valid.sum(dim=(0, 2))
+        out[(i, None)] = (float(head_max.max()), float(head_ent.mean()))
+        for h in range(H):
+            out[(i, h)] = (float(head_max[h]), float(head_ent[h]))
+    return out
+
+
+class StepRecorder(TrainerCallback):
+    """The weights when each step begins, the batches it trains on, whether the capture is armed."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.weights: dict[int, dict] = {}
+        self.batches: dict[int, list] = {}
+        self.armed: dict[int, list[bool]] = {}
+        self.probe_callback = None
+        self.current = 0
+        model.register_forward_pre_hook(self.record, with_kwargs=True)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.current = state.global_step + 1
+        self.weights[self.current] = copy.deepcopy(self.model.state_dict())
+
+    def record(self, module, args, kwargs):
+        if module.training:
+            self.batches.setdefault(self.current, []).append((kwargs["input_ids"].clone(),
+                                                              kwargs["attention_mask"].clone()))
+            probe = self.probe_callback.probe
+            self.armed.setdefault(self.current, []).append(bool(probe.attention.capture.armed))
+
+
+def test_trainer_logs_max_logit_and_entropy_against_the_reference(tmp_path):
+    """every=2, gradient accumulation 2, per-head rows with qk_bound: the logged max_logit and
+    entropy of steps 2 and 4 equal the reference on the weights and batches of those steps; the
+    capture is armed in exactly the due steps' forwards; the ratio follows its definition; the
+    registry is restored after training."""
+    model = _llama()
+    recorder = StepRecorder(model)
+    sink = Records()
+    probe_cb = AttnProbeCallback(every=2, attention_stats=True, per_head=True, sinks=[sink],
+                                 metrics=("symmetry", "qk_bound"), log_dir=str(tmp_path / "tb"))
+    recorder.probe_callback = probe_cb
+    args = make_args(tmp_path, 4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=1e-2, logging_steps=100)
+    Trainer(model=model, args=args, train_dataset=Data(), callbacks=[recorder, probe_cb]).train()
+    assert installed_wrappers() == {}
+    assert recorder.armed == {1: [False, False], 2: [True, True], 3: [False, False], 4: [True, True]}
+    max_logit, entropy = sink.values("max_logit"), sink.values("entropy")
+    assert sorted(max_logit) == [2, 4] and sorted(entropy) == [2, 4]
+    ratio, bound = sink.values("logit_bound_ratio"), sink.values("qk_bound")
+    for step in (2, 4):
+        ref_model = copy.deepcopy(model)
+        ref_model.load_state_dict(recorder.weights[step])
+        ids = torch.cat([b[0] for b in recorder.batches[step]])
+        mask = torch.cat([b[1] for b in recorder.batches[step]])
+        want = reference(ref_model, ids, mask)
+        assert set(max_logit[step]) == set(want)
+        for key, (m, e) in want.items():
+            assert max_logit[step][key] == pytest.approx(m, rel=TOL, abs=TOL), (step, key)
+            assert entropy[step][key] == pytest.approx(e, rel=TOL, abs=TOL), (step, key)
+            assert 0 < ratio[step][key] < 1.5  # bias-free q/k: at most 1 up to the one-update offset
+        # the ratio's definition, per head: max_logit / (qk_bound * ||x||^2 * s), one ||x|| per layer
+        for layer in (0, 1):
+            norm_sq = [max_logit[step][(layer, h)] / (ratio[step][(layer, h)] * bound[step][(layer, h)] * 8 ** -0.5)
+                       for h in range(4)]
+            assert norm_sq == pytest.approx([norm_sq[0]] * 4, rel=1e-9)
+
+
+def test_unmeasurable_attention_warns_at_attach_and_weights_go_on(tmp_path):
+    """GPT-2 with reorder_and_upcast_attn under eager computes attention itself: one warning at
+    attach, the weight metrics are logged, no max_logit rows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=16,
+                                       reorder_and_upcast_attn=True))
+    model.set_attn_implementation("eager")
+    sink = Records()
+    cb = AttnProbeCallback(every=1, attention_stats=True, sinks=[sink], log_dir=str(tmp_path / "tb"))
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(1, 99, (L,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    with pytest.warns(RuntimeWarning, match="reorder_and_upcast_attn=True computes eager attention itself"):
+        Trainer(model=model, args=make_args(tmp_path, 2), train_dataset=Plain(), callbacks=[cb]).train()
+    assert sorted(sink.values("symmetry")) == [0, 1, 2]
+    assert sink.values("max_logit") == {}
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_alert_fires_at_the_right_step_and_stops_training(tmp_path, stop):
+    """W_q is doubled at the start of every step (learning rate 0, one repeated batch), so the
+    layer's max logit at step s is 2^s times the reference's at step 0; a rule above 2^3.5 times
+    that fires at step 4 only, with one warning and one callback call, and stops the Trainer
+    there when asked."""
+    model = _llama()
+    base = reference(copy.deepcopy(model), *_same_batch(2))
+    threshold = base[(0, None)][0] * 2 ** 3.5
+
+    class Grow(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            with torch.no_grad():
+                model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
+
+    fired = []
+    cb = AttnProbeCallback(every=1, attention_stats=True, log_dir=str(tmp_path / "tb"),
+                           alerts=[AlertRule("max_logit", above=threshold, layers=(0,))],
+                           alert_callback=fired.append, stop_on_alert=stop)
+    args = make_args(tmp_path, 8, per_device_train_batch_size=2, learning_rate=0.0, logging_steps=100)
+    with pytest.warns(RuntimeWarning, match=r"attn_probe alert at step 4: max_logit = .* in self layer 0"):
+        trainer = Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb])
+        trainer.train()
+    assert [(a.step, a.layer, a.head) for a in fired] == [(4, 0, None)]
+    assert fired[0].value == pytest.approx(base[(0, None)][0] * 16, rel=TOL)
+    assert trainer.state.global_step == (4 if stop else 8)
+
+
+def _same_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [Data(same=True)[i] for i in range(n)]
+    return torch.stack([x["input_ids"] for x in items]), torch.stack([x["attention_mask"] for x in items])
