@@ -124,7 +124,8 @@ class Probe:
         if cfg.alerts:
             from .alerts import AlertMonitor
 
-            self.alerts = AlertMonitor(cfg.alerts)
+            known = [*self.metrics, *(("max_logit", "entropy", RATIO_METRIC) if cfg.attention_stats else ())]
+            self.alerts = AlertMonitor(cfg.alerts, known=set(known))  # ValueError naming the metrics
         #: set on every rank when an alert fires and ``stop_on_alert`` (the Trainer stops on it)
         self.stop_requested = False
         if self.measurement.scorer is not None:

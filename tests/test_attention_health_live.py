@@ -231,3 +231,84 @@ def test_alert_fires_at_the_right_step_and_stops_training(tmp_path, stop):
 def _same_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     items = [Data(same=True)[i] for i in range(n)]
     return torch.stack([x["input_ids"] for x in items]), torch.stack([x["attention_mask"] for x in items])
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    from tests.tracker_servers import wandb_offline_env
+
+    yield from wandb_offline_env(monkeypatch, tmp_path, WANDB_PROJECT="attn-probe-alerts", WANDB_LOG_MODEL="false",
+                                 WANDB_WATCH="false")
+
+
+def test_alert_reaches_the_wandb_run(tmp_path, wandb_offline):
+    """report_to=["wandb"] (offline): the fired alert is an alert record of the Trainer's run file,
+    with the warning line as its text."""
+    import wandb
+
+    from tests.tracker_servers import finished_wandb_records
+
+    model = _llama()
+    base = reference(copy.deepcopy(model), *_same_batch(2))
+
+    class Grow(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            with torch.no_grad():
+                model.model.layers[0].self_attn.q_proj.weight.mul_(2.0)
+
+    cb = AttnProbeCallback(every=1, attention_stats=True, log_dir=str(tmp_path / "tb"),
+                           alerts=[AlertRule("max_logit", above=base[(0, None)][0] * 2 ** 2.5, layers=(0,))])
+    args = make_args(tmp_path / "out", 4, per_device_train_batch_size=2, learning_rate=0.0, logging_steps=100,
+                     report_to=["wandb"])
+    with pytest.warns(RuntimeWarning, match="attn_probe alert at step 3"):
+        Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb]).train()
+    wandb.run.finish()
+    alerts = [r.alert for r in finished_wandb_records(wandb_offline) if r.WhichOneof("record_type") == "alert"]
+    assert [a.title for a in alerts] == ["attn_probe: max_logit in layer 0"]
+    assert alerts[0].text.startswith("attn_probe alert at step 3: max_logit = ")
+
+
+def test_alert_on_an_unknown_metric_is_an_error_at_attach(tmp_path):
+    from attn_probe import Probe
+
+    with pytest.raises(ValueError, match="alert on unknown metric 'max_logits'"):
+        Probe(_llama(), alerts=[AlertRule("max_logits", above=1.0)], attention_stats=True, log_dir=str(tmp_path))
+
+
+def test_plain_loop_watch_and_saved_config_unchanged(tmp_path):
+    """watch(model, optimizer=...) with every=3: the capture is armed in the forwards of steps 3
+    and 6 only (after the update before them), those steps' max_logit rows equal the reference
+    on that step's weights, and save_pretrained writes the same config.json as without the probe."""
+    import json
+
+    import attn_probe
+
+    model = _llama()
+    model.save_pretrained(tmp_path / "before")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(model, optimizer=opt, every=3, attention_stats=True, sinks=[sink],
+                             log_dir=str(tmp_path / "tb"))
+    ids, mask = _same_batch(2)
+    armed, weights = [], {}
+    for step in range(1, 7):
+        weights[step] = copy.deepcopy(model.state_dict())
+        armed.append(probe.attention.capture.armed)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(tmp_path / "after")
+    probe.close()
+    assert armed == [False, False, True, False, False, True]
+    got = sink.values("max_logit")
+    assert sorted(got) == [3, 6]
+    for step in (3, 6):
+        ref_model = _llama()
+        ref_model.load_state_dict(weights[step])
+        want = reference(ref_model, ids, mask)
+        assert got[step][(0, None)] == pytest.approx(want[(0, None)][0], rel=TOL)
+        assert got[step][(1, None)] == pytest.approx(want[(1, None)][0], rel=TOL)
+    before = json.loads((tmp_path / "before" / "config.json").read_text())
+    after = json.loads((tmp_path / "after" / "config.json").read_text())
+    assert after == before
