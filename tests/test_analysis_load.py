@@ -299,7 +299,7 @@ def test_reads_what_the_live_probe_writes(tmp_path):
 
 def test_writer_and_reader_agree_on_what_an_event_file_is(tmp_path):
     """The sink's resume check (has_event_files) and the reader's run discovery share one rule."""
-    from attn_probe.sinks.tensorboard import has_event_files
+    from attn_probe.event_files import has_event_files
 
     events = tmp_path / "events"
     write_events(events, make_records([0], layers=1))

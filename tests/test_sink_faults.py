@@ -142,7 +142,7 @@ def read_rows(path):
 def test_disk_full_then_freed_both_sinks_resume(tmp_path, request, mode, background, borrowed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from attn_probe.sinks.tensorboard import truncate_torn_record
+    from attn_probe.event_files import truncate_torn_record
 
     if mode == "tmpfs":
         disk = request.getfixturevalue("tmpfs")

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..sinks.tensorboard import has_event_files, is_event_file
+from ..event_files import has_event_files, is_event_file
 from ..tags import parse_tag
 from ..trajectory_format import TRAJECTORY_FILENAME, decode_value, encode_value
 

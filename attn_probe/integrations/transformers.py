@@ -289,7 +289,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         created before ours, so the marker must go into *its* file: placed in ours, it would
         also drop the Trainer's fresh losses. Returns whether the marker was written.
         """
-        from ..sinks.tensorboard import emit_session_start, has_event_files, writer_log_dir
+        from ..event_files import has_event_files
+        from ..sinks.tensorboard import emit_session_start, writer_log_dir
 
         if not has_event_files(log_dir):
             return False

@@ -22,17 +22,17 @@ import errno
 import json
 import os
 import re
-import struct
 import threading
 import time
 from typing import Any
 
+from ..event_files import event_files, truncate_torn_record
 from ..isolation import safe_warn
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot
 
-__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "has_event_files",
-           "is_event_file", "writer_log_dir", "truncate_torn_record", "CONFIG_TEXT_TAG"]
+__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "writer_log_dir",
+           "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
 HEATMAP_PREFIX = f"{PREFIX}_heatmap"
@@ -98,53 +98,6 @@ def emit_session_start(writer: Any, step: int) -> bool:
     return True
 
 
-def is_event_file(name: str) -> bool:
-    """Whether a file name is a TensorBoard event file (TensorBoard's own rule: ``tfevents`` in it)."""
-    return "tfevents" in os.path.basename(name)
-
-
-def _event_files(log_dir: str) -> list[str]:
-    try:
-        with os.scandir(log_dir) as entries:
-            return sorted(e.name for e in entries if is_event_file(e.name) and e.is_file())
-    except OSError:
-        return []
-
-
-def has_event_files(log_dir: str) -> bool:
-    """Whether ``log_dir`` itself (not below it) already holds TensorBoard event files."""
-    return bool(_event_files(log_dir))
-
-
-#: an event file's records: uint64 length, uint32 crc of it, data, uint32 crc of the data
-_RECORD_HEADER = struct.Struct("<QI")
-_RECORD_OVERHEAD = _RECORD_HEADER.size + 4
-
-
-def truncate_torn_record(path: str) -> int:
-    """Cut a torn last record off an event file (a write that hit a full disk); returns bytes cut.
-
-    Walks the record framing from the start (the lengths only: CRCs are the reader's job) and
-    truncates the file after its last complete record. A file that cannot be read is left alone.
-    """
-    try:
-        size = os.path.getsize(path)
-        good = 0
-        with open(path, "rb") as f:
-            while good + _RECORD_HEADER.size <= size:
-                f.seek(good)
-                (length, _crc) = _RECORD_HEADER.unpack(f.read(_RECORD_HEADER.size))
-                end = good + _RECORD_OVERHEAD + length
-                if end > size:
-                    break
-                good = end
-        if good < size:
-            os.truncate(path, good)
-        return size - good
-    except OSError:
-        return 0
-
-
 def _has_room(log_dir: str, need: int) -> bool:
     """``statvfs`` says at least ``need`` bytes are free (True where it cannot tell)."""
     try:
@@ -164,7 +117,7 @@ def _wait_for_a_later_name(log_dir: str) -> None:
     second as an older one may be read first. A reopened writer must come last.
     """
     newest = 0
-    for name in _event_files(log_dir):
+    for name in event_files(log_dir):
         match = re.search(r"tfevents\.(\d+)\.", name)
         if match:
             newest = max(newest, int(match.group(1)))
@@ -266,7 +219,7 @@ class TensorBoardSink(Sink):
         """A ``SummaryWriter`` of our own in ``log_dir``; on failure no new event file is left."""
         from torch.utils.tensorboard import SummaryWriter
 
-        before = set(_event_files(self.log_dir))
+        before = set(event_files(self.log_dir))
         try:
             return SummaryWriter(log_dir=self.log_dir, purge_step=purge_step, max_queue=self._max_queue,
                                  flush_secs=3600)
@@ -275,7 +228,7 @@ class TensorBoardSink(Sink):
             raise
 
     def _remove_new_event_files(self, before: set[str]) -> None:
-        for name in set(_event_files(self.log_dir)) - before:
+        for name in set(event_files(self.log_dir)) - before:
             try:
                 os.remove(os.path.join(self.log_dir, name))
             except OSError:
@@ -286,7 +239,7 @@ class TensorBoardSink(Sink):
         else the most recently written one: a borrowed writer's)."""
         if self._before is None:
             return
-        names = _event_files(self.log_dir)
+        names = event_files(self.log_dir)
         new = [n for n in names if n not in self._before]
         if not new and names:
             new = [max(names, key=lambda n: os.stat(os.path.join(self.log_dir, n)).st_mtime_ns)]
@@ -294,7 +247,7 @@ class TensorBoardSink(Sink):
 
     def start(self, run: RunInfo) -> None:
         resume = run.resume_step if run.resume_step and self._purge_stale else None
-        before = set(_event_files(self.log_dir))
+        before = set(event_files(self.log_dir))
         if self._owned:
             self._writer = self._open_own_writer(resume if resume and before else None)
         elif resume and not emit_session_start(self._writer, resume):
@@ -382,14 +335,14 @@ class TensorBoardSink(Sink):
             raise OSError(errno.ENOSPC, f"no room to reopen the event file in {self.log_dir}")
         w = self._writer
         os.makedirs(self.log_dir, exist_ok=True)
-        emptied = header or not _event_files(self.log_dir)  # the file went (deleted): its layout went too
+        emptied = header or not event_files(self.log_dir)  # the file went (deleted): its layout went too
         torch_like = hasattr(w, "all_writers") and hasattr(w, "file_writer")
         if torch_like or self._owned:
             _release(w)  # a borrowed writer of another kind is the user's to close
         for path in self._files:
             truncate_torn_record(path)
         _wait_for_a_later_name(self.log_dir)
-        before = set(_event_files(self.log_dir))
+        before = set(event_files(self.log_dir))
         if not self._owned and torch_like:
             w.file_writer = w.all_writers = None  # as SummaryWriter.close() leaves it: reopens on next use
         else:
