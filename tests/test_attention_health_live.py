@@ -312,3 +312,81 @@ def test_plain_loop_watch_and_saved_config_unchanged(tmp_path):
     before = json.loads((tmp_path / "before" / "config.json").read_text())
     after = json.loads((tmp_path / "after" / "config.json").read_text())
     assert after == before
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-process gloo DDP run: watch() a DDP-wrapped Llama, train 2 steps on this
+    rank's rows (uneven: 3 and 1), save rank 0's logged activation values."""
+    import datetime
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    import attn_probe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    model = _llama()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(ddp, optimizer=opt, every=2, attention_stats=True, per_head=True,
+                             sinks=[sink], log_dir=f"{out}/tb")
+    ids, mask = _mixed_batch()
+    rows = slice(0, 3) if rank == 0 else slice(3, 4)
+    for _ in range(2):
+        ddp(input_ids=ids[rows], attention_mask=mask[rows], labels=ids[rows]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    if rank == 0:
+        values = {m: {f"{k[0]},{k[1]}": v for k, v in sink.values(m).get(2, {}).items()}
+                  for m in ("max_logit", "entropy")}
+        with open(f"{out}/rank0.json", "w") as f:
+            json.dump(values, f)
+    dist.destroy_process_group()
+
+
+def _mixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    items = [Data()[i] for i in range(4)]
+    return torch.stack([x["input_ids"] for x in items]), torch.stack([x["attention_mask"] for x in items])
+
+
+@pytest.mark.timeout(400)
+def test_two_process_gloo_ddp_logs_one_process_values(tmp_path):
+    """The values rank 0 logs at step 2 of a 2-process gloo DDP run equal the reference of one
+    process on the concatenated batch with the weights after one update (max over ranks,
+    token-weighted entropy)."""
+    import json
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_ddp_worker, args=(rank, port, str(tmp_path))) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=240)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    got = json.loads((tmp_path / "rank0.json").read_text())
+    # one process: the same first update on the whole batch (DDP averages the ranks' gradients
+    # of their mean losses, so the reference takes one SGD step on the mean of the two losses)
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids, mask = _mixed_batch()
+    losses = [model(input_ids=ids[r], attention_mask=mask[r], labels=ids[r]).loss for r in (slice(0, 3), slice(3, 4))]
+    ((losses[0] + losses[1]) / 2).backward()
+    opt.step()
+    want = reference(model, ids, mask)
+    assert len(got["max_logit"]) == len(want)
+    for (layer, head), (m, e) in want.items():
+        key = f"{layer},{head}"
+        assert got["max_logit"][key] == pytest.approx(m, rel=TOL), key
+        assert got["entropy"][key] == pytest.approx(e, rel=TOL), key
