@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     # scored weight pairs
     ("pairs",),
     # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out)
-    ("scoring", "images", "sinks"),
+    ("scoring", "images", "sinks", "tracker_record"),
     # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly
     ("distributed", "checkpoint", "gguf", "config", "stages.assembly"),
     # the live probe's other stages

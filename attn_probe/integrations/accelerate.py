@@ -94,8 +94,8 @@ def accelerator_targets(trackers: Sequence[Any]) -> list[Any]:
 
 
 def accelerate_tracker_run(tracker: Any) -> Any:
-    """The :class:`~attn_probe.sinks.trackers.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
-    from ..sinks.trackers import TrackerRun, mlflow_run, trackio_run, wandb_run
+    """The :class:`~attn_probe.tracker_record.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
+    from ..tracker_record import TrackerRun, mlflow_run, trackio_run, wandb_run
 
     name = _tracker_name(tracker)
     run = getattr(tracker, "tracker", None)

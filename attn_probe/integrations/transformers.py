@@ -505,7 +505,7 @@ def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
 
 
 def trainer_tracker_run(cb: Any) -> Any:
-    """The :class:`~attn_probe.sinks.trackers.TrackerRun` a Trainer integration callback logs into.
+    """The :class:`~attn_probe.tracker_record.TrackerRun` a Trainer integration callback logs into.
 
     W&B: the current run (recorded by its id; the Trainer's W&B values have no probe step key
     to read back); MLflow: the active run (read back); trackio: the current run (recorded);
@@ -513,7 +513,7 @@ def trainer_tracker_run(cb: Any) -> Any:
     """
     import transformers.integrations as integrations
 
-    from ..sinks.trackers import TrackerRun, mlflow_run, trackio_run, wandb_run
+    from ..tracker_record import TrackerRun, mlflow_run, trackio_run, wandb_run
 
     def kind(class_name: str) -> bool:
         cls = getattr(integrations, class_name, None)

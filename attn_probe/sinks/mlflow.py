@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..tracker_record import TrackerRun, mlflow_run
 from . import RunInfo, Snapshot
-from .trackers import TrackerRun, TrackerSink, mlflow_run
+from .trackers import TrackerSink
 
 __all__ = ["MlflowSink"]
 

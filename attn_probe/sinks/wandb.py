@@ -31,8 +31,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..tags import PREFIX
+from ..tracker_record import TrackerRun, wandb_run
 from . import RunInfo, Snapshot
-from .trackers import STEP_KEY, TrackerRun, TrackerSink, define_probe_axis, wandb_run
+from .trackers import STEP_KEY, TrackerSink, define_probe_axis
 
 __all__ = ["WandbSink"]
 
