@@ -390,3 +390,26 @@ def test_two_process_gloo_ddp_logs_one_process_values(tmp_path):
         key = f"{layer},{head}"
         assert got["max_logit"][key] == pytest.approx(m, rel=TOL), key
         assert got["entropy"][key] == pytest.approx(e, rel=TOL), key
+
+
+def test_a_failed_combination_warns_and_stops_measuring(tmp_path):
+    """A group whose all-reduce raises (here: a group object gloo rejects): one warning naming
+    the step, no activation rows from then on, the weight metrics go on."""
+    import attn_probe
+
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+                             log_dir=str(tmp_path / "tb"))
+    probe.attention.group = object()  # not a process group: torch.distributed raises
+    ids, mask = _same_batch(2)
+    with pytest.warns(RuntimeWarning, match="combining the attention statistics over ranks failed at step 1"):
+        for _ in range(3):
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    probe.close()
+    assert sink.values("max_logit") == {}
+    assert sorted(sink.values("symmetry")) == [0, 1, 2, 3]
+    assert installed_wrappers() == {}

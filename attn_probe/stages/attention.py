@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..attention_stats import ATTENTION_METRICS, AttentionCapture, StepStats, combine, unavailable_reason
+from ..attention_stats import AttentionCapture, StepStats, combine, unavailable_reason
 from ..extraction import AttentionLayer
+from ..isolation import safe_warn
 
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "bound_ratio_table"]
 
@@ -62,7 +63,8 @@ class AttentionStage:
 
     ``reason`` is the one line saying why the model cannot be measured (``capture`` is then
     ``None`` and nothing is registered). ``group`` is the gloo group the ranks combine on
-    (``None``: a single process).
+    (``None``: a single process); a failed combination (a timeout) warns once and ends the
+    measurement on that rank (the other ranks time out in theirs and end it too).
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None) -> None:
@@ -120,7 +122,15 @@ class AttentionStage:
                               torch.zeros_like(stats.entropy_sum), torch.zeros_like(stats.tokens),
                               torch.full_like(stats.input_norm, -math.inf), stats.scaling)
         if self.group is not None:
-            stats = combine(stats, self._reduce)
+            try:
+                stats = combine(stats, self._reduce)
+            except Exception as exc:  # noqa: BLE001 - a timeout or a broken group: stop measuring here
+                self.capture.close()
+                self.capture = None
+                safe_warn(f"attn_probe: combining the attention statistics over ranks failed at step {step} "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                          "max_logit and entropy are no longer measured on this rank, the weight metrics go on.")
+                return None
         if not bool(torch.isfinite(stats.max_logit).any()) and not bool((stats.tokens > 0).any()):
             return None
         return AttentionTables(stats)
@@ -129,5 +139,3 @@ class AttentionStage:
         if self.capture is not None:
             self.capture.close()
 
-
-METRICS = ATTENTION_METRICS
