@@ -78,13 +78,24 @@ class Records:
         return out
 
 
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                      vocab_size=99, initializer_range=0.4, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)).double()
+
+
 def reference(model, ids, mask) -> dict[tuple[int, int | None], tuple[float, float]]:
-    """(layer, head) -> (max |logit|, mean entropy) from the model's projections and rotary function."""
+    """(layer, head) -> (max |logit|, mean entropy) from the model's projections and (Llama) its
+    rotary function; BERT: bidirectional, its query/key projections with their biases."""
     layers = find_attention(model)
+    bert = type(model).__name__.startswith("Bert")
     seen, hooks = {}, []
     for i, layer in enumerate(layers):
         def hook(module, args, kwargs, i=i):
-            seen[i] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+            seen[i] = (args[0] if args else kwargs["hidden_states"], kwargs.get("position_embeddings"))
         hooks.append(layer.module.register_forward_pre_hook(hook, with_kwargs=True))
     with torch.no_grad():
         model.eval()(ids, attention_mask=mask)
@@ -93,14 +104,20 @@ def reference(model, ids, mask) -> dict[tuple[int, int | None], tuple[float, flo
     B, n = ids.shape
     pad = mask.bool()
     visible = pad[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
+    if bert:
+        visible = pad[:, None, None, :].expand(B, 1, n, n)
     out = {}
     for i, layer in enumerate(layers):
-        x, (cos, sin) = seen[i]
+        x, rotary = seen[i]
         attn, H, Hkv, D = layer.module, layer.num_heads, layer.num_kv_heads, layer.head_dim
         with torch.no_grad():
-            q = attn.q_proj(x).view(B, n, H, D).transpose(1, 2)
-            k = attn.k_proj(x).view(B, n, Hkv, D).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if bert:
+                q = attn.query(x).view(B, n, H, D).transpose(1, 2)
+                k = attn.key(x).view(B, n, Hkv, D).transpose(1, 2)
+            else:
+                q = attn.q_proj(x).view(B, n, H, D).transpose(1, 2)
+                k = attn.k_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+                q, k = apply_rotary_pos_emb(q, k, *rotary)
             logits = q @ k.repeat_interleave(H // Hkv, dim=1).transpose(-1, -2) * D ** -0.5
         counted = visible & pad[:, None, :, None]
         head_max = torch.where(counted, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
@@ -138,12 +155,13 @@ class StepRecorder(TrainerCallback):
             self.armed.setdefault(self.current, []).append(bool(probe.attention.capture.armed))
 
 
-def test_trainer_logs_max_logit_and_entropy_against_the_reference(tmp_path):
-    """every=2, gradient accumulation 2, per-head rows with qk_bound: the logged max_logit and
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_trainer_logs_max_logit_and_entropy_against_the_reference(tmp_path, arch):
+    """Llama (rotary, grouped-query heads, causal) and BERT (q/k biases, bidirectional): every=2, gradient accumulation 2, per-head rows with qk_bound: the logged max_logit and
     entropy of steps 2 and 4 equal the reference on the weights and batches of those steps; the
     capture is armed in exactly the due steps' forwards; the ratio follows its definition; the
     registry is restored after training."""
-    model = _llama()
+    model = _llama() if arch == "llama" else _bert()
     recorder = StepRecorder(model)
     sink = Records()
     probe_cb = AttnProbeCallback(every=2, attention_stats=True, per_head=True, sinks=[sink],
@@ -167,7 +185,8 @@ def test_trainer_logs_max_logit_and_entropy_against_the_reference(tmp_path):
         for key, (m, e) in want.items():
             assert max_logit[step][key] == pytest.approx(m, rel=TOL, abs=TOL), (step, key)
             assert entropy[step][key] == pytest.approx(e, rel=TOL, abs=TOL), (step, key)
-            assert 0 < ratio[step][key] < 1.5  # bias-free q/k: at most 1 up to the one-update offset
+            if arch == "llama":
+                assert 0 < ratio[step][key] < 1.5  # bias-free q/k: at most 1 up to the one-update offset
         # the ratio's definition, per head: max_logit / (qk_bound * ||x||^2 * s), one ||x|| per layer
         for layer in (0, 1):
             norm_sq = [max_logit[step][(layer, h)] / (ratio[step][(layer, h)] * bound[step][(layer, h)] * 8 ** -0.5)
