@@ -43,6 +43,9 @@ __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 CALLBACK_OPTIONS = ("trackers", "trackers_per_head")
 #: options of how the probe writes, left out of the checkpoint state (as before they were fields)
 _WRITING_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
+#: key that :meth:`AttnProbeCallback.state` adds to the saved args: a Trainer restoring callback
+#: states (``restore_callback_states_from_checkpoint=True``) gets the attached instance back
+RESTORE_KEY = "attn_probe_restore"
 
 
 def _find_callback_handler() -> Any:
@@ -102,7 +105,19 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     An unsupported model raises :class:`~attn_probe.UnsupportedModelError` when the Trainer
     is built; an unwritable log directory raises :class:`~attn_probe.probe.LogDirError` at
     the start of ``train()``. Nothing after that stops training.
+
+    With ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds stateful
+    callbacks as ``AttnProbeCallback(**saved_args)``; while it does so (inside its
+    ``_load_callback_state``) that call returns the instance attached to the Trainer, with its
+    options and sinks, instead of a new one built from the saved args.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> AttnProbeCallback:
+        if not args and (kwargs.get(RESTORE_KEY) or not kwargs):  # earlier versions saved args {}
+            live = _attached_instance_being_restored(cls, marked=bool(kwargs))
+            if live is not None:
+                return live
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -114,6 +129,9 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         trackers_per_head: bool = False,
         **options: Any,
     ) -> None:
+        if "_json_args" in self.__dict__:
+            return  # the attached instance handed back to a Trainer restoring callback states (__new__)
+        options.pop(RESTORE_KEY, None)
         self.config: ProbeConfig = config_from_options(every=every, log_dir=log_dir, sinks=sinks,
                                                        allowed_extra=CALLBACK_OPTIONS, **options)
         if not isinstance(trackers, bool):
@@ -129,6 +147,12 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.run_log_dir: str | None = None  # where this run's probe writes (saved with checkpoints)
         #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
         self.run_log_dir_relative: str | None = None
+        #: the Trainer's ``output_dir`` of that run: a checkpoint resumed under another one branches
+        self.run_output_dir: str | None = None
+        #: ``(step, (run directory, from_checkpoint))`` chosen while the Trainer restored callback states
+        self._early_choice: tuple[int, tuple[str, bool]] | None = None
+        #: ``(parent run directory, step)`` of a run branched from another output_dir's checkpoint
+        self.parent_run: tuple[str, int] | None = None
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
                                              trackers_per_head=trackers_per_head,
                                              **{k: v for k, v in options.items() if k not in _WRITING_OPTIONS})
@@ -139,10 +163,13 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 
         ``run_log_dir`` is the path as used; ``run_log_dir_relative`` the same relative to the
         Trainer's ``output_dir`` (``None`` when outside it), which a resumed run resolves against
-        its own ``output_dir``, so the run is found after the output directory was moved or copied.
+        its own ``output_dir``, so the run is found after the output directory was moved or copied;
+        ``run_output_dir`` that ``output_dir``: a resume under another one branches (a new run).
+        The args carry :data:`RESTORE_KEY`, by which the attached instance is kept on restore.
         """
-        return {"args": self._json_args or {},
-                "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative}}
+        return {"args": {**(self._json_args or {}), RESTORE_KEY: True},
+                "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative,
+                               "run_output_dir": self.run_output_dir}}
 
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
@@ -174,9 +201,12 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 # Trainer's loss go to the same run (no public setter exists)
                 _point_tensorboard(handler, chosen)
             return chosen, False
+        self.parent_run = None
         saved = _saved_run(state) if state.global_step > 0 else None
         if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
-            found, problem = _resolve_saved_run(saved, args.output_dir)
+            found, problem, foreign = _resolve_saved_run(saved, args.output_dir)
+            if found is None and foreign:
+                return self._branched_log_dir(args, handler, int(state.global_step), saved[0]), False
             if found is None:
                 return self._fresh_log_dir(args, handler, state.global_step, saved[0], problem), False
             # continue the run of the checkpoint: the trajectory stays one run; tell a
@@ -197,6 +227,19 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                       f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
                       "Give log_dir= to continue a run.")
         return log_dir, False
+
+    def _branched_log_dir(self, args: Any, handler: Any, step: int, parent: str) -> str:
+        """A new run under this ``output_dir`` for a checkpoint of another run; one line names the parent.
+
+        The parent's run directory belongs to another ``output_dir``: it is neither continued nor
+        modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`).
+        """
+        log_dir = trainer_log_dir(args, handler)
+        self.parent_run = (parent, step)
+        _warn(f"attn_probe: branched from the probe's run {parent} at step {step}: a checkpoint of another "
+              f"output_dir, whose run this run cannot continue or modify; logging continues from step {step} "
+              f"in a new run directory {log_dir}.")
+        return log_dir
 
     @staticmethod
     def _fresh_log_dir(args: Any, handler: Any, step: int, saved: str, problem: str) -> str:
@@ -239,7 +282,11 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         sinks = list(self.sinks or [])
         if main:
             handler = self._handler()
-            log_dir, from_checkpoint = self._choose_log_dir(args, state, handler)
+            early, self._early_choice = self._early_choice, None
+            if early is not None and early[0] == step:
+                log_dir, from_checkpoint = early[1]
+            else:
+                log_dir, from_checkpoint = self._choose_log_dir(args, state, handler)
             if step > 0:
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
             trackers = _reporting_callbacks(handler, self.trackers)
@@ -250,10 +297,14 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                                            per_head=self.trackers_per_head))
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
+        header = {"integration": "transformers.Trainer", "output_dir": str(args.output_dir)}
+        if main and self.parent_run is not None:  # lineage of a branched run, in its run header
+            header.update(parent_run=self.parent_run[0], parent_step=self.parent_run[1])
+
         def build(where: str | None) -> Probe:
             return Probe(model, self.config.replace(
                 start_step=step, log_dir=where, sinks=sinks or None, is_main_process=main, purge_stale=purge_stale,
-                restart=restart, extra_config={"integration": "transformers.Trainer", "output_dir": str(args.output_dir)},
+                restart=restart, extra_config=header,
             ))
 
         try:
@@ -276,6 +327,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             self.probe = build(log_dir)
         self.run_log_dir = log_dir
         self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
+        self.run_output_dir = os.path.abspath(str(args.output_dir))
         if main:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)
@@ -362,11 +414,49 @@ def _json_safe_options(**options: Any) -> dict[str, Any] | None:
     return options
 
 
-def _saved_run(state: Any) -> tuple[str, str | None] | None:
+def _attached_instance_being_restored(cls: type, *, marked: bool) -> Any:
+    """The attached ``cls`` instance a Trainer's ``_load_callback_state`` is rebuilding, or ``None``.
+
+    Called from ``cls.__new__``; the Trainer is found on the call stack (``marked``: the args
+    carry :data:`RESTORE_KEY`; unmarked, from checkpoints of earlier versions, the caller must be
+    the Trainer's ``_load_callback_state``). The Trainer removes the first instance of the class
+    after each rebuild, so the first attached one not yet handed back is the one being rebuilt.
+    Its run directory is chosen here, while the Trainer's TensorBoard writer is not open yet:
+    the Trainer moves the instance to the end of its callback list, after TensorBoardCallback.
+    """
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called with no Python caller
+        return None
+    for _ in range(4 if marked else 1):
+        if frame is None:
+            return None
+        trainer = frame.f_locals.get("self")
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is not None and hasattr(trainer, "state") and hasattr(trainer, "args") and (
+                marked or frame.f_code.co_name == "_load_callback_state"):
+            break
+        frame = frame.f_back
+    else:
+        return None
+    live = [cb for cb in handler.callbacks if type(cb) is cls and getattr(cb, "probe", None) is None]
+    if not live:
+        return None
+    callback = live[0]
+    callback.handler = handler
+    callback._early_choice = None
+    is_main = getattr(trainer, "is_world_process_zero", None)
+    if callable(is_main) and is_main():
+        callback._early_choice = (int(trainer.state.global_step),
+                                  callback._choose_log_dir(trainer.args, trainer.state, handler))
+    return callback
+
+
+def _saved_run(state: Any) -> tuple[str, str | None, str | None] | None:
     """The probe's run directory recorded in the checkpoint's ``trainer_state.json``, if any.
 
-    ``(path as used, path relative to that run's output_dir or None)``; checkpoints written
-    before the relative path was recorded give ``None`` for it.
+    ``(path as used, path relative to that run's output_dir or None, that output_dir or None)``;
+    checkpoints written before the relative path or the output_dir were recorded give ``None``.
     """
     saved = (getattr(state, "stateful_callbacks", None) or {}).get("AttnProbeCallback")
     if isinstance(saved, list):
@@ -378,7 +468,8 @@ def _saved_run(state: Any) -> tuple[str, str | None] | None:
     if not (isinstance(value, str) and value):
         return None
     relative = relative if isinstance(relative, str) and relative and not os.path.isabs(relative) else None
-    return value, relative
+    output_dir = attributes.get("run_output_dir")
+    return value, relative, output_dir if isinstance(output_dir, str) and output_dir else None
 
 
 def _relative_to(path: str, root: Any) -> str | None:
@@ -392,21 +483,30 @@ def _relative_to(path: str, root: Any) -> str | None:
     return rel
 
 
-def _resolve_saved_run(saved: tuple[str, str | None], output_dir: Any) -> tuple[str | None, str]:
-    """Where the saved run is now: ``(directory, "")``, or ``(None, why it cannot be continued)``.
+def _resolve_saved_run(saved: tuple[str, str | None, str | None],
+                       output_dir: Any) -> tuple[str | None, str, bool]:
+    """Where the saved run is now: ``(directory, "", False)``, or ``(None, why not, foreign)``.
 
     In order: the recorded relative path under the *current* ``output_dir`` (the output
     directory may have been moved or copied since); the recorded path itself; for checkpoints
     that recorded only that path, the same trailing components (``runs/<name>``) under the
     current ``output_dir`` when they hold a trajectory. A directory is taken only when it exists
     and can be written (:func:`attn_probe.logdir.check_log_dir`): a run directory is never
-    recreated where a moved or deleted one was.
+    recreated where a moved or deleted one was. A directory outside the current ``output_dir``
+    is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
+    explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
+    (a run branched from another run's checkpoint), which is never written.
     """
     from ..logdir import LogDirError, check_log_dir
     from ..trajectory_format import TRAJECTORY_FILENAME
 
-    path, relative = saved
+    path, relative, saved_output_dir = saved
     output_dir = str(output_dir)
+    same_output_dir = saved_output_dir is not None and _same_path(saved_output_dir, output_dir)
+
+    def ours(candidate: str) -> bool:
+        return same_output_dir or _relative_to(os.path.realpath(candidate), os.path.realpath(output_dir)) is not None
+
     candidates = []
     if relative is not None:
         candidates.append(os.path.normpath(os.path.join(output_dir, relative)))
@@ -420,7 +520,7 @@ def _resolve_saved_run(saved: tuple[str, str | None], output_dir: Any) -> tuple[
                 break
     problem = "it no longer exists"
     for candidate in candidates:
-        if not os.path.isdir(candidate):
+        if not os.path.isdir(candidate) or not ours(candidate):
             continue
         try:
             check_log_dir(candidate)
@@ -430,8 +530,12 @@ def _resolve_saved_run(saved: tuple[str, str | None], output_dir: Any) -> tuple[
         if candidate not in (path, candidates[0]):
             _warn(f"attn_probe: the probe's run saved with the checkpoint, {path}, no longer exists; "
                   f"continuing the run found at the same place under output_dir, {candidate}.")
-        return candidate, ""
-    return None, problem
+        return candidate, "", False
+    return None, problem, not ours(path)
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def _previous_runs(output_dir: str, current: str) -> list[str]:
