@@ -116,9 +116,12 @@ class Probe:
         #: plain loops arm the attention capture right after the update before a due step; the
         #: Trainer callback turns this off and arms at ``on_step_begin`` (evaluation runs between)
         self.arm_after_update = True
-        if cfg.attention_stats:
-            self.attention = self._attention_stage(model, layers, agreement)
-            if self.attention.available:
+        attention_reason = None
+        if cfg.attention_stats:  # the stage itself (registering wrappers) last: nothing after it raises
+            from .attention_stats import unavailable_reason
+
+            attention_reason = unavailable_reason(layers)
+            if attention_reason is None:
                 self.metrics = [*self.metrics, *self.attention_metrics()]
         self.alerts = None
         if cfg.alerts:
@@ -138,6 +141,12 @@ class Probe:
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
+        if cfg.attention_stats:
+            try:
+                self.attention = self._attention_stage(model, layers, agreement)
+            except Exception as exc:  # noqa: BLE001 - the weight metrics go on
+                safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
+                          "the weight metrics go on.")
         self._arm_next()  # the first update after attach
 
     def _attention_stage(self, model: nn.Module, layers: list[AttentionLayer], agreement: Any) -> AttentionStage:

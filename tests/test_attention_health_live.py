@@ -292,6 +292,7 @@ def test_alert_on_an_unknown_metric_is_an_error_at_attach(tmp_path):
 
     with pytest.raises(ValueError, match="alert on unknown metric 'max_logits'"):
         Probe(_llama(), alerts=[AlertRule("max_logits", above=1.0)], attention_stats=True, log_dir=str(tmp_path))
+    assert installed_wrappers() == {}  # the failed attach left nothing registered
 
 
 def test_plain_loop_watch_and_saved_config_unchanged(tmp_path):
