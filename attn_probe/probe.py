@@ -23,7 +23,6 @@ import time
 import weakref
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -36,8 +35,16 @@ from .isolation import Failures, never_raise, safe_warn
 from .logdir import LogDirError, LogDirInUseError
 from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
 from .sinks import Snapshot
+from .stages.alerting import Alerting
 from .stages.assembly import Assembler
-from .stages.attention import RATIO_METRIC, AttentionStage, AttentionTables, bound_ratio_table
+from .stages.attention import (
+    RATIO_METRIC,
+    AttentionStage,
+    AttentionTables,
+    attention_metrics,
+    build_stage,
+    extra_tables,
+)
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measured, Measurement
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
@@ -122,15 +129,11 @@ class Probe:
 
             attention_reason = unavailable_reason(layers)
             if attention_reason is None:
-                self.metrics = [*self.metrics, *self.attention_metrics()]
-        self.alerts = None
-        if cfg.alerts:
-            from .alerts import AlertMonitor
-
-            known = [*self.metrics, *(("max_logit", "entropy", RATIO_METRIC) if cfg.attention_stats else ())]
-            self.alerts = AlertMonitor(cfg.alerts, known=set(known))  # ValueError naming the metrics
-        #: set on every rank when an alert fires and ``stop_on_alert`` (the Trainer stops on it)
-        self.stop_requested = False
+                self.metrics = [*self.metrics, *attention_metrics(self.pairs)]
+        self.alerting = None if not cfg.alerts else Alerting(  # ValueError naming the known metrics
+            cfg.alerts, [*self.metrics, *(("max_logit", "entropy", RATIO_METRIC) if cfg.attention_stats else ())],
+            stop_on_alert=cfg.stop_on_alert, callback=cfg.alert_callback, is_main_process=self.is_main_process,
+            failures=self.failure_log)
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
@@ -143,38 +146,12 @@ class Probe:
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
         if cfg.attention_stats:
             try:
-                self.attention = self._attention_stage(model, layers, agreement)
+                self.attention = build_stage(model, layers, agreement.group if agreement is not None else None,
+                                             cfg.agreement_timeout)
             except Exception as exc:  # noqa: BLE001 - the weight metrics go on
                 safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
                           "the weight metrics go on.")
         self._arm_next()  # the first update after attach
-
-    def _attention_stage(self, model: nn.Module, layers: list[AttentionLayer], agreement: Any) -> AttentionStage:
-        """The attention statistics' stage; its unavailability is one warning, the weights go on."""
-        group = agreement.group if agreement is not None else None
-        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            from .distributed import Agreement
-
-            group = Agreement(self.config.agreement_timeout).group  # collective: every rank attaches
-        stage = AttentionStage(model, layers, group)
-        if stage.reason is not None:
-            safe_warn(f"attn_probe: {stage.reason}; max_logit and entropy are not logged, the weight metrics go on.")
-        return stage
-
-    def attention_metrics(self) -> list[str]:
-        """The activation metrics logged: ``max_logit``, ``entropy`` and, with ``qk_bound`` among
-        the W_qk metrics, ``logit_bound_ratio``."""
-        names = ["max_logit", "entropy"]
-        if self._qk_bound_index() is not None:
-            names.append(RATIO_METRIC)
-        return names
-
-    def _qk_bound_index(self) -> tuple[int, int] | None:
-        for p, pair in enumerate(self.pairs):
-            if type(pair) is QKPair and "qk_bound" in pair.metrics:
-                return p, list(pair.metrics).index("qk_bound")
-        return None
 
     # -- state read through the stages ---------------------------------------------------------
     @property
@@ -227,25 +204,9 @@ class Probe:
 
     # -- running the stages --------------------------------------------------------------------
     def _assemble(self, measured: Measured, attention: AttentionTables | None = None) -> Snapshot:
-        extra = self._attention_extra(measured, attention) if attention is not None else ()
+        extra = () if attention is None else extra_tables(self.attention, measured.tables, attention, self.pairs,
+                                                          self.config.per_head)
         return self.assembler.assemble(measured.step, measured.tables, measured.images, extra)
-
-    def _attention_extra(self, measured: Measured, attention: AttentionTables) -> list:
-        """The attention tables (and the bound ratio) as ``(layer, metrics, table)`` for the assembly."""
-        index = {(layer.group, layer.layer): i for i, layer in enumerate(self.attention.layers)}
-        qk = self._qk_bound_index()
-        per_head = self.config.per_head
-        extra = []
-        for layer, tables in measured.tables:
-            i = index.get((layer.group, layer.layer))
-            if i is None:
-                continue
-            table = attention.tables[i]
-            if qk is not None:
-                ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
-                table = np.concatenate([table[:, :ratio.shape[1]], ratio])
-            extra.append((layer, self.attention_metrics(), table if per_head else table[:, :1]))
-        return extra
 
     def _take(self, step: int, images: bool | None, asynchronous: bool) -> Snapshot | None:
         """Stages 2 to 4 at ``step`` (already decided): measure, assemble, write."""
@@ -257,29 +218,14 @@ class Probe:
             self._write(snap)
         return snap
 
+    @property
+    def stop_requested(self) -> bool:
+        """An alert fired with ``stop_on_alert`` (the same on every rank; the Trainer stops on it)."""
+        return self.alerting is not None and self.alerting.stop_requested
+
     def _check_alerts(self, snapshot: Snapshot) -> None:
-        """Evaluate the alert rules on the snapshot's values (every rank that has them; the values
-        are the combined ones); warn, call back and alert trackers on the main process."""
-        if self.alerts is None:
-            return
-        rows: dict[tuple, dict[str, Any]] = {}
-        for r in snapshot.records:
-            rows.setdefault((r.group, r.layer, r.head), {"group": r.group, "layer": r.layer, "head": r.head})[r.metric] = r.value
-        fired = self.alerts.evaluate(snapshot.step, rows.values())
-        if not fired:
-            return
-        if self.config.stop_on_alert:
-            self.stop_requested = True
-        if not self.is_main_process:
-            return
-        for alert in fired:
-            safe_warn(alert.message())
-            if self.config.alert_callback is not None:
-                try:
-                    self.config.alert_callback(alert)
-                except Exception as exc:  # noqa: BLE001 - user code must not stop training
-                    self.failure_log.report("the alert callback", exc)
-            _tracker_alert(alert, self.failure_log)
+        if self.alerting is not None:
+            self.alerting.check(snapshot)
 
     def _agreed(self, step: int, want: bool, images: bool | None, error: BaseException | None) -> Snapshot | None:
         """Sharded: the ranks agree (:meth:`StepDecision.agree`), then every rank takes part in the walk."""
@@ -489,16 +435,3 @@ class Probe:
         return (f"Probe({len(self.layers)} layers, step={self.step}, "
                 f"last_snapshot={self.last_snapshot_step}, log_dir={self.log_dir!r})")
 
-
-def _tracker_alert(alert: Any, failures: Failures) -> None:
-    """``run.alert`` of the active W&B run, when W&B is in use in this process (never raises)."""
-    import sys
-
-    wandb = sys.modules.get("wandb")
-    run = getattr(wandb, "run", None) if wandb is not None else None
-    if run is None or not hasattr(run, "alert"):
-        return
-    try:
-        run.alert(title=f"attn_probe: {alert.metric} in layer {alert.layer}", text=alert.message())
-    except Exception as exc:  # noqa: BLE001
-        failures.report("the W&B alert", exc)

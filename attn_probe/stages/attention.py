@@ -26,8 +26,10 @@ from torch import nn
 from ..attention_stats import AttentionCapture, StepStats, combine, unavailable_reason
 from ..extraction import AttentionLayer
 from ..isolation import safe_warn
+from ..pairs import QKPair, ScorePair
 
-__all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "bound_ratio_table"]
+__all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "bound_ratio_table", "build_stage",
+           "extra_tables", "qk_bound_index"]
 
 #: the ratio of the measured max logit to its weight-only bound (with ``qk_bound`` among the metrics)
 RATIO_METRIC = "logit_bound_ratio"
@@ -139,3 +141,51 @@ class AttentionStage:
         if self.capture is not None:
             self.capture.close()
 
+
+
+def qk_bound_index(pairs: Sequence[ScorePair]) -> tuple[int, int] | None:
+    """``(pair, metric)`` indices of the W_qk pair's ``qk_bound`` in the measured tables, if measured."""
+    for p, pair in enumerate(pairs):
+        if type(pair) is QKPair and "qk_bound" in pair.metrics:
+            return p, list(pair.metrics).index("qk_bound")
+    return None
+
+
+def attention_metrics(pairs: Sequence[ScorePair]) -> list[str]:
+    """The activation metrics logged: ``max_logit``, ``entropy`` and, with ``qk_bound`` among the
+    W_qk metrics, :data:`RATIO_METRIC`."""
+    return ["max_logit", "entropy", *((RATIO_METRIC,) if qk_bound_index(pairs) is not None else ())]
+
+
+def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], group: object | None,
+                timeout: float) -> AttentionStage:
+    """The stage, combining on ``group`` (the sharded walk's); under DDP, where the probe has no
+    group, a gloo group of its own (a collective: every rank attaches). Unavailability is one warning."""
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        from ..distributed import Agreement
+
+        group = Agreement(timeout).group
+    stage = AttentionStage(model, layers, group)
+    if stage.reason is not None:
+        safe_warn(f"attn_probe: {stage.reason}; max_logit and entropy are not logged, the weight metrics go on.")
+    return stage
+
+
+def extra_tables(stage: AttentionStage, measured: Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]],
+                 attention: AttentionTables, pairs: Sequence[ScorePair], per_head: bool) -> list:
+    """The attention tables (and the bound ratio) as ``(layer, metrics, table)`` for the assembly."""
+    index = {(layer.group, layer.layer): i for i, layer in enumerate(stage.layers)}
+    qk = qk_bound_index(pairs)
+    names = attention_metrics(pairs)
+    extra = []
+    for layer, tables in measured:
+        i = index.get((layer.group, layer.layer))
+        if i is None:
+            continue
+        table = attention.tables[i]
+        if qk is not None:
+            ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
+            table = np.concatenate([table[:, :ratio.shape[1]], ratio])
+        extra.append((layer, names, table if per_head else table[:, :1]))
+    return extra
