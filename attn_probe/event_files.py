@@ -7,9 +7,12 @@ Shared by the TensorBoard sink (resume, recovery), the Trainer integration and t
 from __future__ import annotations
 
 import os
+import re
 import struct
+import time
 
-__all__ = ["is_event_file", "event_files", "has_event_files", "truncate_torn_record"]
+__all__ = ["is_event_file", "event_files", "has_event_files", "truncate_torn_record", "file_identities",
+           "wait_for_a_later_name"]
 
 
 def is_event_file(name: str) -> bool:
@@ -58,3 +61,33 @@ def truncate_torn_record(path: str) -> int:
         return size - good
     except OSError:
         return 0
+
+
+def wait_for_a_later_name(log_dir: str) -> None:
+    """Sleep (at most ~1 s) until a new event file would sort after every one in ``log_dir``.
+
+    Event files are named ``events.out.tfevents.<seconds>.<host>.<pid>.<counter>`` and read in
+    name order; the counter sorts as text (``10`` before ``9``), so a file opened in the same
+    second as an older one may be read first. A reopened writer must come last.
+    """
+    newest = 0
+    for name in event_files(log_dir):
+        match = re.search(r"tfevents\.(\d+)\.", name)
+        if match:
+            newest = max(newest, int(match.group(1)))
+    now = time.time()
+    if int(now) <= newest:
+        time.sleep(min(1.05, newest + 1 - now + 0.01))
+
+
+def file_identities(log_dir: str, names: list[str]) -> dict[str, tuple[int, int] | None]:
+    """``path -> (device, inode)`` of event files in ``log_dir`` (``None``: the path is gone)."""
+    out: dict[str, tuple[int, int] | None] = {}
+    for name in names:
+        path = os.path.join(log_dir, name)
+        try:
+            st = os.stat(path)
+            out[path] = (st.st_dev, st.st_ino)
+        except OSError:
+            out[path] = None
+    return out

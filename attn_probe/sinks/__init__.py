@@ -56,26 +56,10 @@ class RunInfo:
 
 
 class Sink:
-    """Every member the dispatcher uses. Subclass it and override ``start``, ``log`` and ``finish``.
+    """Every member the dispatcher uses, with its default: the table in docs/sinks.md.
 
-    * ``start(run)``: on the caller's thread at attach time; raising fails the attach.
-    * ``log(snapshot)``: write one snapshot; raising counts it as lost for this sink only.
-    * ``finish()``: close; a run or writer handed in by the user stays open.
-    * ``background`` (default ``False``): ``True`` when the sink may be driven from a thread
-      of its own (one per sink, calls never overlap); otherwise it runs on the training thread.
-    * ``lossless`` (default ``False``): ``True`` when a full lane should make the training
-      thread wait (bounded) for room rather than drop a snapshot (the trajectory file).
-    * ``log_batch(snapshots)`` (default: none): write several waiting snapshots at once.
-    * ``flush()`` (default: nothing): make what was logged durable (``probe.flush()``).
-    * ``recover()`` (default: nothing): called before the next ``log`` after a failed one
-      (reopen a file or a writer); raising means "still broken" and loses that snapshot.
-    * ``bind_run_dir(path)`` (default: stored as ``self.run_dir``): the probe's run directory,
-      given before ``start`` (the tracker sinks keep their record of sent steps there).
-    * ``directory()`` (default ``None``): the run directory this sink writes its files into;
-      the dispatcher binds the first one found when it is given no ``run_dir``.
-
-    An object that is not a ``Sink`` but has ``start``, ``log`` and ``finish`` is accepted too:
-    :func:`sink_members` reads these same members from it once, with these defaults.
+    Subclass it and override ``start``, ``log`` and ``finish``. An object that is not a ``Sink``
+    but has those three is accepted too: :func:`sink_members` reads the same members from it.
     """
 
     background: bool = False

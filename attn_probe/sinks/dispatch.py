@@ -1,42 +1,14 @@
 """Deliver snapshots to sinks off the training step, one isolated lane per sink.
 
-**Interface** (what the probe uses; stable across the pipeline refactor):
-
-* ``SinkDispatcher(sinks, *, background=True, queue_size=64, timeout=60.0, run_dir=None)``:
-  ``sinks`` are :class:`~attn_probe.sinks.Sink` objects (or objects with ``start``, ``log`` and
-  ``finish``; :func:`~attn_probe.sinks.sink_members` reads their contract once, here, and a
-  ``TypeError`` names what is missing); ``queue_size`` must be >= 1 (``ValueError``);
-  ``run_dir`` is bound into every sink before ``start`` (default: the first sink's
-  ``directory()``, i.e. the trajectory sink's directory);
-* ``start(run)``: binds ``run_dir`` and starts every sink on the caller's thread; raises what a
-  sink's ``start`` raised (after finishing those already started), ``failed_sink`` names it;
-* ``log(snapshot)``, ``flush(timeout=None) -> bool``, ``close(timeout=None) -> bool``,
-  ``stats() -> list[SinkStats]``, ``closed``: never raise;
-* module level: :func:`before_exit_flush`, :class:`SinkStats`, :func:`describe_steps`,
-  :func:`sink_name`, ``DEFAULT_QUEUE_SIZE``, ``DEFAULT_TIMEOUT``, ``EXIT_TIMEOUT``.
-
-Each sink gets a *lane*: a bounded queue drained by a daemon thread (``background`` sinks), or
-delivery on the caller's thread (the others, and every sink with ``background=False``), so that
-
-* a slow or blocked sink delays neither the training step nor another sink; a full lane drops
-  its *oldest* waiting snapshot (counted, warned once, reported at ``close()``), except that a
-  ``lossless`` sink first makes the caller wait for room, up to :data:`BACKPRESSURE_TIMEOUT`
-  seconds (once per stall: a lane that made no progress in a whole wait is not waited for
-  again until it does); a sink with ``log_batch`` gets all its waiting snapshots in one call;
-* a failing sink silences no other: the snapshot counts as lost for that sink only, one warning
-  when it stops and one when it resumes; it is retried (``recover()``, then ``log``) at every
-  later snapshot;
-* ``flush``/``close`` wait at most their timeout: a lane still busy at ``close()`` is given up,
-  the steps it did not deliver named (``unconfirmed_steps``); an inline sink's ``flush()`` and
-  ``finish()`` run on a short-lived daemon thread, and while one outlives its deadline that
-  sink's snapshots are dropped (never two threads in one sink); an ``atexit`` hook flushes
-  dispatchers never closed, within :data:`EXIT_TIMEOUT`, after the :func:`before_exit_flush`
-  hooks;
-* background deliveries run in a copy of the caller's :mod:`contextvars` context (trackio
-  keeps its current run in a ``ContextVar``).
-
-Warnings go through :func:`attn_probe.isolation.safe_warn` (never raises, even under
-``python -W error``). The user-facing account is docs/live-probe.md, the contract docs/sinks.md.
+The interface the probe uses and the lanes' rules are in docs/sinks.md (the dispatcher), what
+the user sees in docs/live-probe.md (writing off the training step). In short: a background sink
+gets a bounded queue drained by a daemon thread, the others are called on the caller's thread
+(their ``flush()``/``finish()`` on a short-lived helper thread); a failing sink is retried
+(``recover()``, then ``log``) at every later snapshot and silences no other; a full lane drops
+its oldest snapshot (a ``lossless`` one first waits up to :data:`BACKPRESSURE_TIMEOUT`);
+``flush``/``close`` are bounded, and a lane still busy at ``close()`` is given up with the steps
+it did not deliver named. Deliveries run in a copy of the caller's :mod:`contextvars` context.
+Warnings go through :func:`attn_probe.isolation.safe_warn`.
 """
 
 from __future__ import annotations
@@ -57,8 +29,8 @@ from typing import Any
 from ..isolation import safe_warn
 from . import RunInfo, Snapshot, sink_members
 
-__all__ = ["SinkDispatcher", "SinkStats", "safe_warn", "sink_name", "describe_steps", "before_exit_flush",
-           "DEFAULT_QUEUE_SIZE", "DEFAULT_TIMEOUT", "EXIT_TIMEOUT"]
+__all__ = ["SinkDispatcher", "SinkStats", "sink_name", "describe_steps", "before_exit_flush",
+           "DEFAULT_QUEUE_SIZE", "DEFAULT_TIMEOUT", "EXIT_TIMEOUT", "BACKPRESSURE_TIMEOUT"]
 
 #: snapshots a lane holds before it drops its oldest
 DEFAULT_QUEUE_SIZE = 64
@@ -227,7 +199,7 @@ class _Lane:
                 self.stats.dropped += 1
                 self._drop_warning(item.snapshot.step, "is still busy flushing (slow or blocked)")  # type: ignore[union-attr]
             else:
-                self._handle(item)
+                self._handle([item])
             item.done.set()
             return
         previous = self._helper
@@ -237,7 +209,7 @@ class _Lane:
             try:
                 if previous is not None:
                     previous.join()
-                item.context.run(self._handle, item)  # also once abandoned: finish() the sink
+                item.context.run(self._handle, [item])  # also once abandoned: finish() the sink
             except BaseException:  # noqa: BLE001 - never raise from the helper
                 pass
             finally:
@@ -271,10 +243,7 @@ class _Lane:
                 self._cond.notify_all()  # room for a caller waiting on a full lane
             item = batch[0]
             try:
-                if item.kind != "snapshot":
-                    item.context.run(self._handle, item)
-                elif not self._abandoned:
-                    item.context.run(self._deliver, [i.snapshot for i in batch])
+                item.context.run(self._handle, batch)
             except BaseException:  # noqa: BLE001 - the lane never dies (SystemExit included)
                 pass
             finally:
@@ -290,13 +259,16 @@ class _Lane:
 
     # -- delivery (the lane's thread, or the caller's when inline) ----------------------------
 
-    def _handle(self, item: _Item) -> None:
+    def _handle(self, batch: list[_Item]) -> None:
+        """Deliver a batch of snapshots, or run one flush/finish request."""
+        kind = batch[0].kind
         try:
-            if item.kind == "snapshot":
-                self._deliver([item.snapshot])  # type: ignore[list-item]
-            elif item.kind == "flush":
+            if kind == "snapshot":
+                if not self._abandoned:
+                    self._deliver([i.snapshot for i in batch])  # type: ignore[misc]
+            elif kind == "flush":
                 self._flush_sink()
-            elif item.kind == "finish":
+            elif kind == "finish":
                 self._finish_sink()
         except Exception:  # noqa: BLE001 - nothing escapes a lane
             pass
@@ -423,7 +395,7 @@ atexit.register(_flush_at_exit)
 
 
 class SinkDispatcher:
-    """Fan snapshots out to ``sinks``, each in its own lane (see the module docstring for the interface)."""
+    """Fan snapshots out to ``sinks``, each in its own lane (the interface: docs/sinks.md)."""
 
     def __init__(self, sinks: Iterable[Any], *, background: bool = True, queue_size: int = DEFAULT_QUEUE_SIZE,
                  timeout: float = DEFAULT_TIMEOUT, run_dir: str | None = None) -> None:

@@ -1,21 +1,13 @@
 """MLflow sink for plain PyTorch loops: the probe's values as MLflow metrics, at the probe's step.
 
-MLflow keeps every ``(step, value)`` of a metric, so the values are logged with ``step=`` (the
-probe's step) and the user's own metrics are never affected. Each snapshot goes out through
-``MlflowClient.log_batch`` in synchronous batches of at most 1,000 metrics: when ``log``
-returns, the server stored them, and a failed batch raises there, so the dispatcher names the
-lost step like any failed snapshot.
-
-**Thread.** After ``start()``, the sink only calls its own ``MlflowClient`` with an explicit
-``run_id`` (never MLflow's fluent API, whose active run is per thread); ``mlflow.active_run()``
-is read in ``start()`` alone, on the caller's thread. It is therefore a background sink: a dead
-server (MLflow's HTTP client retries it for minutes) blocks its own lane, never the training
-step, and ``close()`` gives it up at the deadline, naming the steps it did not deliver.
-
-Resume: on a resumed probe run, the snapshots the MLflow run already holds (read back from the
-run's metric history, else the probe's record) are not sent again; see
-:mod:`attn_probe.sinks.trackers`. ``mlflow`` is imported in :meth:`MlflowSink.start`
-(``pip install 'attn-probe[mlflow]'``).
+Values are logged with ``step=`` (the probe's step), so the user's own metrics are unaffected,
+through ``MlflowClient.log_batch`` in synchronous batches of at most 1,000 metrics: a failed
+batch raises in ``log``, and the dispatcher names the lost step. After ``start()`` the sink only
+calls its own client with an explicit ``run_id`` (never the fluent API, whose active run is per
+thread), so it runs on a lane of its own and a dead server blocks only that lane
+(docs/live-probe.md, writing off the training step). On resume the steps the run already holds
+are not sent again (:mod:`attn_probe.tracker_record`). ``mlflow`` is imported in
+:meth:`MlflowSink.start` (``pip install 'attn-probe[mlflow]'``).
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ import json
 import os
 import re
 import threading
-import time
 from typing import Any
 
-from ..event_files import event_files, truncate_torn_record
+from ..event_files import event_files, file_identities, truncate_torn_record, wait_for_a_later_name
 from ..isolation import safe_warn
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot
@@ -109,36 +108,6 @@ def _has_room(log_dir: str, need: int) -> bool:
     return st.f_bavail * st.f_frsize >= need
 
 
-def _wait_for_a_later_name(log_dir: str) -> None:
-    """Sleep (at most ~1 s) until a new event file would sort after every one in ``log_dir``.
-
-    Event files are named ``events.out.tfevents.<seconds>.<host>.<pid>.<counter>`` and read in
-    name order; the counter sorts as text (``10`` before ``9``), so a file opened in the same
-    second as an older one may be read first. A reopened writer must come last.
-    """
-    newest = 0
-    for name in event_files(log_dir):
-        match = re.search(r"tfevents\.(\d+)\.", name)
-        if match:
-            newest = max(newest, int(match.group(1)))
-    now = time.time()
-    if int(now) <= newest:
-        time.sleep(min(1.05, newest + 1 - now + 0.01))
-
-
-def _identities(log_dir: str, names: list[str]) -> dict[str, tuple[int, int] | None]:
-    """``path -> (device, inode)`` of event files in ``log_dir`` (``None``: the path is gone)."""
-    out: dict[str, tuple[int, int] | None] = {}
-    for name in names:
-        path = os.path.join(log_dir, name)
-        try:
-            st = os.stat(path)
-            out[path] = (st.st_dev, st.st_ino)
-        except OSError:
-            out[path] = None
-    return out
-
-
 def _release(writer: Any, timeout: float = 2.0) -> None:
     """Close every file writer of ``writer`` through their public ``close()``, on a daemon thread
     given ``timeout`` seconds: a dead TensorBoard writer cannot flush, and may fail or block."""
@@ -157,30 +126,18 @@ def _release(writer: Any, timeout: float = 2.0) -> None:
 
 
 class TensorBoardSink(Sink):
-    """Write snapshots with a ``SummaryWriter`` of our own, or a borrowed one.
+    """Write snapshots with a ``SummaryWriter`` of our own, or a borrowed one (flushed, never closed).
 
-    ``writer`` (e.g. Accelerate's tracker's, or one given to ``watch(writer=...)``) is flushed
-    but never closed. **Resume** (``RunInfo.resume_step`` = G > 0, ``purge_stale``): TensorBoard
-    must drop the interrupted run's events at steps ``>= G``, which it does for the events read
-    before a ``SessionLog.START`` marker at step G. The marker goes into the earliest event
-    file of this session: with our own writer in a directory that already holds event files,
-    through ``purge_step=G``; with a borrowed writer, into the borrowed writer's file
-    (:func:`emit_session_start`), which also purges the user's own stale events of that run.
-    ``purge_stale=False`` when the caller has already marked the restart in another writer of
-    the same directory (the Trainer's, see ``integrations/transformers.py``).
+    **Resume** (``RunInfo.resume_step`` = G > 0): TensorBoard drops the interrupted run's events
+    at steps >= G when it reads a ``SessionLog.START`` marker at G after them: ``purge_step=G``
+    for our own writer in a directory that already holds event files, :func:`emit_session_start`
+    into a borrowed writer's file. ``purge_stale=False`` when the caller marked the restart in
+    another writer of the same directory (the Trainer's, see ``integrations/transformers.py``).
 
-    **Faults**, through TensorBoard's public API only. A write that fails (a full disk) kills
-    TensorBoard's writer for good: every later ``add_*`` or ``flush()`` raises. :meth:`recover`,
-    called by the dispatcher before the next attempt, closes the dead file writers (their public
-    ``close()``, bounded), trims a torn last record from the event file and continues in a new
-    event file in the same directory: our own writer is replaced by a fresh ``SummaryWriter``;
-    a borrowed torch ``SummaryWriter`` is reset as its own ``close()`` does (``file_writer`` and
-    ``all_writers`` cleared), so that its next write, ours or its owner's, opens a new file; a
-    borrowed writer of another kind is replaced by a ``SummaryWriter`` of our own. An event file
-    deleted or replaced under the writer (found by comparing its inode, at every snapshot) is
-    handled the same way, and the new file gets the run's layout again. While ``statvfs``
-    reports less than :data:`REOPEN_MIN_FREE` bytes free no new file is attempted, so a full
-    disk does not collect empty event files.
+    **Faults**, through TensorBoard's public API only (docs/live-probe.md, sink faults): after a
+    failed write (a dead writer) or an event file deleted or replaced under it (its inode,
+    compared at every snapshot), :meth:`recover` continues in a new event file in the same
+    directory; no new file while ``statvfs`` reports less than :data:`REOPEN_MIN_FREE` bytes free.
     """
 
     #: free bytes below which a reopen is not attempted
@@ -205,15 +162,6 @@ class TensorBoardSink(Sink):
         #: event files present before the writer opened its current file (``None``: known)
         self._before: set[str] | None = None
         self._last_step: int | None = None
-
-    @property
-    def writer(self) -> Any:
-        return self._writer
-
-    @property
-    def owned(self) -> bool:
-        """Whether the sink opened its writer (and closes it at ``finish``)."""
-        return self._owned
 
     def _open_own_writer(self, purge_step: int | None = None) -> Any:
         """A ``SummaryWriter`` of our own in ``log_dir``; on failure no new event file is left."""
@@ -243,7 +191,7 @@ class TensorBoardSink(Sink):
         new = [n for n in names if n not in self._before]
         if not new and names:
             new = [max(names, key=lambda n: os.stat(os.path.join(self.log_dir, n)).st_mtime_ns)]
-        self._files, self._before = _identities(self.log_dir, new), None
+        self._files, self._before = file_identities(self.log_dir, new), None
 
     def start(self, run: RunInfo) -> None:
         resume = run.resume_step if run.resume_step and self._purge_stale else None
@@ -285,7 +233,7 @@ class TensorBoardSink(Sink):
         TensorBoard reopens its file by name at every write, so a deleted one would come back
         empty, without its header records, and the events before are gone silently.
         """
-        now = _identities(self.log_dir, [os.path.basename(p) for p in self._files])
+        now = file_identities(self.log_dir, [os.path.basename(p) for p in self._files])
         return next((path for path, ident in self._files.items() if now.get(path) != ident), None)
 
     def log(self, snapshot: Snapshot) -> None:
@@ -323,11 +271,12 @@ class TensorBoardSink(Sink):
             raise
 
     def recover(self, header: bool = False) -> None:
-        """Continue in a new event file in the same directory (see the class docstring).
-
-        The new file gets the run's layout and configuration text again when ``header`` (the
-        old file was deleted) or when the directory holds no event file any more. Raises (and
-        changes nothing that matters) while the disk is still full.
+        """Continue in a new event file in the same directory: the dead file writers closed (their
+        public ``close()``, bounded), a torn last record cut; our own writer replaced by a fresh
+        ``SummaryWriter``, a borrowed torch one reset as its ``close()`` leaves it (its next write
+        opens a new file), a borrowed one of another kind replaced by our own. The run's layout
+        and text are written again when ``header`` (the old file was deleted) or the directory
+        holds no event file. Raises while the disk is still full.
         """
         if not self._broken:
             return
@@ -341,7 +290,7 @@ class TensorBoardSink(Sink):
             _release(w)  # a borrowed writer of another kind is the user's to close
         for path in self._files:
             truncate_torn_record(path)
-        _wait_for_a_later_name(self.log_dir)
+        wait_for_a_later_name(self.log_dir)
         before = set(event_files(self.log_dir))
         if not self._owned and torch_like:
             w.file_writer = w.all_writers = None  # as SummaryWriter.close() leaves it: reopens on next use

@@ -92,6 +92,15 @@ def import_tracker(module: str, extra: str, who: str) -> Any:
         ) from exc
 
 
+def _send_guarded(guard: ResendGuard | None, step: int, send: Callable[..., None], *args: Any) -> None:
+    """``send(*args)`` unless the tracker run holds ``step`` from before the resume; then record it."""
+    if guard is not None and not guard.wants(step):
+        return
+    send(*args)
+    if guard is not None:
+        guard.sent(step)  # reached the tracker: recorded for a resume
+
+
 class TrackerSink(Sink):
     """Base of the tracker sinks: lifecycle, key naming, resume, and whether the run is ours to finish.
 
@@ -132,25 +141,15 @@ class TrackerSink(Sink):
     def log(self, snapshot: Snapshot) -> None:
         if not self._open_now:
             raise RuntimeError(f"{type(self).__name__}.log() before start() or after finish()")
-        step = int(snapshot.step)
-        if self.guard is not None and not self.guard.wants(step):
-            return  # the tracker run holds this step from before the resume
-        values = self.metrics(snapshot)
+        values = tracker_metrics(snapshot, per_head=self.per_head)
         if values:
-            self._send(snapshot, values)
-            if self.guard is not None:
-                self.guard.sent(step)  # reached the tracker: recorded for a resume
+            _send_guarded(self.guard, int(snapshot.step), self._send, snapshot, values)
 
     def finish(self) -> None:
         if not self._open_now:
             return
         self._open_now = False
         self._close()
-
-    # ------------------------------------------------------------------ helpers
-    def metrics(self, snapshot: Snapshot) -> dict[str, float]:
-        """The ``{key: value}`` this sink sends for ``snapshot``."""
-        return tracker_metrics(snapshot, per_head=self.per_head)
 
     @staticmethod
     def timestamp_ms(snapshot: Snapshot) -> int:
@@ -221,12 +220,8 @@ class TrackerFanOut(Sink):
         errors = []
         for i, target in enumerate(self.targets):
             try:
-                guard = self._guard(i, target)
-                if guard is not None and not guard.wants(step):
-                    continue  # this tracker run holds the step from before the resume
-                target.send({**values, STEP_KEY: step} if target.step_axis is not None else dict(values), step)
-                if guard is not None:
-                    guard.sent(step)
+                payload = {**values, STEP_KEY: step} if target.step_axis is not None else dict(values)
+                _send_guarded(self._guard(i, target), step, target.send, payload, step)
             except Exception as exc:  # noqa: BLE001 - one tracker must not silence another
                 errors.append(f"{target.name}: {type(exc).__name__}: {exc}")
         if errors:

@@ -1,20 +1,11 @@
 """trackio sink for plain PyTorch loops: the probe's values in a trackio run, at the probe's step.
 
-trackio stores every logged row with its step, and rows of different keys at any steps
-coexist, so the values are logged with ``step=`` (the probe's step) without affecting the
-user's own metrics.
-
-``trackio.init`` finishes the run that is current in the process, so the sink never creates a
-run while one is active: it uses that run (when its project matches) or asks for ``run=``.
-
-Resume: on a resumed probe run, the snapshots the trackio run already holds are not sent
-again; trackio offers no cheap read-back, so the probe's record in its run directory says which
-(keyed by the run's project and id, which ``trackio.init(..., resume="allow")`` keeps); see
-:mod:`attn_probe.sinks.trackers`.
-
-This is a network sink when trackio logs to a Space or a server (see
-:mod:`attn_probe.sinks.trackers`). ``trackio`` is imported in :meth:`TrackioSink.start`
-(``pip install 'attn-probe[trackio]'``).
+trackio keeps every row with its step, so values are logged with ``step=`` without affecting
+the user's metrics. ``trackio.init`` finishes the run current in the process, so the sink never
+creates a run while one is active: it uses that run (when its project matches) or asks for
+``run=``. On resume, the probe's record says which steps the run already holds (trackio offers
+no cheap read-back; :mod:`attn_probe.tracker_record`). ``trackio`` is imported in
+:meth:`TrackioSink.start` (``pip install 'attn-probe[trackio]'``).
 """
 
 from __future__ import annotations

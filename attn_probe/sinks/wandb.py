@@ -1,29 +1,13 @@
 """Weights & Biases sink for plain PyTorch loops: the probe's values in a W&B run.
 
 The probe gets its own step axis (:func:`~attn_probe.sinks.trackers.define_probe_axis`:
-``attn_probe/*`` plotted against ``attn_probe/step``) and every payload carries
-``attn_probe/step``. The sink never passes ``step=`` to ``run.log`` (W&B drops a log whose
-``step=`` is below the last one it saw) and never reads ``run.step`` (a blocking round-trip to
-the W&B service, up to 30 s when the service hangs).
-
-**Rows.** W&B's history is one sequence of rows. In a run the sink created, each snapshot is
-a row of its own. In the user's run the values join the row the user has open
-(``run.log(values, commit=False)``) and are written when the user's next ``run.log`` commits
-that row, so the sink never advances W&B's step and never makes a user's ``run.log(...,
-step=s)`` be dropped. The probe's charts use its own axis, so they do not depend on the row.
-A row holds one value per key: when the probe snapshots more often than the user commits rows,
-only the last snapshot between two of the user's rows reaches W&B (``attn_probe.jsonl`` and
-TensorBoard keep them all); snapshot at most as often as you log, or log the probe into a run
-of its own. ``finish()`` leaves the user's open row to the user.
-
-**Thread.** A background sink: ``wandb`` keeps no per-thread state for ``run.log``, so the sink
-runs on its own lane and a hung W&B service never stalls the training step; snapshots wait in
-the lane (the oldest dropped when it is full) and go out when the service answers again.
-
-Resume: on a resumed probe run, the snapshots the W&B run already holds are not sent again
-(:mod:`attn_probe.sinks.trackers`): online, the last ``attn_probe/step`` is read back from
-``run.summary``; offline, the probe's record in its run directory, keyed by ``run.id``.
-``wandb`` is imported in :meth:`WandbSink.start` (``pip install 'attn-probe[wandb]'``).
+``attn_probe/*`` plotted against ``attn_probe/step``), carried by every payload. The sink never
+passes ``step=`` to ``run.log`` (W&B drops a log whose ``step=`` is below the last one it saw)
+and never reads ``run.step`` (a blocking round-trip to the W&B service). In the user's run the
+values join the row the user has open (``commit=False``); docs/live-probe.md ("W&B rows") says
+what that means. A background sink: a hung service blocks only its lane. On resume the steps
+the run already holds are not sent again (:mod:`attn_probe.tracker_record`). ``wandb`` is
+imported in :meth:`WandbSink.start` (``pip install 'attn-probe[wandb]'``).
 """
 
 from __future__ import annotations
