@@ -56,6 +56,8 @@ _LAZY = {
     "read_table": ("attn_probe.analysis.trajectory", "read_table"),
     "layer_quantiles": ("attn_probe.analysis.summary", "layer_quantiles"),
     "symmetric_init_": ("attn_probe.intervention", "symmetric_init_"),
+    "AlertRule": ("attn_probe.alerts", "AlertRule"),
+    "Alert": ("attn_probe.alerts", "Alert"),
 }
 
 
