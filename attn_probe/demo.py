@@ -979,7 +979,7 @@ def train_model(
     if cfg.progress:
         trainer.add_callback(_progress_callback(kind, position))
     start = time.perf_counter()
-    with _no_hf_progress_bars():  # "Writing model shards" at every checkpoint
+    with _no_hf_progress_bars(), _keep_freed_memory():  # "Writing model shards" at every checkpoint
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - start
     rows = attn_probe.score_model(model)
@@ -1030,6 +1030,49 @@ class _no_hf_progress_bars:
 
         if self.enabled:
             hf_logging.enable_progress_bar()
+
+
+class _keep_freed_memory:
+    """Within: glibc's ``malloc`` keeps freed memory for reuse instead of handing it back to the kernel.
+
+    Every training step frees and allocates the same activations again (the logits alone are
+    batch x seq_len x vocab floats, 16 MiB in the cpu preset). With glibc's defaults many come
+    back from the kernel as fresh pages, which it must zero: about 14,000-17,000 page faults and
+    0.02-0.04 s of system time per step of the cpu preset. ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's
+    own dynamic maximum) and ``M_TRIM_THRESHOLD`` = 256 MiB keep them in the heap (about 3,500
+    faults per step). Only where memory comes from changes, not what is computed. On exit: glibc's
+    default thresholds (128 KiB) and ``malloc_trim(0)``, which returns the freed memory. Nothing
+    happens where the C library is not glibc.
+    """
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    KEEP = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 256 << 20}
+    DEFAULT = 128 << 10
+
+    def __init__(self) -> None:
+        self.libc: Any = None
+
+    def __enter__(self) -> None:
+        import platform
+
+        if platform.libc_ver()[0] != "glibc":
+            return
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None)
+            libc.mallopt, libc.malloc_trim  # noqa: B018  (both exist, or nothing is changed)
+        except (OSError, AttributeError):
+            return
+        self.libc = libc
+        for param, value in self.KEEP.items():
+            libc.mallopt(param, value)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.libc is not None:
+            for param in self.KEEP:
+                self.libc.mallopt(param, self.DEFAULT)
+            self.libc.malloc_trim(0)
 
 
 def _checkpoint_step(path: Path) -> int:
