@@ -425,10 +425,13 @@ def plan_threads(
     Threads (``threads`` given: that many): one when at most two CPUs are available, or when the
     load average is above the CPU count (torch's threads then wait for each other: steps were
     up to 10× slower); else ``min(default_threads, cpus)`` (``default_threads``: torch's own
-    choice). Concurrency (``concurrent`` None: decided here): each model's process needs its own
-    cores, so several models train at once only when the free cores, ``round(cpus - load)``,
-    are at least ``models`` (each then gets ``free // models`` threads, capped by the above);
-    else one after the other.
+    choice). Concurrency (``concurrent`` None: decided here): the models train at the same time,
+    one process each, whenever there are at least as many CPUs as models, busy or not: the
+    kernel shares the CPUs among all runnable threads, so on a machine another job keeps busy one
+    process per model gets more of them than one model after the other (on 2 CPUs beside a
+    2-thread job, about 1 CPU instead of 2/3), and on an idle one each gets its own. Each then
+    runs ``min(threads above, cpus // models, free cores // models)`` threads (at least one),
+    where the free cores are ``round(cpus - load)``; with fewer CPUs than models, one after the other.
     """
     cpus = budget.cpus
     load = budget.load or 0.0
@@ -448,15 +451,16 @@ def plan_threads(
     if models < 2:
         return ThreadPlan(alone, False, f"{where}: {why}")
     if concurrent is None:
-        concurrent = free >= models
-        how = (f"{free} free cores: the {models} models train at the same time, one process each" if concurrent
-               else f"{free} free core{'s' if free != 1 else ''}, fewer than the {models} that training the models "
-                    "at the same time needs: one after the other")
+        concurrent = cpus >= models
+        how = (f"{free} free core{'s' if free != 1 else ''}: the {models} models train at the same time, one "
+               "process each (the CPUs are shared among all running threads: one process per model gets more "
+               "of a busy machine than one model after the other)" if concurrent
+               else f"{cpus} CPU{'s' if cpus != 1 else ''}, fewer than the {models} models: one after the other")
     else:
         how = ("--concurrent: the models train at the same time, one process each" if concurrent
                else "--sequential: one model after the other")
     if concurrent and threads is None:
-        share = max(1, min(alone, free // models))
+        share = max(1, min(alone, cpus // models, free // models))
         if share != alone:
             alone, why = share, f"{share} thread{'s' if share != 1 else ''} each"
     return ThreadPlan(alone, concurrent, f"{where}: {why}; {how}")

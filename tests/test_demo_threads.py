@@ -85,14 +85,15 @@ def test_budget_of_this_machine():
     ("affinity", "quota", "load", "given", "threads", "concurrent", "words"),
     [
         (2, None, 0.0, None, 1, True, ["at most two CPUs", "2 free cores", "same time"]),
-        (2, None, 1.2, None, 1, False, ["at most two CPUs", "1 free core,", "one after the other"]),
-        (2, None, 3.7, None, 1, False, ["0 free cores", "one after the other"]),
+        # busy: still at the same time, one thread each (a larger share of the shared CPUs)
+        (2, None, 1.2, None, 1, True, ["at most two CPUs", "1 free core:", "same time", "busy machine"]),
+        (2, None, 3.7, None, 1, True, ["0 free cores", "same time"]),
         (16, 4.0, 0.3, None, 2, True, ["cgroup quota 4 CPUs", "4 free cores"]),  # 4 threads alone, 2 each at once
-        (16, None, 20.0, None, 1, False, ["above the 16 CPUs", "0 free cores"]),
+        (16, None, 20.0, None, 1, True, ["above the 16 CPUs", "0 free cores"]),
         (8, None, 3.0, None, 2, True, ["5 free cores"]),  # 8 alone; 5 // 2 = 2 each at once
-        (8, None, 7.0, None, 8, False, ["1 free core,"]),
+        (8, None, 7.0, None, 1, True, ["1 free core:"]),  # 8 alone; 1 each at once
         (16, None, 0.0, 3, 3, True, ["--threads 3"]),  # given threads are kept
-        (1, None, 0.0, None, 1, False, ["1 free core,"]),
+        (1, None, 0.0, None, 1, False, ["1 CPU, fewer than the 2 models", "one after the other"]),
     ],
 )
 def test_plan(affinity, quota, load, given, threads, concurrent, words):
