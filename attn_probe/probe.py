@@ -19,6 +19,7 @@ transformers nor accelerate.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Any
@@ -29,24 +30,17 @@ from torch import nn
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .distributed import AgreementError, is_main_process
-from .extraction import AttentionLayer, UnsupportedModelError, find_attention
+from .extraction import AttentionLayer
 from .images import render_heatmap
 from .isolation import Failures, never_raise, safe_warn
 from .logdir import LogDirError, LogDirInUseError
-from .pairs import QKPair, ScorePair, check_pairs, pair_metric_names
+from .pairs import QKPair, ScorePair
 from .sinks import Snapshot
-from .stages.alerting import Alerting
+from .stages.alerting import build_alerting
 from .stages.assembly import Assembler
-from .stages.attention import (
-    RATIO_METRIC,
-    AttentionStage,
-    AttentionTables,
-    attention_metrics,
-    build_stage,
-    extra_tables,
-)
+from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
-from .stages.measurement import Measured, Measurement
+from .stages.measurement import Measurement, find_layers
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
 
 __all__ = [
@@ -72,8 +66,8 @@ def _deliver_at_exit(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for probe in list(_SCORING):
         if not probe._closed:
-            probe._deliver(wait=True, timeout=max(0.0, deadline - time.monotonic()), closing=True,
-                           moment="interpreter exit (the probe was never closed)")
+            probe.measurement.deliver(probe._publish, wait=True, timeout=max(0.0, deadline - time.monotonic()),
+                                      closing=True, moment="interpreter exit (the probe was never closed)")
 
 
 at_interpreter_exit(_deliver_at_exit)
@@ -104,36 +98,18 @@ class Probe:
         self.config = cfg = config_from_options(config, **options)
         self.model = model
         self.pairs: list[ScorePair] = cfg.score_pairs()
-        self.metrics = pair_metric_names(self.pairs)
-        layers: list[AttentionLayer] = find_attention(model, groups=cfg.groups, layers=cfg.layers,
-                                                      **cfg.find_kwargs)
-        if not layers:
-            raise UnsupportedModelError(
-                f"attn_probe: no attention layer matches groups={cfg.groups!r}, layers={cfg.layers!r}")
-        check_pairs(self.pairs, layers)  # e.g. the OV pair on an architecture it cannot read
+        layers = find_layers(model, cfg, self.pairs)  # raises before any collective
         self.is_main_process = is_main_process() if cfg.is_main_process is None else cfg.is_main_process
         self.step = cfg.start_step
         self.failure_log = Failures()
         agreement = make_agreement(model, cfg.agreement_timeout)  # collective on a sharded run
         self.decision = StepDecision(cfg.schedule, cfg.image_schedule, agreement)
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
-                                       is_main_process=self.is_main_process)
+                                       is_main_process=self.is_main_process, failures=self.failure_log)
         self.assembler = Assembler([pair.metrics for pair in self.pairs])
-        self.attention: AttentionStage | None = None
-        #: plain loops arm the attention capture right after the update before a due step; the
-        #: Trainer callback turns this off and arms at ``on_step_begin`` (evaluation runs between)
-        self.arm_after_update = True
-        attention_reason = None
-        if cfg.attention_stats:  # the stage itself (registering wrappers) last: nothing after it raises
-            from .attention_stats import unavailable_reason
-
-            attention_reason = unavailable_reason(layers)
-            if attention_reason is None:
-                self.metrics = [*self.metrics, *attention_metrics(self.pairs)]
-        self.alerting = None if not cfg.alerts else Alerting(  # ValueError naming the known metrics
-            cfg.alerts, [*self.metrics, *(("max_logit", "entropy", RATIO_METRIC) if cfg.attention_stats else ())],
-            stop_on_alert=cfg.stop_on_alert, callback=cfg.alert_callback, is_main_process=self.is_main_process,
-            failures=self.failure_log)
+        self.metrics, alertable = metric_names(cfg, self.pairs, layers)
+        self.alerting = build_alerting(cfg, alertable, is_main_process=self.is_main_process,
+                                       failures=self.failure_log)  # ValueError naming the known metrics
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
@@ -144,14 +120,11 @@ class Probe:
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
-        if cfg.attention_stats:
-            try:
-                self.attention = build_stage(model, layers, agreement.group if agreement is not None else None,
-                                             cfg.agreement_timeout)
-            except Exception as exc:  # noqa: BLE001 - the weight metrics go on
-                safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
-                          "the weight metrics go on.")
-        self._arm_next()  # the first update after attach
+        # the attention stage (registering wrappers) last: nothing after it raises
+        self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, agreement,
+                                                            self.decision.measures_forwards, self.failure_log)
+        if self.attention is not None:
+            self.attention.after_update(self.step)  # the first update after attach (never raises)
 
     # -- state read through the stages ---------------------------------------------------------
     @property
@@ -192,8 +165,6 @@ class Probe:
         Printed rather than logged so that it shows with default logging settings
         (:func:`attn_probe.stages.outputs.announce_line`).
         """
-        import sys
-
         if not self.is_main_process:
             return
         try:
@@ -203,65 +174,36 @@ class Probe:
             pass
 
     # -- running the stages --------------------------------------------------------------------
-    def _assemble(self, measured: Measured, attention: AttentionTables | None = None) -> Snapshot:
-        extra = () if attention is None else extra_tables(self.attention, measured.tables, attention, self.pairs,
-                                                          self.config.per_head)
-        return self.assembler.assemble(measured.step, measured.tables, measured.images, extra)
-
     def _take(self, step: int, images: bool | None, asynchronous: bool) -> Snapshot | None:
-        """Stages 2 to 4 at ``step`` (already decided): measure, assemble, write."""
-        attention = self.attention.take(step) if self.attention is not None else None  # every rank
-        snap = self.measurement.measure(step, images, asynchronous=asynchronous,
-                                        finish=lambda measured: self._assemble(measured, attention))
+        """Stages 2 to 4 at ``step`` (already decided): measure (weights; attention), assemble, write."""
+        stage = self.attention
+        attention = stage.take(step) if stage is not None else None  # every rank
+        snap = self.measurement.measure(  # the attention values join the weight tables before the assembly
+            step, images, asynchronous=asynchronous, finish=lambda m: self.assembler.assemble(
+                m.step, m.tables, m.images, stage.extra_tables(m.tables, attention) if stage is not None else ()))
         if snap is not None:
-            self._check_alerts(snap)
-            self._write(snap)
+            self._publish(snap)
         return snap
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        """An assembled snapshot: the alert rules (every rank), then the outputs (main process; never raises)."""
+        if self.alerting is not None:
+            self.alerting.check(snapshot)
+        if self.outputs is not None:
+            self.outputs.write(snapshot)
 
     @property
     def stop_requested(self) -> bool:
         """An alert fired with ``stop_on_alert`` (the same on every rank; the Trainer stops on it)."""
         return self.alerting is not None and self.alerting.stop_requested
 
-    def _check_alerts(self, snapshot: Snapshot) -> None:
-        if self.alerting is not None:
-            self.alerting.check(snapshot)
-
-    def _agreed(self, step: int, want: bool, images: bool | None, error: BaseException | None) -> Snapshot | None:
-        """Sharded: the ranks agree (:meth:`StepDecision.agree`), then every rank takes part in the walk."""
-        if not self.decision.agree(step, want, error):
-            return None
-        self.decision.taken(step)
+    def _agreed(self, step: int, images: bool | None) -> Snapshot | None:
+        """Sharded, once the ranks agreed on ``step`` (:class:`StepDecision`): every rank takes part in the walk."""
         try:
             return self._take(step, images, asynchronous=False)
         except AgreementError as exc:
             self.decision.disable(str(exc))
             return None
-
-    def _write(self, snapshot: Snapshot) -> None:
-        """Hand the snapshot to the outputs (main process; never raises)."""
-        if self.outputs is not None:
-            self.outputs.write(snapshot)
-
-    def _deliver(self, wait: bool = False, timeout: float | None = None, closing: bool = False,
-                 moment: str = "close()") -> bool:
-        """Hand a finished asynchronous snapshot to the outputs (training thread); never raises.
-
-        ``wait`` first waits for a running one, up to ``timeout`` (default ``sink_timeout``).
-        Returns ``False`` if one is still being scored then (:meth:`Measurement.collect`).
-        """
-        try:
-            limit = self.config.sink_timeout if timeout is None else timeout
-            settled, snap, error = self.measurement.collect(wait=wait, timeout=limit, closing=closing, moment=moment)
-            if error is not None:
-                self.failure_log.report("an asynchronous snapshot", error)
-            elif snap is not None:
-                self._check_alerts(snap)
-                self._write(snap)
-            return settled
-        except Exception as exc:  # noqa: BLE001 - never raises
-            self.failure_log.report("delivering an asynchronous snapshot", exc)
-            return True
 
     # -- public ----------------------------------------------------------------------------------
     @never_raise
@@ -289,14 +231,13 @@ class Probe:
                 step = self.step if step is None else int(step)
             except Exception as exc:  # noqa: BLE001 - still take part in the agreement
                 step, error = self.step, exc
-            return self._agreed(step, True, None, error)
-        self._deliver()
+            return self._agreed(step, None) if self.decision.agree(step, True, error) else None
+        self.measurement.deliver(self._publish)
         step = self.step if step is None else int(step)
         if not self.decision.fresh(step):
             return None
         asynchronous = self.measurement.scorer is not None and not self._final
-        if asynchronous and self.measurement.pending():  # the previous one is still being scored
-            self.measurement.skip(step)
+        if asynchronous and self.measurement.busy(step):  # the previous one is still being scored: skipped
             return None
         self.decision.taken(step)
         return self._take(step, None, asynchronous)
@@ -320,32 +261,31 @@ class Probe:
         if stopped:
             return
         if self.decision.agreement is None:
-            self._deliver()
+            self.measurement.deliver(self._publish)
             if self.due(self.step):
                 self.snapshot(self.step)
-            self._arm_next()
-            return
-        due = None
-        if error is None:
-            try:
-                due = self.decision.due(self.step)
-            except Exception as exc:  # noqa: BLE001 - counts as "no", agreed with the other ranks
-                error = exc
-        if self.decision.needs_vote(due, error):
-            self._agreed(self.step, due is not None and due.any(), due.images if due is not None else False, error)
-        self._arm_next()
+        elif (due := self.decision.agree_counted(self.step, error)) is not None:  # a raising schedule: "no"
+            self._agreed(self.step, due.images)
+        if self.attention is not None:  # plain loops: armed for the next step if due (never raises)
+            self.attention.after_update(self.step)
 
-    def _arm_next(self) -> None:
-        """Plain loops: arm the attention capture when the next update's step will be due."""
-        if self.attention is not None and self.arm_after_update and self._forward_counter is None and not self._closed:
-            self.arm_attention(self.step + 1)
+    @property
+    def arm_after_update(self) -> bool:
+        """Plain loops arm the attention capture right after each update (``AttentionStage.after_update``);
+        the Trainer callback sets it to ``False`` and arms at ``on_step_begin`` (:meth:`arm_attention`)."""
+        return self.attention is not None and self.attention.arm_after_update
+
+    @arm_after_update.setter
+    def arm_after_update(self, value: bool) -> None:
+        if self.attention is not None:
+            self.attention.arm_after_update = value
 
     @never_raise
     def arm_attention(self, step: int) -> None:
         """Measure the attention of the forward passes from now on if ``step`` is due (the
         Trainer calls it at ``on_step_begin`` with the step it is about to take)."""
-        if self.attention is not None and not self.decision.disabled and self.decision.due(step).scores:
-            self.attention.arm(step)
+        if self.attention is not None:
+            self.attention.arm_if_due(step)
 
     @never_raise
     def stop_attention(self) -> None:
@@ -361,7 +301,7 @@ class Probe:
         """Count training-mode forward passes of ``module`` (:class:`attn_probe.counting.ForwardPasses`)."""
         self._forward_counter = ForwardPasses(module, self)
         if self.attention is not None:
-            self.attention.cancel()  # forward-counted loops are not measured (see docs/scores.md)
+            self.attention.count_forwards()  # forward-counted loops are not measured (see docs/scores.md)
         self.add_hook_handle(self._forward_counter)
 
     def add_hook_handle(self, handle: Any) -> None:
@@ -378,7 +318,7 @@ class Probe:
         was still being scored or a sink still busy then; ``True`` at once on other ranks and
         after :meth:`close`. Never raises.
         """
-        scored = self._deliver(wait=True, timeout=timeout)
+        scored = self.measurement.deliver(self._publish, wait=True, timeout=timeout)
         return self.outputs.flush(timeout) and scored if self.outputs is not None else scored
 
     def sink_stats(self) -> list[SinkStats]:
@@ -403,21 +343,17 @@ class Probe:
             counter = self._forward_counter
             if counter is not None and counter.final_step is not None:
                 self.step = max(self.step, counter.final_step)
-            self._deliver(wait=True, closing=True)  # asynchronous mode: the snapshot in flight first
-            moved = self.decision.fresh(self.step)
-            if final_snapshot and not self.decision.disabled and (moved or self.decision.agreement is not None):
+            self.measurement.deliver(self._publish, wait=True, closing=True)  # the snapshot in flight first
+            if final_snapshot and self.decision.final_due(self.step):
                 self._final = True  # scored on this thread, even in the asynchronous mode
-                self.snapshot(self.step)  # sharded: always, the agreement skips a stale step everywhere
+                self.snapshot(self.step)
         except Exception as exc:  # noqa: BLE001 - close() must not stop the user's script
             self.failure_log.report("close", exc)
         finally:
             self._closed = True
             _SCORING.discard(self)
             if self.attention is not None:
-                try:
-                    self.attention.close()  # the registry's previous entries are restored
-                except Exception as exc:  # noqa: BLE001
-                    self.failure_log.report("closing the attention capture", exc)
+                self.attention.close()  # the registry's previous entries are restored; never raises
             self.decision.close()  # local: the agreement group's sockets and threads
             try:
                 if self.outputs is not None:

@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..alerts import Alert, AlertMonitor
+from ..config import ProbeConfig
 from ..isolation import Failures, safe_warn
 from ..sinks import Snapshot
 
-__all__ = ["Alerting"]
+__all__ = ["Alerting", "build_alerting"]
 
 
 class Alerting:
@@ -50,6 +51,16 @@ class Alerting:
                         self.failures.report("the alert callback", exc)
                 _tracker_alert(alert, self.failures)
         return fired
+
+
+def build_alerting(config: ProbeConfig, known: Iterable[str], *, is_main_process: bool,
+                   failures: Failures) -> Alerting | None:
+    """The stage for ``config.alerts`` (``None`` without rules); raises ``ValueError`` naming
+    the ``known`` metrics when a rule names another."""
+    if not config.alerts:
+        return None
+    return Alerting(config.alerts, known, stop_on_alert=config.stop_on_alert, callback=config.alert_callback,
+                    is_main_process=is_main_process, failures=failures)
 
 
 def _tracker_alert(alert: Alert, failures: Failures) -> None:

@@ -1,35 +1,41 @@
 """A stage beside the measurement: ``max_logit`` and ``entropy`` measured in the attention path.
 
 :class:`AttentionStage` owns one :class:`~attn_probe.attention_stats.AttentionCapture` (the
-registry wrappers, a flag check on steps that are not due). The façade arms it for a step
-that will be due (:meth:`AttentionStage.arm`: plain loops right after the previous update,
-the Trainer at ``on_step_begin``), stops it before the optimizer step when it knows that
-moment (:meth:`AttentionStage.stop`), and at the snapshot of that step :meth:`AttentionStage.take`
-collects the values and combines them over ranks (max for logits and input norms, sum for
-entropy sums and token counts: one process on the global batch), on every rank, two
-all-reduces per snapshot on the probe's gloo group. Values of a step that was not armed are
+registry wrappers, a flag check on steps that are not due) and the arming policy: it arms
+for a step that ``due(step)`` says will be measured (plain loops right after the previous
+update, :meth:`AttentionStage.after_update`; the Trainer at ``on_step_begin``,
+:meth:`AttentionStage.arm_if_due`), never under forward counting
+(:meth:`AttentionStage.count_forwards`) or after :meth:`AttentionStage.close`, stops before the
+optimizer step when the loop knows that moment (:meth:`AttentionStage.stop`), and at the
+snapshot of that step :meth:`AttentionStage.take` collects the values and combines them over
+ranks (max for logits and input norms, sum for entropy sums and token counts: one process on
+the global batch), on every rank, two all-reduces per snapshot on the probe's gloo group. Values of a step that was not armed are
 not logged (the snapshot at attach, the final one at close).
 
 :func:`bound_ratio_table` puts the measured logit beside its weight-only bound:
 ``logit_bound_ratio = max_logit / (qk_bound * ||x||_max^2 * s)`` (``docs/scores.md``).
+:func:`metric_names` and :func:`build_stage` are the probe's set-up: the metric names it
+logs and alerts on, then the stage (built last: it registers the wrappers).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..attention_stats import AttentionCapture, StepStats, combine, unavailable_reason
+from ..config import ProbeConfig
+from ..distributed import Agreement
 from ..extraction import AttentionLayer
-from ..isolation import safe_warn
-from ..pairs import QKPair, ScorePair
+from ..isolation import Failures, safe_warn
+from ..pairs import QKPair, ScorePair, pair_metric_names
 
-__all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "bound_ratio_table", "build_stage",
-           "extra_tables", "qk_bound_index"]
+__all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
+           "bound_ratio_table", "build_stage", "qk_bound_index"]
 
 #: the ratio of the measured max logit to its weight-only bound (with ``qk_bound`` among the metrics)
 RATIO_METRIC = "logit_bound_ratio"
@@ -61,25 +67,53 @@ def bound_ratio_table(attention: np.ndarray, qk_bound: np.ndarray, norm: float, 
 
 
 class AttentionStage:
-    """The attention-path quantity of a probe: arm, stop, take (see the module docstring).
+    """The attention-path quantity of a probe: the arming policy, arm, stop, take (see the module docstring).
 
     ``reason`` is the one line saying why the model cannot be measured (``capture`` is then
     ``None`` and nothing is registered). ``group`` is the gloo group the ranks combine on
     (``None``: a single process); a failed combination (a timeout) warns once and ends the
-    measurement on that rank (the other ranks time out in theirs and end it too).
+    measurement on that rank (the other ranks time out in theirs and end it too). ``due(step)``
+    says whether ``step``'s forwards are measured; ``pairs`` and ``per_head`` shape the tables
+    (:meth:`extra_tables`); ``failures`` counts a failure to close.
     """
 
-    def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None, *,
+                 due: Callable[[int], bool] = lambda step: True, pairs: Sequence[ScorePair] = (),
+                 per_head: bool = True, failures: Failures | None = None) -> None:
         self.layers = list(layers)
         self.group = group
+        self.due = due
+        self.pairs = list(pairs)
+        self.per_head = per_head
+        self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
         self.capture = AttentionCapture(model, self.layers) if self.reason is None else None
         self.armed_for: int | None = None
         self.stopped = False
+        #: plain loops arm right after the update before a due step; the Trainer callback turns
+        #: this off and arms at ``on_step_begin`` (evaluation runs between the steps)
+        self.arm_after_update = True
+        self.forward_counted = False
+        self.closed = False
 
     @property
     def available(self) -> bool:
         return self.capture is not None
+
+    def after_update(self, step: int) -> None:
+        """Plain loops, after the update that made ``step``: arm if the next step ``step + 1`` is due.
+
+        Never raises: a failure (a schedule is user code) is counted in ``failures``."""
+        try:
+            if self.arm_after_update and not self.forward_counted and not self.closed:
+                self.arm_if_due(step + 1)
+        except Exception as exc:  # noqa: BLE001 - called on the training thread
+            self.failures.report("arming the attention capture", exc)
+
+    def arm_if_due(self, step: int) -> None:
+        """Measure the forward passes from now on if ``step`` is due (the Trainer: the step it is about to take)."""
+        if self.due(step):
+            self.arm(step)
 
     def arm(self, step: int) -> None:
         """Measure the forward passes from now until :meth:`stop` or the snapshot of ``step``."""
@@ -100,6 +134,11 @@ class AttentionStage:
         if self.capture is not None:
             self.capture.disarm()
         self.armed_for = None
+
+    def count_forwards(self) -> None:
+        """The loop counts forward passes: it is not measured (``docs/scores.md``); cancels what is armed."""
+        self.forward_counted = True
+        self.cancel()
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.group is None:
@@ -137,10 +176,37 @@ class AttentionStage:
             return None
         return AttentionTables(stats)
 
-    def close(self) -> None:
-        if self.capture is not None:
-            self.capture.close()
+    def extra_tables(self, measured: Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]],
+                     attention: AttentionTables | None) -> list:
+        """The attention tables of :meth:`take` (and the bound ratio) as ``(layer, metrics, table)``
+        for the assembly, beside the ``measured`` weight tables; none when nothing was measured."""
+        if attention is None:
+            return []
+        index = {(layer.group, layer.layer): i for i, layer in enumerate(self.layers)}
+        qk = qk_bound_index(self.pairs)
+        names = attention_metrics(self.pairs)
+        extra = []
+        for layer, tables in measured:
+            i = index.get((layer.group, layer.layer))
+            if i is None:
+                continue
+            table = attention.tables[i]
+            if qk is not None:
+                ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
+                table = np.concatenate([table[:, :ratio.shape[1]], ratio])
+            extra.append((layer, names, table if self.per_head else table[:, :1]))
+        return extra
 
+    def close(self) -> None:
+        """Restore the registry's previous entries; nothing is armed after update from now on.
+
+        Never raises: a failure is counted in ``failures``."""
+        self.closed = True
+        try:
+            if self.capture is not None:
+                self.capture.close()
+        except Exception as exc:  # noqa: BLE001
+            self.failures.report("closing the attention capture", exc)
 
 
 def qk_bound_index(pairs: Sequence[ScorePair]) -> tuple[int, int] | None:
@@ -157,35 +223,37 @@ def attention_metrics(pairs: Sequence[ScorePair]) -> list[str]:
     return ["max_logit", "entropy", *((RATIO_METRIC,) if qk_bound_index(pairs) is not None else ())]
 
 
-def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], group: object | None,
-                timeout: float) -> AttentionStage:
-    """The stage, combining on ``group`` (the sharded walk's); under DDP, where the probe has no
-    group, a gloo group of its own (a collective: every rank attaches). Unavailability is one warning."""
-    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        from ..distributed import Agreement
+def metric_names(config: ProbeConfig, pairs: Sequence[ScorePair],
+                 layers: Sequence[AttentionLayer]) -> tuple[list[str], list[str]]:
+    """``(logged, alertable)``: the metrics the run logs (the pairs', then the activation metrics
+    with ``attention_stats`` unless the model cannot be measured) and those an alert rule may
+    name (with ``attention_stats`` all three activation metrics, even where not measured)."""
+    logged = pair_metric_names(pairs)
+    if not config.attention_stats:
+        return logged, logged
+    logged = [*logged, *(attention_metrics(pairs) if unavailable_reason(layers) is None else ())]
+    return logged, [*logged, "max_logit", "entropy", RATIO_METRIC]
 
-        group = Agreement(timeout).group
-    stage = AttentionStage(model, layers, group)
+
+def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], config: ProbeConfig, pairs: Sequence[ScorePair],
+                agreement: Agreement | None, due: Callable[[int], bool], failures: Failures) -> AttentionStage | None:
+    """The stage with ``attention_stats`` (else ``None``), combining on the sharded walk's group
+    (``agreement``'s); under DDP, where the probe has no group, a gloo group of its own (a
+    collective: every rank attaches). Unavailability is one warning; a failure building it is
+    one warning and ``None``: the weight metrics go on."""
+    if not config.attention_stats:
+        return None
+    try:
+        group = agreement.group if agreement is not None else None
+        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            group = Agreement(config.agreement_timeout).group
+        stage = AttentionStage(model, layers, group, due=due, pairs=pairs, per_head=config.per_head,
+                               failures=failures)
+    except Exception as exc:  # noqa: BLE001 - the weight metrics go on
+        safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
+                  "the weight metrics go on.")
+        return None
     if stage.reason is not None:
         safe_warn(f"attn_probe: {stage.reason}; max_logit and entropy are not logged, the weight metrics go on.")
     return stage
-
-
-def extra_tables(stage: AttentionStage, measured: Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]],
-                 attention: AttentionTables, pairs: Sequence[ScorePair], per_head: bool) -> list:
-    """The attention tables (and the bound ratio) as ``(layer, metrics, table)`` for the assembly."""
-    index = {(layer.group, layer.layer): i for i, layer in enumerate(stage.layers)}
-    qk = qk_bound_index(pairs)
-    names = attention_metrics(pairs)
-    extra = []
-    for layer, tables in measured:
-        i = index.get((layer.group, layer.layer))
-        if i is None:
-            continue
-        table = attention.tables[i]
-        if qk is not None:
-            ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
-            table = np.concatenate([table[:, :ratio.shape[1]], ratio])
-        extra.append((layer, names, table if per_head else table[:, :1]))
-    return extra

@@ -59,6 +59,16 @@ class StepDecision:
         return Due(self.schedule is not None and bool(self.schedule(step)),
                    self.image_schedule is not None and bool(self.image_schedule(step)))
 
+    def measures_forwards(self, step: int) -> bool:
+        """Whether ``step``'s forward passes are measured (the attention stage's ``due``): the
+        snapshot schedule fires there and the probe is not disabled (may raise: user code)."""
+        return not self.disabled and self.due(step).scores
+
+    def final_due(self, step: int) -> bool:
+        """Whether ``close()`` takes a final snapshot at ``step``: not disabled, and ``step`` is
+        newer than the last snapshot; sharded: always, the agreement skips a stale step everywhere."""
+        return not self.disabled and (self.fresh(step) or self.agreement is not None)
+
     def fresh(self, step: int) -> bool:
         """Whether ``step`` is newer than the last snapshot's (steps must increase)."""
         return self.last_step is None or step > self.last_step
@@ -80,7 +90,7 @@ class StepDecision:
         steps' maximum is taken as the MIN of their negations (``-max(s) = min(-s)``), so that
         one collective yields both ends of the range. Raises (after the collective) on an error
         or disagreement; returns ``False`` to skip, also after a failed agreement, which
-        disables the probe on this rank (warned).
+        disables the probe on this rank (warned); ``True``: the step is recorded as taken.
         """
         assert self.agreement is not None
         try:
@@ -100,7 +110,25 @@ class StepDecision:
             raise RuntimeError(f"the schedule failed on another rank at step {step}; every rank skips it")
         if low != -minus_high:
             raise RuntimeError(f"the ranks disagree on the step ({low} to {-minus_high}); every rank skips it")
-        return bool(due and fresh_everywhere)
+        if due and fresh_everywhere:
+            self.taken(step)
+            return True
+        return False
+
+    def agree_counted(self, step: int, error: BaseException | None) -> Due | None:
+        """Sharded, at a counted step: what is due there if every rank agreed to snapshot it
+        (:meth:`agree`), else ``None``. A schedule that raises counts as "no", agreed with the
+        other ranks; a "no" that needs no vote (:meth:`needs_vote`) issues no collective.
+        ``error``: the step could not be read on this rank."""
+        due = None
+        if error is None:
+            try:
+                due = self.due(step)
+            except Exception as exc:  # noqa: BLE001 - counts as "no", agreed with the other ranks
+                error = exc
+        if not self.needs_vote(due, error) or not self.agree(step, due is not None and due.any(), error):
+            return None
+        return due
 
     def disable(self, reason: str) -> None:
         """A failed agreement: issue no further collective from this rank (warned once)."""

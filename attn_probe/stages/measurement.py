@@ -8,7 +8,9 @@ gathered layers one at a time as they come (freed at the next). All of it goes t
 :meth:`Measurement.score_stacked` / :func:`attn_probe.scoring.score_layer_factors`, the
 scoring core on the weights' device, then one host transfer per device
 (:func:`attn_probe.scoring.to_host`). With ``async_scoring`` the stacks are copied on the
-training thread and scored on the worker of :class:`~attn_probe.asynchronous.AsyncScorer`.
+training thread and scored on the worker of :class:`~attn_probe.asynchronous.AsyncScorer`;
+:meth:`Measurement.deliver` hands the finished result to the façade on the training thread.
+:func:`find_layers` finds what is measured at attach.
 
 **Hooks for other work.** :meth:`Measurement.score_stacked` is the one place the live
 probe calls the scoring core on unsharded layers: the place to cut per-layer work (the
@@ -30,18 +32,29 @@ from torch import nn
 from ..asynchronous import AsyncScorer
 from ..config import ProbeConfig
 from ..distributed import Agreement, WalkOutcome, iter_layer_params, sharding_kind
-from ..extraction import AttentionLayer
+from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
 from ..images import HeatmapImages
-from ..isolation import safe_warn
-from ..pairs import ScorePair, Stack, score_stacks, stack_layers
+from ..isolation import Failures, safe_warn
+from ..pairs import ScorePair, Stack, check_pairs, score_stacks, stack_layers
 from ..scoring import layer_factors, pairs_param_names, score_layer_factors, to_host
 from .surgery import SurgeryCheck
 
-__all__ = ["Measured", "Measurement"]
+__all__ = ["Measured", "Measurement", "find_layers"]
 
 Tensor = torch.Tensor
 T = TypeVar("T")
 Factors = list[tuple[Tensor, Tensor]]
+
+
+def find_layers(model: nn.Module, config: ProbeConfig, pairs: list[ScorePair]) -> list[AttentionLayer]:
+    """The attention layers ``config`` selects; raises :class:`~attn_probe.UnsupportedModelError`
+    when none matches, or a pair's error when it cannot read the architecture (``check_pairs``)."""
+    layers = find_attention(model, groups=config.groups, layers=config.layers, **config.find_kwargs)
+    if not layers:
+        raise UnsupportedModelError(
+            f"attn_probe: no attention layer matches groups={config.groups!r}, layers={config.layers!r}")
+    check_pairs(pairs, layers)  # e.g. the OV pair on an architecture it cannot read
+    return layers
 
 
 class Measured(NamedTuple):
@@ -56,11 +69,14 @@ class Measurement:
     """What is measured and how: the pairs, the current layers, the images quantity, the async worker.
 
     ``layers`` are the attention layers found at attach, found again after model surgery.
+    ``failures`` counts the asynchronous snapshots that failed (:meth:`deliver`).
     """
 
     def __init__(self, model: nn.Module, config: ProbeConfig, pairs: list[ScorePair],
-                 layers: list[AttentionLayer], *, agreement: Agreement | None, is_main_process: bool) -> None:
+                 layers: list[AttentionLayer], *, agreement: Agreement | None, is_main_process: bool,
+                 failures: Failures | None = None) -> None:
         self.model = model
+        self.failures = failures if failures is not None else Failures()
         self.config = config
         self.pairs = pairs
         self.layers = layers
@@ -100,13 +116,16 @@ class Measurement:
         """Snapshots skipped because the previous asynchronous one was still being scored."""
         return self.scorer.skipped if self.scorer is not None else 0
 
-    def skip(self, step: int) -> None:
-        """Count a snapshot skipped while the previous one is scored (warned the first time)."""
-        assert self.scorer is not None
+    def busy(self, step: int) -> bool:
+        """Whether the previous asynchronous snapshot is still being scored: ``step``'s is then
+        skipped (counted in :attr:`skipped`, warned the first time)."""
+        if self.scorer is None or not self.scorer.pending():
+            return False
         self.scorer.skipped += 1
         if self.scorer.skipped == 1:
             safe_warn(f"attn_probe: snapshot at step {step} skipped: the previous one is still being scored "
                       "(async_scoring). Later skips are counted in probe.skipped_snapshots, not reported.")
+        return True
 
     def collect(self, *, wait: bool, timeout: float, closing: bool, moment: str) -> tuple[bool, Any, BaseException | None]:
         """``(settled, result, error)`` of the asynchronous snapshot, if one is pending.
@@ -126,6 +145,26 @@ class Measurement:
                           f"{moment}; it is not logged.")
             return False, None, None
         return True, result, error
+
+    def deliver(self, handle: Callable[[Any], object], *, wait: bool = False, timeout: float | None = None,
+                closing: bool = False, moment: str = "close()") -> bool:
+        """Hand a finished asynchronous result to ``handle`` (on the calling, training thread).
+
+        ``wait`` first waits for a running one, up to ``timeout`` (default ``sink_timeout``).
+        Returns ``False`` if one is still being scored then (:meth:`collect`). Never raises:
+        a failed snapshot, or a failure of ``handle``, is counted in ``failures``.
+        """
+        try:
+            limit = self.config.sink_timeout if timeout is None else timeout
+            settled, result, error = self.collect(wait=wait, timeout=limit, closing=closing, moment=moment)
+            if error is not None:
+                self.failures.report("an asynchronous snapshot", error)
+            elif result is not None:
+                handle(result)
+            return settled
+        except Exception as exc:  # noqa: BLE001 - never raises
+            self.failures.report("delivering an asynchronous snapshot", exc)
+            return True
 
     def _async_fits(self, per_pair: list[Factors]) -> bool:
         """Whether an asynchronous snapshot's copies stay within ``async_max_bytes`` (else: warned once)."""
