@@ -94,8 +94,9 @@ def _core_metrics(metrics: tuple[str, ...] | None) -> tuple[str, ...]:
     """Validated core metric names; a pair-prefixed name (``ov_symmetry``) is rejected with the right spelling."""
     for name in metrics or ():
         for pair, cls in PAIR_NAMES.items():
-            if cls.prefix and name.startswith(cls.prefix) and name[len(cls.prefix):] in METRICS:
-                bare = name[len(cls.prefix):]
+            bare = name[len(cls.prefix):] if cls.prefix and name.startswith(cls.prefix) else None
+            bare = {"gain_bound": "qk_bound"}.get(bare, bare) if pair == "ov" else bare  # ov_gain_bound
+            if bare in METRICS:
                 raise ValueError(f"metric {name!r}: metrics are named without the pair's prefix; ask for "
                                  f"pair {pair!r} and metric {bare!r} (--pair {pair} --metric {bare})")
     return check_metrics(metrics)

@@ -233,7 +233,8 @@ def test_pairs_option_defaults_narrowing_and_errors():
     for bad, match in [(dict(pairs="vo"), "unknown pair 'vo'"), (dict(pairs=("ov", "ov")), "repeat"),
                        (dict(pairs=()), "at least one"), (dict(pairs=[OVPair()], metrics=["symmetry"]), "pair object"),
                        (dict(pairs=[OVPair(), OVPair()]), "same metric name"),
-                       (dict(pairs="ov", metrics=["ov_symmetry"]), "--pair ov --metric symmetry")]:
+                       (dict(pairs="ov", metrics=["ov_symmetry"]), "--pair ov --metric symmetry"),
+                       (dict(pairs="ov", metrics=["ov_gain_bound"]), "--pair ov --metric qk_bound")]:
         with pytest.raises(ValueError, match=match):
             attn_probe.score_model(model, **bad)
     with pytest.raises(TypeError, match="score pairs"):
