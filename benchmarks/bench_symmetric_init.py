@@ -150,8 +150,8 @@ def run_one(label: str, cfg: demo.DemoConfig, tokenizer, train_blocks, batch, ev
         return json.loads(done.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     curve_path = run_dir / "eval_curve.jsonl"
-    ckpt = demo._last_checkpoint(run_dir / "trainer") if cfg.resume else None
-    curve = _load_curve(curve_path, demo._checkpoint_step(ckpt) if ckpt else None)
+    ckpt = demo.training.last_checkpoint(run_dir / "trainer") if cfg.resume else None
+    curve = _load_curve(curve_path, demo.training.checkpoint_step(ckpt) if ckpt else None)
     curve_path.write_text("".join(json.dumps(p) + "\n" for p in curve))
     cfg.symmetric_init = label == "symmetric"
     t0 = time.perf_counter()

@@ -467,7 +467,7 @@ def test_interpret_names_the_gap_the_phase_and_the_gpu_preset():
 
 
 def test_docs_have_the_section_the_demo_points_to():
-    docs = (Path(__file__).resolve().parent.parent / demo.DOCS).read_text()
+    docs = (Path(__file__).resolve().parents[2] / demo.DOCS).read_text()
     anchor = demo.GPU_SECTION.split("#", 1)[1]
     headings = ["-".join(re.sub(r"[^\w\s-]", "", h.lower()).split()) for h in re.findall(r"^#+ (.+)$", docs, re.M)]
     assert anchor in headings
@@ -537,7 +537,7 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, capsys):
 def _bench():
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_symmetric_init.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_symmetric_init.py"
     spec = importlib.util.spec_from_file_location("bench_symmetric_init", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

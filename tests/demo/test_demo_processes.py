@@ -17,6 +17,7 @@ pytest.importorskip("tokenizers")
 
 from attn_probe import demo  # noqa: E402
 from attn_probe.cli import main  # noqa: E402
+from attn_probe.demo.processes import describe_failure  # noqa: E402
 
 TINY = ["--size", "tiny", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--every", "2",
         "--vocab-size", "200", "--max-chars", "20000", "--no-progress", "--no-figure", "--threads", "1"]
@@ -145,7 +146,7 @@ def test_a_killed_process_is_named():
     p.start()
     os.kill(p.pid, signal.SIGKILL)
     p.join(30)
-    assert demo._describe_failure(p.exitcode, Path("/nonexistent/result.json")) == (
+    assert describe_failure(p.exitcode, Path("/nonexistent/result.json")) == (
         "its process was killed by signal 9 (SIGKILL)")
 
 

@@ -1,10 +1,9 @@
-"""The demo's allocator setting (``demo._keep_freed_memory``) changes where memory comes from, not
+"""The demo's allocator setting (``demo.host.keep_freed_memory``, ``train_model(keep_freed=...)``) changes where memory comes from, not
 what is trained: against the same training in a fresh process without it, the losses, the probe's
 trajectory and the final weights are bit for bit equal."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 from pathlib import Path
@@ -21,12 +20,10 @@ from attn_probe import demo  # noqa: E402
 def _train(kind: str, tokenizer, blocks, run_dir: str, keep_freed: bool, out: str) -> None:
     """One model in a fresh (spawned) process: losses, trajectory and weights saved for the parent."""
     torch.set_num_threads(1)
-    if not keep_freed:  # the code before the allocator setting
-        demo._keep_freed_memory = contextlib.nullcontext
     # batch 8 x 64 tokens x vocab 200: activations above glibc's 128 KiB mmap threshold
     cfg = demo.DemoConfig(size="tiny", steps=8, batch_size=8, seq_len=64, every=1, vocab_size=200,
                           warmup=2, progress=False)
-    result = demo.train_model(kind, tokenizer, blocks, cfg, run_dir)
+    result = demo.train_model(kind, tokenizer, blocks, cfg, run_dir, keep_freed=keep_freed)  # False: as before the setting
     Path(out).write_text(json.dumps({"losses": result.losses, "model": str(result.model_dir)}))
 
 

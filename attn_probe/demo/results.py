@@ -1,0 +1,260 @@
+"""What a demo run measured and what it means: results, the unigram plateau, the comparison table and the verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .host import ThreadPlan
+from .presets import GPU_SECTION, PRESETS, DemoConfig
+
+
+@dataclass
+class ModelResult:
+    """One trained model: where its files are and its final scores."""
+
+    kind: str
+    run_dir: Path
+    final_loss: float
+    losses: list[tuple[int, float]]
+    rows: list[dict[str, Any]]
+    seconds: float
+    #: the checkpoint this run continued from (``--resume``), else None
+    resumed_from: Path | None = None
+    #: the final model (config.json, weights, tokenizer), for ``attn-probe score|heatmap``
+    model_dir: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "run_dir": str(self.run_dir), "final_loss": self.final_loss,
+                "losses": self.losses, "rows": self.rows, "seconds": self.seconds,
+                "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+                "model_dir": None if self.model_dir is None else str(self.model_dir)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ModelResult:
+        return cls(d["kind"], Path(d["run_dir"]), float(d["final_loss"]), [(int(s), float(v)) for s, v in d["losses"]],
+                   d["rows"], float(d["seconds"]), None if d["resumed_from"] is None else Path(d["resumed_from"]),
+                   None if d["model_dir"] is None else Path(d["model_dir"]))
+
+    def _stats(self, metric: str) -> dict[str, float]:
+        from ..tags import layer_stats
+
+        return layer_stats(float(r[metric]) for r in self.rows if r["head"] is None)
+
+    def median(self, metric: str) -> float:
+        """Median across layers of the final layer-level score."""
+        return self._stats(metric)["median"]
+
+    def quartiles(self, metric: str) -> tuple[float, float]:
+        """``(q25, q75)`` across layers of the final layer-level score."""
+        stats = self._stats(metric)
+        return stats["q25"], stats["q75"]
+
+
+@dataclass
+class DemoResult:
+    root: Path
+    models: dict[str, ModelResult]
+    figure: Path | None
+    config: DemoConfig
+    figure_error: str | None = None
+    #: entropy (nats) of the corpus's unigram distribution: the loss of a model that ignores context
+    unigram_entropy: float = float("nan")
+    #: model kind -> the step at which it left the unigram plateau (None: it has not)
+    plateau_exits: dict[str, int | None] = field(default_factory=dict)
+    #: model kind -> why it did not finish (its process failed); the others' results are kept
+    failures: dict[str, str] = field(default_factory=dict)
+    #: how the CPUs were used (None: not planned, e.g. a result built by hand)
+    plan: ThreadPlan | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """Encoder minus decoder median layer symmetry at the end (None unless both were trained)."""
+        if not {"encoder", "decoder"} <= set(self.models):
+            return None
+        return self.models["encoder"].median("symmetry") - self.models["decoder"].median("symmetry")
+
+
+#: the unigram entropy ...
+PLATEAU_MARGIN = 0.5
+#: ... for this many consecutive logs
+PLATEAU_LOGS = 3
+
+
+def plateau_exit(
+    losses: Sequence[tuple[int, float]],
+    entropy: float,
+    *,
+    margin: float = PLATEAU_MARGIN,
+    consecutive: int = PLATEAU_LOGS,
+) -> int | None:
+    """The step at which a model left the unigram plateau, or None if it has not.
+
+    ``losses`` are the logged ``(step, loss)`` pairs in order. The model has left the plateau
+    once ``consecutive`` logs in a row are at least ``margin`` nats below ``entropy``; the step
+    returned is the first log of the first such run. A run cut short by the end of training
+    does not count.
+    """
+    run_start, run_len = None, 0
+    for step, loss in losses:
+        if loss <= entropy - margin:
+            if run_len == 0:
+                run_start = step
+            run_len += 1
+            if run_len >= consecutive:
+                return run_start
+        else:
+            run_start, run_len = None, 0
+    return None
+
+# --------------------------------------------------------------------------- the demo
+def comparison_table(results: dict[str, ModelResult]) -> str:
+    """Plain-text table: median [q25, q75] layer symmetry and directionality, and final loss."""
+    header = (
+        f"{'model':<9} {'symmetry median [IQR]':>26} {'directionality median [IQR]':>30} {'final loss':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for kind, r in results.items():
+        cells = []
+        for metric in ("symmetry", "directionality"):
+            q25, q75 = r.quartiles(metric)
+            cells.append(f"{r.median(metric):+.3f} [{q25:+.3f}, {q75:+.3f}]")
+        lines.append(f"{kind:<9} {cells[0]:>26} {cells[1]:>30} {r.final_loss:>11.3f}")
+    return "\n".join(lines)
+
+
+#: measured gaps (encoder - decoder median layer symmetry at the end) of the ``cpu`` preset,
+#: quoted by :func:`interpret`; the runs and their settings are in docs/reproducing-the-paper.md
+MEASURED_CPU_GAP = (0.06, 0.24)
+MEASURED_CPU_GAPS = "+0.06 to +0.24 over the five runs we measured"
+#: the one measured run of the ``paper-small`` preset (post-LN, 12,000 steps, one H100, seed 0):
+#: the encoder's median layer symmetry and its interquartile range across the 4 layers
+MEASURED_GPU_ENCODER = 0.490
+MEASURED_GPU_ENCODER_IQR = (0.385, 0.563)
+#: ... the step at which that encoder left the unigram plateau
+MEASURED_GPU_PLATEAU_EXIT = 810
+MEASURED_GPU = "on one H100: encoder +0.49 [IQR +0.39, +0.56] at step 12,000, decoder -0.04"
+#: the paper's 4-layer encoders at the end of training (Wikipedia / Jigsaw / RedPajama)
+PAPER_4LAYER_ENCODER = (0.35, 0.66)
+
+#: settings of the measured runs beyond the preset's own fields
+_MEASURED_COMMON: dict[str, Any] = {
+    "decoder_objective": "causal",
+    "vocab_size": 4096,
+    "weight_decay": 0.01,
+    "unigram_bias": True,
+    "symmetric_init": False,
+    "text": None,
+    "dataset": None,
+    "max_chars": None,
+}
+#: fields that do not change what is trained
+_NOT_TRAINING = {"every", "save_every"}
+
+
+def _flag(name: str, value: Any) -> str:
+    if name == "symmetric_init":
+        return "--symmetric-init" if value else "no --symmetric-init"
+    if name == "unigram_bias":
+        return "--no-unigram-bias" if not value else "the unigram bias"
+    if name == "text":
+        return "--text" if value else "the default corpus"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def measured_differences(cfg: DemoConfig) -> list[str]:
+    """The settings of ``cfg`` that differ from the measured runs of its preset (as flags).
+
+    Empty when the preset ran as measured, so that its measured numbers apply. The seed, the
+    probe interval and the checkpoints do not count (the ``cpu`` range spans seeds 0-2).
+    """
+    measured = {**PRESETS[cfg.preset], **_MEASURED_COMMON}
+    if measured.get("precision") == "bf16-if-supported":
+        measured["precision"] = "bf16"  # the H100 run
+    diffs = []
+    for name, value in measured.items():
+        got = getattr(cfg, name)
+        if name in _NOT_TRAINING:
+            continue
+        if name == "text":
+            got = list(got) if got else None
+        if got != value:
+            diffs.append(_flag(name, got))
+    return diffs
+
+
+def _where(value: float, low: float, high: float) -> str:
+    if value < low:
+        return "below"
+    return "above" if value > high else "inside"
+
+
+def interpret(result: DemoResult, *, cuda: bool | None = None) -> list[str]:
+    """What the run shows, in a few lines: the gap, the phase each model reached, what to do next.
+
+    The measured numbers of the preset are quoted only when the preset ran as measured
+    (:func:`measured_differences`), each with a verdict: inside, below or above.
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    cfg = result.config
+    h = result.unigram_entropy
+    threshold = h - PLATEAU_MARGIN
+    differences = measured_differences(cfg)
+    lines = []
+    for kind, why in result.failures.items():
+        lines.append(f"{kind}: did not finish ({why}); the other results are kept")
+    gap = result.gap
+    if gap is not None:
+        lines.append(f"encoder - decoder median layer symmetry: {gap:+.3f}")
+        if cfg.preset == "cpu" and not differences:
+            low, high = MEASURED_CPU_GAP
+            lines.append(f"  {_where(gap, low, high)} the range measured for the cpu preset ({MEASURED_CPU_GAPS})")
+        elif cfg.preset == "cpu":
+            lines.append(f"  no measured range to compare with: the cpu preset's measured runs differ from this one "
+                         f"({', '.join(differences)})")
+    for kind, r in result.models.items():
+        step = result.plateau_exits.get(kind)
+        if step is not None:
+            lines.append(f"{kind}: left the unigram plateau at step {step:,} (logged loss <= {threshold:.2f} = "
+                         f"unigram entropy {h:.2f} - {PLATEAU_MARGIN} for {PLATEAU_LOGS} logs in a row)")
+        else:
+            lines.append(f"{kind}: still on the unigram plateau (last logged loss {r.final_loss:.2f}; it leaves "
+                         f"once {PLATEAU_LOGS} logs in a row are <= {threshold:.2f} = unigram entropy {h:.2f} "
+                         f"- {PLATEAU_MARGIN})")
+    if cfg.decoder_objective == "paper-mlm" and "decoder" in result.models:
+        lines.append("decoder objective: paper-mlm (the released code's masked-LM collator fed to the causal LM); "
+                     "its loss is not comparable with a next-token loss")
+    if "encoder" not in result.models:
+        return lines
+    encoder = result.models["encoder"].median("symmetry")
+    if cfg.preset == "paper-small":
+        low, high = PAPER_4LAYER_ENCODER
+        paper = f"{_where(encoder, low, high)} the paper's 4-layer range (+{low:.2f} to +{high:.2f})"
+        if differences:
+            lines.append(f"encoder median layer symmetry {encoder:+.3f}: {paper}; no measured run to compare with: "
+                         f"the paper-small preset's measured run differs from this one ({', '.join(differences)})")
+        else:
+            q25, q75 = MEASURED_GPU_ENCODER_IQR
+            lines.append(f"encoder median layer symmetry {encoder:+.3f}: {_where(encoder, q25, q75)} the range across "
+                         f"layers of this preset's measured run (+{MEASURED_GPU_ENCODER:.2f}; layers' IQR +{q25:.2f} "
+                         f"to +{q75:.2f}; one seed, one H100), and {paper}")
+            lines.append("  the run-to-run spread of this preset is not measured yet (one run): a difference from "
+                         f"+{MEASURED_GPU_ENCODER:.2f} alone says little")
+    if result.plateau_exits.get("encoder") is not None:
+        lines.append("phase: takeoff -- the encoder predicts from its context, and its symmetry rises from "
+                     f"here (--preset paper-small {MEASURED_GPU}).")
+    elif cuda:
+        lines.append("phase: before the takeoff -- the encoder has not left the unigram plateau; the H100 run "
+                     f"of --preset paper-small left it at step {MEASURED_GPU_PLATEAU_EXIT:,}: train longer "
+                     f"(see {GPU_SECTION}).")
+    else:
+        lines.append("phase: before the takeoff -- the encoder has not left the unigram plateau, so its "
+                     "symmetry shows only the early jump.")
+        lines.append(f"the full takeoff needs the GPU preset, attn-probe demo --preset paper-small ({MEASURED_GPU}); "
+                     f"figure and numbers: {GPU_SECTION}")
+    return lines
