@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .core import factored_scores
 from .extraction import (
     AttentionLayer,
     UnsupportedModelError,
@@ -16,8 +17,7 @@ from .extraction import (
     register_adapter,
     unregister_adapter,
 )
-from .metrics import factored_scores
-from .scores import directionality_score, symmetry_score
+from .reference import directionality_score, symmetry_score
 from .scoring import score_model
 
 __version__ = "0.1.0"
@@ -41,7 +41,7 @@ _LAZY = {
     "attach": ("attn_probe.integrations.transformers", "attach"),
     "watch": ("attn_probe.watching", "watch"),
     "ProbeConfig": ("attn_probe.config", "ProbeConfig"),
-    "score_factors": ("attn_probe.metrics", "score_factors"),
+    "score_factors": ("attn_probe.core", "score_factors"),
     "Probe": ("attn_probe.probe", "Probe"),
     "every": ("attn_probe.schedules", "every"),
     "log_spaced": ("attn_probe.schedules", "log_spaced"),

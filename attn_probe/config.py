@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .asynchronous import DEFAULT_ASYNC_BYTES
-from .metrics import DEFAULT_METRICS, check_metrics
+from .core import DEFAULT_METRICS, check_metrics
 from .pairs import QKPair
 from .schedules import Schedule, ScheduleLike, as_schedule
 from .scoring import resolve_pairs

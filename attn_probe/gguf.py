@@ -375,7 +375,7 @@ def score_gguf(
     One layer is dequantized at a time. ``progress`` shows a tqdm bar on stderr (default: when
     stderr is a terminal). Raises :class:`GGUFError` for unusable input.
     """
-    from .metrics import check_metrics
+    from .core import check_metrics
     from .scoring import score_layer
 
     num_std = float(num_std)

@@ -4,7 +4,7 @@ A pair names the parameters it reads (:meth:`ScorePair.param_names`), so that th
 distributed walk (:func:`attn_probe.distributed.iter_layer_params`) gathers exactly those on
 every rank; it turns them into per-head factors ``(A, B)`` with ``M_h = A_h^T B_{g(h)}``
 (:meth:`ScorePair.factors`), and scores them through the one core,
-:func:`attn_probe.metrics.score_factors` (:meth:`ScorePair.score`). Its metric names are
+:func:`attn_probe.core.score_factors` (:meth:`ScorePair.score`). Its metric names are
 the core's, with a prefix for pairs other than ``W_qk`` (e.g. ``ov_symmetry``).
 
 **Adding a pair** touches this module only: subclass :class:`QKPair` (or implement the
@@ -24,9 +24,15 @@ from typing import Protocol
 
 import torch
 
+from .core import (
+    DEFAULT_METRICS,
+    check_metrics,
+    gpu_algorithm,
+    gram_is_cheaper,
+    score_factor_stack,
+    score_factors,
+)
 from .extraction import AttentionLayer
-from .metrics import DEFAULT_METRICS, check_metrics, gpu_algorithm, score_factor_stack, score_factors
-from .scores import gram_is_cheaper
 
 __all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "stack_layers", "score_stacks",
            "Stack", "stack_budget", "stack_layer_bytes"]
@@ -149,7 +155,7 @@ def pair_metric_names(pairs: Sequence[ScorePair]) -> list[str]:
 
 
 #: the most bytes a stack of layers may take in :func:`stack_layers` on the GPU algorithm
-#: (:func:`attn_probe.metrics.gpu_algorithm`): on CUDA the budget is the smaller of this cap and
+#: (:func:`attn_probe.core.gpu_algorithm`): on CUDA the budget is the smaller of this cap and
 #: :data:`FREE_MEMORY_SHARE` of the device's free memory; the GPU algorithm on CPU tensors uses
 #: the cap. One stack per shape saves kernel launches (docs/performance.md)
 STACK_BYTES = 8 << 30

@@ -3,7 +3,7 @@
 Which weight pairs are scored is chosen with ``pairs=`` (:func:`resolve_pairs`): by default the
 query-key pair alone; ``pairs=("qk", "ov")`` adds the value-output circuit (``ov_`` metrics).
 Every pair scores through :meth:`~attn_probe.pairs.ScorePair.score`, i.e. the one core
-:func:`attn_probe.metrics.score_factors`, as in the live probe.
+:func:`attn_probe.core.score_factors`, as in the live probe.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from .core import METRICS, check_metrics, score_factors, table_rows
 from .extraction import AttentionLayer, UnsupportedModelError, find_attention
 from .extraction.architectures import unwrap
 from .extraction.base import ParamGetter
-from .metrics import METRICS, check_metrics, score_factors, table_rows
 from .pairs import OVPair, QKPair, ScorePair, check_pairs, pair_metric_names
 
 Row = dict[str, Any]
@@ -205,7 +205,7 @@ def score_layer(
     """Rows for one layer given its per-head factors (layer row first, then one per head).
 
     Each row has ``group``, ``layer``, ``name``, ``head`` and one key per metric
-    (:data:`attn_probe.metrics.DEFAULT_METRICS` unless ``metrics`` narrows them).
+    (:data:`attn_probe.core.DEFAULT_METRICS` unless ``metrics`` narrows them).
     """
     names = check_metrics(tuple(metrics) if metrics is not None else None)
     table = score_factors(query, key, names, per_head=per_head, num_std=num_std, dtype=dtype)
@@ -227,8 +227,8 @@ def score_model(
 
     Each row has ``group``, ``layer``, ``name``, ``head`` (``None`` for the layer-level
     matrix ``M = sum_h W_q^h W_k^h^T``) and one key per metric, by default the six of
-    :data:`attn_probe.metrics.DEFAULT_METRICS`; ``metrics=`` chooses them
-    (:data:`attn_probe.metrics.METRICS`).
+    :data:`attn_probe.core.DEFAULT_METRICS`; ``metrics=`` chooses them
+    (:data:`attn_probe.core.METRICS`).
 
     ``pairs`` chooses the weight pairs (:func:`resolve_pairs`): default the W_qk pair alone;
     ``pairs=("qk", "ov")`` adds the value-output circuit ``W_o^h W_v^h``, whose metrics are

@@ -5,7 +5,7 @@
 ``attn_probe/{group}/{metric}/{stat}``                across layers: ``median``, ``q25``, ``q75``,
                                                       and ``max`` for the magnitudes
 
-``metric`` is a name of :data:`attn_probe.metrics.METRICS` for W_qk (``symmetry``,
+``metric`` is a name of :data:`attn_probe.core.METRICS` for W_qk (``symmetry``,
 ``directionality``, ``spectral_norm``, ...); other weight pairs add metrics with a prefix
 (e.g. ``ov_symmetry``) without changing the grammar.
 
@@ -77,13 +77,13 @@ def parse_tag(tag: str) -> TagParts | None:
 
 def stats_for(metric: str) -> tuple[str, ...]:
     """The across-layer stats written for ``metric``: :data:`BAND_STATS`, plus ``max`` for the
-    magnitudes (:func:`attn_probe.metrics.is_magnitude`: norms, stable rank, ``qk_bound``).
+    magnitudes (:func:`attn_probe.core.is_magnitude`: norms, stable rank, ``qk_bound``).
 
     Example:
         >>> stats_for("symmetry"), stats_for("ov_spectral_norm")
         (('median', 'q25', 'q75'), ('median', 'q25', 'q75', 'max'))
     """
-    from .metrics import is_magnitude
+    from .core import is_magnitude
 
     return (*BAND_STATS, "max") if is_magnitude(metric) else BAND_STATS
 

@@ -11,12 +11,12 @@ Explicit reference, as one would write it by hand:
   the matrix product), then ``<M, M^T>``, ``||M||^2`` and the row/column norms of ``M``;
 * per head: ``M_h = Q_h^T K_{g(h)}`` formed one head at a time, same reductions.
 
-``--metrics`` times the scoring core (:func:`attn_probe.metrics.score_factors`) instead: the
+``--metrics`` times the scoring core (:func:`attn_probe.core.score_factors`) instead: the
 paper's two scores against the default metrics (the two scores plus spectral_norm,
 frobenius_norm, stable_rank, qk_bound), and the norms' largest relative difference from
 ``torch.linalg.svdvals`` of the explicit float64 matrix.
 
-Factored: :func:`attn_probe.metrics.factored_scores`. Both run in float32 on the same random
+Factored: :func:`attn_probe.core.factored_scores`. Both run in float32 on the same random
 weights (std 0.02), alternately (so that both see the same machine load); the script prints
 the median wall time of each, the speed-up and the largest absolute difference between
 their scores. Timings depend on the machine and its
@@ -36,8 +36,8 @@ from functools import partial
 
 import torch
 
-from attn_probe.metrics import factored_scores
-from attn_probe.scores import (
+from attn_probe.core import factored_scores
+from attn_probe.reference import (
     directionality_from_norms,
     pair_kv_heads,
     symmetry_from_inner_products,
@@ -100,14 +100,14 @@ def interleaved_medians(
 
 
 def _core_table(q: torch.Tensor, k: torch.Tensor, metrics: tuple[str, ...], per_head: bool) -> list:
-    from attn_probe.metrics import score_factors
+    from attn_probe.core import score_factors
 
     return score_factors(q, k, metrics, per_head=per_head).tolist()
 
 
 def core_metrics(args: argparse.Namespace) -> None:
     """The core's cost with the two scores and with every default metric, per shape and mode."""
-    from attn_probe.metrics import DEFAULT_METRICS
+    from attn_probe.core import DEFAULT_METRICS
 
     two = ("symmetry", "directionality")
     print(f"{'shape':<10} {'mode':<9} {'2 scores s':>11} {'6 metrics s':>12} {'ratio':>6} {'norm rel err':>13}")

@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from attn_probe.metrics import is_magnitude
-from attn_probe.scores import directionality_score, symmetry_score
+from attn_probe.core import is_magnitude
+from attn_probe.reference import directionality_score, symmetry_score
 
 VOCAB, SEQ = 50, 12
 

@@ -17,11 +17,11 @@ from transformers import (
 )
 
 import attn_probe
-from attn_probe import metrics as metrics_module
+from attn_probe import core as metrics_module
 from attn_probe.cli import main
 from attn_probe.config import ProbeConfig
 from attn_probe.pairs import QKPair
-from attn_probe.scores import directionality_score, symmetry_score
+from attn_probe.reference import directionality_score, symmetry_score
 
 
 def bert():
@@ -186,7 +186,7 @@ def test_a_pair_declares_the_parameters_it_needs(tmp_path):
 
 
 def test_a_new_metric_is_one_registry_entry_and_reaches_every_output(tmp_path, monkeypatch, capsys):
-    """Adding a metric touches attn_probe/metrics.py only: the rows, JSONL, tags and CLI follow."""
+    """Adding a metric touches attn_probe/core/formulas.py only: the rows, JSONL, tags and CLI follow."""
 
     def frobenius_sq_ratio(p):  # ||M||_F^2 / (||A||_F^2 ||B||_F^2), a scale-invariant quantity
         a_sq, b_sq = p.factor_sq

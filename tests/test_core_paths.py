@@ -11,9 +11,16 @@ from helpers import reference  # every metric of an explicit float64 matrix
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe import metrics as core
+from attn_probe import core
 from attn_probe import pairs as pairs_module
-from attn_probe.metrics import DEFAULT_METRICS, is_magnitude, score_factor_stack, score_factors
+from attn_probe.core import (
+    DEFAULT_METRICS,
+    is_magnitude,
+    products,
+    score_factor_stack,
+    score_factors,
+    spectra,
+)
 from attn_probe.pairs import QKPair
 
 
@@ -138,7 +145,7 @@ def test_bf16_weights_are_stacked_in_the_compute_dtype(tmp_path):
                          ids=["explicit-512", "gqa-gram-448x1600", "rows-beyond-d"])
 def test_lanczos_path_matches_svdvals(shape):
     assert min(shape[1] * shape[2], shape[3]) > core.lanczos_threshold(torch.device("cpu"))
-    explicit = not attn_probe.scores.gram_is_cheaper(shape[1] * shape[2], shape[3])
+    explicit = not attn_probe.core.gram_is_cheaper(shape[1] * shape[2], shape[3])
     assert explicit == (shape[3] != 1600)
     q, k = factors(shape, seed=3, lead=1.0)  # random-like spectrum: the hard case for Lanczos
     check_table(score_factors(q, k), q, k)
@@ -161,7 +168,7 @@ def test_lanczos_with_clustered_top_singular_values(gap):
     rest = torch.linspace(0.05, 0.9, m - 5, dtype=torch.float64)
     mat = spectrum_matrix([1 - gap * i for i in range(5)], rest, m, seed=int(gap * 1e6))
     c = (mat.T @ mat).float()[None]
-    lam = core.lanczos_lambda_max(lambda v: core._mv(c, v), (1, m), c)
+    lam = core.lanczos_lambda_max(lambda v: spectra.mv(c, v), (1, m), c)
     assert float(lam[0]) == pytest.approx(1.0, rel=2e-4)  # sigma^2: 1e-4 on sigma
 
 
@@ -169,12 +176,12 @@ def test_lanczos_degenerate_operators():
     m = 500
     u = torch.randn(1, m, 1)
     rank1 = u @ u.mT
-    lam = core.lanczos_lambda_max(lambda v: core._mv(rank1, v), (1, m), rank1)
+    lam = core.lanczos_lambda_max(lambda v: spectra.mv(rank1, v), (1, m), rank1)
     assert float(lam[0]) == pytest.approx(float(u.square().sum()), rel=1e-5)  # the Krylov space closes at once
     zero = torch.zeros(1, m, m)
-    assert float(core.lanczos_lambda_max(lambda v: core._mv(zero, v), (1, m), zero)[0]) == 0.0
+    assert float(core.lanczos_lambda_max(lambda v: spectra.mv(zero, v), (1, m), zero)[0]) == 0.0
     nan = torch.full((1, m, m), float("nan"))
-    assert math.isnan(float(core.lanczos_lambda_max(lambda v: core._mv(nan, v), (1, m), nan)[0]))
+    assert math.isnan(float(core.lanczos_lambda_max(lambda v: spectra.mv(nan, v), (1, m), nan)[0]))
 
 
 def test_lanczos_is_deterministic_and_keeps_no_state():
@@ -202,20 +209,20 @@ def test_host_lambda_max_flags_non_finite_matrices_and_matches_eigvalsh():
     bad = c.clone()
     bad[1, 3, 4], bad[2, 0, 0], bad[3, 5, 2] = float("nan"), float("inf"), -float("inf")
     bad[4, 1, 1], bad[4, 2, 2] = float("inf"), -float("inf")
-    got, got_bad = core._lambda_max(c), core._lambda_max(bad)
+    got, got_bad = spectra.lambda_max(c), spectra.lambda_max(bad)
     assert torch.allclose(got.double(), want, rtol=1e-5), (got, want)
     assert torch.isnan(got_bad[1:5]).all() and torch.equal(got_bad[[0, 5]], got[[0, 5]])
-    s, u = core._eigh(bad)
+    s, u = spectra.eigh(bad)
     assert torch.isnan(s[1:5]).all() and torch.isfinite(s[[0, 5]]).all() and torch.isfinite(u).all()
     big = torch.tensor([[[1e300, 0.0], [0.0, 3.0]]], dtype=torch.float64)  # finite, far from overflow
-    assert float(core._lambda_max(big)[0]) == pytest.approx(1e300, rel=1e-12)
+    assert float(spectra.lambda_max(big)[0]) == pytest.approx(1e300, rel=1e-12)
 
 
 def test_power_of_two_scale_reads_the_largest_magnitude_of_either_sign():
     t = torch.tensor([[[0.3, -5.0], [2.0, 1.0]], [[7.5, -0.1], [0.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]],
                       [[1.0, float("nan")], [0.0, 1.0]]])
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
-        scale = core._pow2_scale(t.to(dtype), 2)
+        scale = products.pow2_scale(t.to(dtype), 2)
         assert scale[:2].tolist() == [4.0, 4.0] and scale[3] == 1.0, (dtype, scale)
         assert scale[2] == torch.finfo(scale.dtype).tiny, (dtype, scale)
 
@@ -252,7 +259,7 @@ def test_eigensolver_free_path_matches_references(shape, monkeypatch):
     for name in ("eigh", "eigvalsh"):
         real = getattr(torch.linalg, name)
         monkeypatch.setattr(torch.linalg, name, lambda *a, _real=real, _n=name, **kw: calls.append(_n) or _real(*a, **kw))
-    monkeypatch.setattr(core, "lanczos_lambda_max", lambda *a, **kw: calls.append("lanczos"))
+    monkeypatch.setattr(spectra, "lanczos_lambda_max", lambda *a, **kw: calls.append("lanczos"))
     q, k = factors(shape, seed=sum(shape))
     with core.gpu_algorithm_on_cpu():
         assert core.gpu_algorithm(torch.device("cpu")) and not core.host_eigensolver(torch.device("cpu"))
@@ -270,13 +277,13 @@ def test_eigensolver_free_path_matches_references(shape, monkeypatch):
 
 @pytest.mark.parametrize("entries", [1, 10**9], ids=["one-by-one", "multiply-sum"])
 def test_batched_matrix_vector_products_broadcast_like_matmul(entries, monkeypatch):
-    monkeypatch.setattr(core, "CPU_MV_ENTRIES", entries)
+    monkeypatch.setattr(spectra, "CPU_MV_ENTRIES", entries)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 1, 5, 7, generator=gen, dtype=torch.float64)  # broadcast over the second dim
     v = torch.randn(3, 2, 7, generator=gen, dtype=torch.float64)
     u = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(core._mv(x, v), (x @ v[..., None])[..., 0])
-    torch.testing.assert_close(core._mtv(x, u), (x.mT @ u[..., None])[..., 0])
+    torch.testing.assert_close(spectra.mv(x, v), (x @ v[..., None])[..., 0])
+    torch.testing.assert_close(spectra.mtv(x, u), (x.mT @ u[..., None])[..., 0])
 
 
 def test_a_patched_qkpair_score_is_called_not_bypassed_by_stacks(tmp_path, monkeypatch):

@@ -16,8 +16,8 @@ from test_core_paths import check_table, factors  # explicit float64 references
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe import metrics as core
-from attn_probe.metrics import DEFAULT_METRICS, score_factor_stack, score_factors
+from attn_probe import core
+from attn_probe.core import DEFAULT_METRICS, score_factor_stack, score_factors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import Trainer
 
 import attn_probe
-from attn_probe.metrics import DEFAULT_METRICS
+from attn_probe.core import DEFAULT_METRICS
 from attn_probe.probe import LogDirError, Probe, QKPair
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from attn_probe.core import factored_scores
 from attn_probe.extraction import find_attention
-from attn_probe.metrics import factored_scores
-from attn_probe.scores import directionality_score
+from attn_probe.reference import directionality_score
 from attn_probe.scoring import score_layer, score_model
 
 gguf = pytest.importorskip("gguf")

@@ -18,13 +18,14 @@ from test_core_paths import check_table, factors
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe import metrics as core
+from attn_probe import core
 from attn_probe import pairs as pairs_module
-from attn_probe.metrics import (
+from attn_probe.core import (
     DEFAULT_METRICS,
     gpu_algorithm_on_cpu,
     lambda_max_by_squaring,
     score_factor_stack,
+    spectra,
 )
 from attn_probe.op_count import count_ops, is_view_op, snapshot_op_count
 
@@ -100,13 +101,13 @@ def test_padding_to_one_chain_changes_no_value(monkeypatch):
     queries, keys = torch.stack([q, 3 * q, q.flip(0)]), torch.stack([k, k, 2 * k])
     chains = []
     real = core.lambda_max_by_squaring
-    monkeypatch.setattr(core, "lambda_max_by_squaring", lambda c, *a, **kw: chains.append(c.shape) or real(c, *a, **kw))
+    monkeypatch.setattr(spectra, "lambda_max_by_squaring", lambda c, *a, **kw: chains.append(c.shape) or real(c, *a, **kw))
     with gpu_algorithm_on_cpu():
-        monkeypatch.setattr(core, "PAD_FREE_WORK", 0)
+        monkeypatch.setattr(spectra, "PAD_FREE_WORK", 0)
         split = score_factor_stack(queries, keys, per_head=True)
         assert sorted(s[-1] for s in chains) == [16, 32]  # head_dim and the layer's r = 2 x 16
         chains.clear()
-        monkeypatch.setattr(core, "PAD_FREE_WORK", 1 << 40)
+        monkeypatch.setattr(spectra, "PAD_FREE_WORK", 1 << 40)
         padded = score_factor_stack(queries, keys, per_head=True)
         # one chain for everything: the layer problems (3) and per head M_h (24), Q_h (24), K_g (6)
         assert chains == [torch.Size([3 + 24 + 24 + 6, 32, 32])]
@@ -125,7 +126,7 @@ def test_gpu_algorithm_on_bf16_weights_matches_float64_references():
 
 
 def test_the_switch_by_environment_variable():
-    code = ("import torch; from attn_probe import metrics, pairs; d = torch.device('cpu'); "
+    code = ("import torch; from attn_probe import core as metrics, pairs; d = torch.device('cpu'); "
             "print(metrics.gpu_algorithm(d), metrics.lanczos_threshold(d), pairs.stack_budget(d) == pairs.STACK_BYTES)")
     env = {**os.environ, core.GPU_ALGORITHM_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)

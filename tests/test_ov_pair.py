@@ -35,7 +35,7 @@ from transformers import (
 import attn_probe
 from attn_probe.extraction import UnsupportedModelError
 from attn_probe.pairs import OVPair, QKPair, check_pairs
-from attn_probe.scores import directionality_score, symmetry_score
+from attn_probe.reference import directionality_score, symmetry_score
 
 D, HEADS = 32, 4
 SMALL = dict(vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=48)
@@ -188,7 +188,7 @@ def test_ov_pair_in_the_live_probe_gathers_its_parameters_and_writes_prefixed_me
     probe.close(final_snapshot=False)
     assert any("v_proj" in n for names in seen for n in names) and any("o_proj" in n for names in seen for n in names)
     metrics = {r.metric for r in snap.records}
-    assert metrics == set(attn_probe.metrics.DEFAULT_METRICS) | {"ov_symmetry", "ov_directionality", "ov_spectral_norm",
+    assert metrics == set(attn_probe.core.DEFAULT_METRICS) | {"ov_symmetry", "ov_directionality", "ov_spectral_norm",
                                                               "ov_frobenius_norm", "ov_stable_rank", "ov_gain_bound"}
     assert ("self", "ov_spectral_norm", "max") in snap.stats and ("self", "ov_symmetry", "max") not in snap.stats
     with open(tmp_path / "run" / "attn_probe.jsonl") as f:

@@ -11,7 +11,7 @@ from transformers import BertForMaskedLM, Trainer
 import attn_probe
 from attn_probe.checkpoint import CheckpointError, _one_line, find_checkpoints
 from attn_probe.cli import main
-from attn_probe.scores import directionality_score, symmetry_score
+from attn_probe.reference import directionality_score, symmetry_score
 
 
 @pytest.fixture(scope="module")

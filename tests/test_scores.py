@@ -17,12 +17,12 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from attn_probe import metrics, scores
-from attn_probe.metrics import factored_scores, score_factors
-from attn_probe.scores import (
+from attn_probe import reference as scores
+from attn_probe.core import factored_scores, gram_is_cheaper, products, score_factors
+from attn_probe.core import stacks as metrics
+from attn_probe.reference import (
     directionality_from_norms,
     directionality_score,
-    gram_is_cheaper,
     pair_kv_heads,
     symmetry_from_inner_products,
     symmetry_score,
@@ -107,7 +107,7 @@ def torch64(x: np.ndarray) -> torch.Tensor:
 @given(qk=factors())
 def test_factored_equals_explicit_definitions(branch, qk):
     q, k = qk
-    with mock.patch.object(scores, "gram_is_cheaper", lambda r, d: branch == "gram"):
+    with mock.patch.object(products, "gram_is_cheaper", lambda r, d: branch == "gram"):
         got = factored_scores(torch64(q), torch64(k), per_head=True, dtype=torch.float64)
     m = ref_matrix(q, k)
     if np.sum(m * m) > 1e-20:

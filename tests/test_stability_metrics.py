@@ -26,7 +26,7 @@ from transformers import (
 
 import attn_probe
 from attn_probe.cli import main
-from attn_probe.metrics import DEFAULT_METRICS, MAGNITUDES, Products, is_magnitude, score_factors
+from attn_probe.core import DEFAULT_METRICS, MAGNITUDES, Products, is_magnitude, score_factors
 from attn_probe.tags import BAND_STATS, STATS, layer_stats, parse_tag, scalar_tag, stats_for
 
 NORMS = ("spectral_norm", "frobenius_norm", "stable_rank", "qk_bound")

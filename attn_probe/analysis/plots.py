@@ -319,7 +319,7 @@ def plot_heatmap(
     the rest (``clip_percentile=100`` gives ``max |W_qk|``). The title gives the matrix's
     symmetry and directionality scores. Saved to ``path`` if given.
     """
-    from ..scores import directionality_score, symmetry_score
+    from ..reference import directionality_score, symmetry_score
 
     _check_path(path)
     if not 0 < clip_percentile <= 100:

@@ -40,7 +40,7 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
 
 def _in_registry_order(metrics: Any) -> list[str]:
     """Distinct metrics, those of :data:`attn_probe.metrics.METRICS` first in its order, then the rest."""
-    from ..metrics import METRICS
+    from ..core import METRICS
 
     order = {m: i for i, m in enumerate(METRICS)}
     return sorted(dict.fromkeys(metrics), key=lambda m: (order.get(m, len(order)), m))
@@ -98,7 +98,7 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
         })
     out = pd.DataFrame(rows)
     # runs in the order given, metrics in the registry's order (the paper's two first), unknown last
-    from ..metrics import METRICS
+    from ..core import METRICS
 
     order = {m: i for i, m in enumerate(METRICS)}
     out["_m"] = [order.get(m, len(order)) for m in out["metric"]]
@@ -111,7 +111,7 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
 def is_magnitude(metric: str) -> bool:
     """:func:`attn_probe.metrics.is_magnitude`, also for a metric known by a new name
     (:data:`~attn_probe.analysis.trajectory.RENAMED_METRICS`: ``ov_gain_bound`` as ``ov_qk_bound``)."""
-    from ..metrics import is_magnitude as core
+    from ..core import is_magnitude as core
     from .trajectory import RENAMED_METRICS
 
     old = {new: old for old, new in RENAMED_METRICS.items()}

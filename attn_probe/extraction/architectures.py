@@ -66,14 +66,15 @@ def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
-def _is_lora(module: nn.Module) -> bool:
+def is_lora(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT LoRA wrapper (its weight is ``base_layer`` plus the adapter)."""
     return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
 
 
 def projection(module: nn.Module, path: str) -> Projection | None:
     """A :class:`Projection` for ``module`` at ``path``, or ``None`` if it is not linear."""
     prefix = f"{path}." if path else ""
-    if _is_lora(module):
+    if is_lora(module):
         return _lora_projection(module, path, prefix)
     if isinstance(module, nn.Linear):
         weight = getattr(module, "weight", None)
@@ -143,7 +144,7 @@ def _applied_adapters(module: nn.Module, path: str) -> tuple[float, list[str]]:
 def attached_adapters(attn: nn.Module) -> Callable[[], tuple[tuple[str, ...], ...]]:
     """A cheap callable naming the adapters attached to each LoRA projection under ``attn`` (the
     projections are found once, here): when its value changes, the layer's ``param_names`` are stale."""
-    loras = [m for m in attn.modules() if _is_lora(m)]
+    loras = [m for m in attn.modules() if is_lora(m)]
     return lambda: tuple(tuple(m.lora_A) for m in loras)
 
 
@@ -247,7 +248,7 @@ def separate_layout(
 ) -> QKLayout | None:
     """Layout of a module with separate q and k projection children, if it has them."""
     children = dict(attn.named_children())
-    slots = 2 if _class_is(attn, *GATED_QUERY_CLASSES) else 1  # rows per query head: (query[, gate])
+    slots = 2 if class_is(attn, *GATED_QUERY_CLASSES) else 1  # rows per query head: (query[, gate])
     for q_name, k_name in names if names is not None else SEPARATE_QK_NAMES:
         if q_name not in children or k_name not in children:
             continue
@@ -272,14 +273,15 @@ def separate_layout(
     return None
 
 
-def _child(attn: nn.Module, path: str, name: str) -> Projection | None:
+def child_projection(attn: nn.Module, path: str, name: str) -> Projection | None:
+    """The :func:`projection` of ``attn``'s child module ``name`` (``None`` if it has none or it is not linear)."""
     child = getattr(attn, name, None)
     if not isinstance(child, nn.Module):
         return None
     return projection(child, f"{path}.{name}" if path else name)
 
 
-def _class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) -> bool:
+def class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) -> bool:
     """Narrow key: the module's class (or a base class, for user subclasses) has one of
     ``names``, optionally defined in a Python module whose name ends with ``module_suffix``."""
     return any(
@@ -352,11 +354,11 @@ def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     Cross-attention modules read q from ``q_attn`` and k from the first half of ``c_attn``.
     """
     if not (
-        _class_is(attn, "GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention")
-        or _class_is(attn, "Attention", module_suffix="modeling_openai")
+        class_is(attn, "GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention")
+        or class_is(attn, "Attention", module_suffix="modeling_openai")
     ):
         return None
-    c_attn = _child(attn, path, "c_attn")
+    c_attn = child_projection(attn, path, "c_attn")
     if c_attn is None:
         return None
     head_dim = _int(getattr(attn, "head_dim", None))
@@ -366,7 +368,7 @@ def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     if head_dim is None:
         return None
     if getattr(attn, "is_cross_attention", False):
-        q = _child(attn, path, "q_attn")
+        q = child_projection(attn, path, "q_attn")
         if q is None or c_attn.out_features != 2 * q.out_features or c_attn.in_features != q.in_features:
             return None  # (an encoder of another width would make W_qk non-square)
         h, d, q_out = q.out_features // head_dim, q.in_features, q.out_features
@@ -383,9 +385,9 @@ def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
 def _gpt_bigcode_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     """GPTBigCode ``c_attn`` (nn.Linear): multi-query ``[q | k | v]`` with one KV head,
     otherwise per-head interleaved ``(H, 3, dh)``. Cross-attention is not supported."""
-    if not _class_is(attn, "GPTBigCodeAttention") or getattr(attn, "is_cross_attention", False):
+    if not class_is(attn, "GPTBigCodeAttention") or getattr(attn, "is_cross_attention", False):
         return None
-    c_attn = _child(attn, path, "c_attn")
+    c_attn = child_projection(attn, path, "c_attn")
     num_heads, head_dim = _int(getattr(attn, "num_heads", None)), _int(getattr(attn, "head_dim", None))
     if c_attn is None or num_heads is None or head_dim is None:
         return None
@@ -411,7 +413,7 @@ def _interleaved_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | N
     name = _by_class(attn, _INTERLEAVED)
     if name is None:
         return None
-    proj = _child(attn, path, name)
+    proj = child_projection(attn, path, name)
     if proj is None:
         return None
     head_dim = _int(
@@ -434,9 +436,9 @@ def _falcon_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     """Falcon ``query_key_value``: ``new_decoder_architecture`` groups rows per KV head
     ``(Hkv, H/Hkv + 2, dh)``; ``multi_query`` is ``[q | k | v]`` with one KV head; otherwise
     per-head interleaved ``(H, 3, dh)``."""
-    if not _class_is(attn, "FalconAttention", "FalconFlashAttention2"):
+    if not class_is(attn, "FalconAttention", "FalconFlashAttention2"):
         return None
-    proj = _child(attn, path, "query_key_value")
+    proj = child_projection(attn, path, "query_key_value")
     num_heads, head_dim = _int(getattr(attn, "num_heads", None)), _int(getattr(attn, "head_dim", None))
     if proj is None or num_heads is None or head_dim is None:
         return None
@@ -476,7 +478,7 @@ def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | No
     each block head-major."""
     config = getattr(attn, "config", None) or config
     name = _by_class(attn, _CONTIGUOUS)
-    proj = _child(attn, path, name) if name else None
+    proj = child_projection(attn, path, name) if name else None
     if proj is None:
         return None
     head_dim = _int(getattr(attn, "head_dim", None))
@@ -500,9 +502,9 @@ def _contiguous_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | No
 def _codegen_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     """CodeGen ``qkv_proj``: rows form ``mp_num = 4`` blocks, each ``[q | v | k]`` of ``H/4`` heads;
     query head ``h`` lives in block ``h // (H/4)``."""
-    if not _class_is(attn, "CodeGenAttention"):
+    if not class_is(attn, "CodeGenAttention"):
         return None
-    proj = _child(attn, path, "qkv_proj")
+    proj = child_projection(attn, path, "qkv_proj")
     num_heads = _int(getattr(attn, "num_attention_heads", None))
     head_dim = _int(getattr(attn, "head_dim", None))
     mp_num = 4  # hard-coded in transformers' CodeGenAttention.forward
@@ -544,7 +546,7 @@ def _xlnet_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     """XLNet: ``q``/``k`` are raw parameters ``(d, H, dh)`` used as ``einsum("ibh,hnd->ibnd")``,
     so ``W_q[n] = q[:, n, :]^T``. Only the content stream's bilinear form is scored (the
     relative-position and segment terms are not part of ``W_qk``)."""
-    if not _class_is(attn, "XLNetRelativeAttention"):
+    if not class_is(attn, "XLNetRelativeAttention"):
         return None
     num_heads, head_dim, d = (_int(getattr(attn, a, None)) for a in ("n_head", "d_head", "d_model"))
     if num_heads is None or head_dim is None or d is None:

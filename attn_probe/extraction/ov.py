@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .architectures import Projection, _child, _class_is, _is_lora, projection
+from .architectures import Projection, child_projection, class_is, is_lora, projection
 from .base import AttentionLayer, ParamGetter, Tensor, UnsupportedModelError
 
 __all__ = ["OVLayout", "ov_layout", "OV_ARCHITECTURES"]
@@ -78,9 +78,9 @@ def _layout(v_names: tuple[str, ...], o: Projection, layer: AttentionLayer,
 
 
 def _separate(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
-    if not _class_is(attn, *_SEPARATE_VO):
+    if not class_is(attn, *_SEPARATE_VO):
         return None
-    v, o = _child(attn, layer.name, "v_proj"), _child(attn, layer.name, "o_proj")
+    v, o = child_projection(attn, layer.name, "v_proj"), child_projection(attn, layer.name, "o_proj")
     if v is None or o is None or v.out_features != layer.num_kv_heads * layer.head_dim:
         return None
     return _layout(v.param_names, o, layer, v.weight)
@@ -92,12 +92,12 @@ def _bert(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
     Sizes come from the modules' attributes, never from the weights: under sharding a weight's
     local shape is not its full shape (a ZeRO-3 placeholder is ``(0,)``, FSDP1 holds flat shards).
     """
-    if not _class_is(attn, *_BERT_SELF) or not layer.name.endswith(".self"):
+    if not class_is(attn, *_BERT_SELF) or not layer.name.endswith(".self"):
         return None
     out_path = layer.name[: -len("self")] + "output"
     dense = getattr(_submodule(layer.root, out_path), "dense", None)
-    v = _child(attn, layer.name, "value")
-    o = projection(dense, f"{out_path}.dense") if isinstance(dense, nn.Module) and not _is_lora(dense) else None
+    v = child_projection(attn, layer.name, "value")
+    o = projection(dense, f"{out_path}.dense") if isinstance(dense, nn.Module) and not is_lora(dense) else None
     if v is not None and o is not None and v.out_features == layer.num_kv_heads * layer.head_dim:
         found = _layout(v.param_names, o, layer, v.weight)
         if found is not None:
@@ -113,7 +113,7 @@ def _bert(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
 
 
 def _kind(module: object) -> str:
-    return "a PEFT LoRA wrapper" if isinstance(module, nn.Module) and _is_lora(module) else type(module).__name__
+    return "a PEFT LoRA wrapper" if isinstance(module, nn.Module) and is_lora(module) else type(module).__name__
 
 
 def _submodule(root: nn.Module | None, path: str) -> nn.Module | None:
@@ -140,11 +140,11 @@ def _fused_value(qkv: Projection, layer: AttentionLayer, kind: str) -> Callable[
 
 def _fused(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
     h, hkv, dh = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    if _class_is(attn, "GPT2Attention") and not getattr(attn, "is_cross_attention", False):
+    if class_is(attn, "GPT2Attention") and not getattr(attn, "is_cross_attention", False):
         qkv_name, o_name, kind = "c_attn", "c_proj", "contiguous"
-    elif _class_is(attn, "GPTNeoXAttention", "BloomAttention"):
+    elif class_is(attn, "GPTNeoXAttention", "BloomAttention"):
         qkv_name, o_name, kind = "query_key_value", "dense", "interleaved"
-    elif _class_is(attn, "FalconAttention"):
+    elif class_is(attn, "FalconAttention"):
         qkv_name, o_name = "query_key_value", "dense"
         if getattr(attn, "new_decoder_architecture", False):
             kind = "grouped"
@@ -154,7 +154,7 @@ def _fused(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
             kind = "interleaved"
     else:
         return None
-    qkv, o = _child(attn, layer.name, qkv_name), _child(attn, layer.name, o_name)
+    qkv, o = child_projection(attn, layer.name, qkv_name), child_projection(attn, layer.name, o_name)
     if qkv is None or o is None or qkv.out_features != (h + 2 * hkv) * dh:
         return None
     return _layout(qkv.param_names, o, layer, _fused_value(qkv, layer, kind))

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ..core import table_entries
 from ..extraction import AttentionLayer
 from ..isolation import safe_warn
-from ..metrics import table_entries
 from ..sinks import Record, Snapshot
 from ..tags import layer_stats
 
