@@ -3,7 +3,7 @@
 Launched with ``torchrun --standalone --nproc_per_node 3 prefetch_worker.py ROOT``. Builds a
 4-layer Llama whose W_q (16 x 20) and W_k (8 x 20) split unevenly over three ranks, keeps an
 unsharded copy, shards it with ``fully_shard`` and records, through a wrapper around
-``attn_probe.distributed._dtensor_full``, when each gather is issued and how many other
+``attn_probe.distributed.backends.dtensor_full`` (the documented seam where a DTensor gather is issued), when each gather is issued and how many other
 layers' gathered tensors are still alive at that moment. Writes ``ROOT/rank<r>.json``:
 
 * ``walk``: events of a plain :func:`iter_layer_params` walk (``issue <layer>``, ``yield <layer>``)
@@ -30,9 +30,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import attn_probe
-import attn_probe.distributed as distributed
 from attn_probe import find_attention, score_model
-from attn_probe.distributed import gather_scores, iter_layer_params
+from attn_probe.distributed import backends, gather_scores, iter_layer_params
 
 LAYERS = 4
 
@@ -53,14 +52,14 @@ def local_address(value) -> int:
 
 
 class Recorder:
-    """Wraps ``_dtensor_full``: logs each issue and counts other layers' live gathered storages."""
+    """Wraps ``backends.dtensor_full``: logs each issue and counts other layers' live gathered storages."""
 
     def __init__(self, owner: dict[int, str]) -> None:
         self.owner = owner
         self.events: list[str] = []
         self.live: list[tuple[str, StorageWeakRef]] = []
         self.alive = 0
-        self.original = distributed._dtensor_full
+        self.original = backends.dtensor_full
 
     def __call__(self, value, *args, **kwargs):
         layer = self.owner.get(local_address(value), "?")
@@ -94,7 +93,7 @@ def main() -> None:
     owner = {local_address(getattr(layer.module, f"{p}_proj").weight): n
              for layer, n in zip(layers, names, strict=True) for p in ("q", "k")}
     recorder = Recorder(owner)
-    distributed._dtensor_full = recorder
+    backends.dtensor_full = recorder
     report: dict = {}
 
     def walk(**kwargs) -> dict:

@@ -19,8 +19,9 @@ import torch
 from transformers import BertForMaskedLM, Trainer, TrainerCallback, TrainingArguments
 
 import attn_probe.distributed as distributed
-import attn_probe.probe as probe_module
 from attn_probe import AttnProbeCallback
+from attn_probe.distributed import backends
+from attn_probe.pairs import QKPair
 
 
 def bert() -> BertForMaskedLM:
@@ -94,28 +95,29 @@ def main() -> None:
         disable_tqdm=True,
     )
     state = {"step": 0}
+    pairs = None
     if inject:
-        original_score = probe_module.QKPair.score
-        original_plan = distributed._plan
+        original_plan = backends.plan_layer  # the documented seam: one layer's plan
 
-        def score(self, *a, **k):
-            if rank == 0 and state["step"] == 2:
-                raise RuntimeError("injected scoring error on rank 0")
-            return original_score(self, *a, **k)
+        class FailingPair(QKPair):  # the documented hook: a pair with its own score, called per layer
+            def score(self, *a, **k):
+                if rank == 0 and state["step"] == 2:
+                    raise RuntimeError("injected scoring error on rank 0")
+                return super().score(*a, **k)
 
         def plan(*a, **k):
             if rank == 1 and state["step"] == 3:
                 raise RuntimeError("injected gather error on rank 1")
             return original_plan(*a, **k)
 
-        probe_module.QKPair.score = score
-        distributed._plan = plan
+        pairs = [FailingPair()]
+        backends.plan_layer = plan
 
     class Step(TrainerCallback):  # registered first: the step the probe is about to snapshot
         def on_step_end(self, args, s, control, **kwargs):
             state["step"] = s.global_step
 
-    callback = AttnProbeCallback(log_dir=str(out / "probe"), every=1)
+    callback = AttnProbeCallback(log_dir=str(out / "probe"), every=1, **({"pairs": pairs} if pairs else {}))
     trainer = Trainer(
         model=bert(), args=args, train_dataset=Data(), callbacks=[Step(), callback, SaveReference(out)]
     )
