@@ -191,14 +191,15 @@ def stack_layer_bytes(q_shape: Sequence[int], k_shape: Sequence[int], dtype: tor
     return 2 * (dtype.itemsize + compute.itemsize) * numel + compute.itemsize * formed
 
 
-#: :meth:`QKPair.score` as defined here: a subclass, or a patch of the class, that replaces it
-#: is called layer by layer, never bypassed by a stack
-_CORE_SCORE = QKPair.score
-
-
 def _scores_as_stack(pair: ScorePair) -> bool:
-    """Whether ``pair`` scores through the core unchanged, so that stacking gives its own numbers."""
-    return isinstance(pair, QKPair) and type(pair).score is _CORE_SCORE
+    """Whether ``pair`` scores through the core unchanged, so that stacking gives its own numbers.
+
+    True for :class:`QKPair` and its subclasses that keep its ``score``; a subclass that
+    defines its own ``score`` is called layer by layer, never bypassed by a stack.
+    """
+    if not isinstance(pair, QKPair):
+        return False
+    return next(cls for cls in type(pair).__mro__ if "score" in vars(cls)) is QKPair
 
 
 @dataclasses.dataclass

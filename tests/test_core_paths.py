@@ -286,14 +286,13 @@ def test_batched_matrix_vector_products_broadcast_like_matmul(entries, monkeypat
     torch.testing.assert_close(spectra.mtv(x, u), (x.mT @ u[..., None])[..., 0])
 
 
-def test_a_patched_qkpair_score_is_called_not_bypassed_by_stacks(tmp_path, monkeypatch):
+def test_a_subclass_score_is_called_not_bypassed_by_stacks(tmp_path):
     calls = []
-    original = QKPair.score
 
-    def patched(self, layer, *args, **kwargs):
-        calls.append(layer.layer)
-        return original(self, layer, *args, **kwargs)
+    class Counted(QKPair):  # the documented hook: a pair that defines its own score
+        def score(self, layer, *args, **kwargs):
+            calls.append(layer.layer)
+            return super().score(layer, *args, **kwargs)
 
-    monkeypatch.setattr(QKPair, "score", patched)
-    live_values(llama(layers=3), tmp_path, "run")
+    live_values(llama(layers=3), tmp_path, "run", pairs=[Counted()])
     assert calls and calls == [0, 1, 2] * (len(calls) // 3)

@@ -404,8 +404,8 @@ TRAINER_FIRST, TRAINER_CKPT, TRAINER_LAST = 6, 4, 10  # every=2: steps 0, 2, 4, 
 
 
 def train_trainer(out: Path, report_to: list[str], max_steps: int, resume: bool = False):
-    from trainer_fixtures import RandomTokens, make_args
-    from trainer_fixtures import tiny_bert as trainer_bert
+    from helpers import RandomTokens, make_args
+    from helpers import tiny_bert as trainer_bert
     from transformers import Trainer
 
     args = make_args(out, max_steps, report_to=report_to, logging_steps=1, save_strategy="steps",
@@ -563,8 +563,8 @@ warnings.simplefilter("always")
 import torch, trackio, attn_probe
 from attn_probe.sinks.trackio import TrackioSink
 from tracker_servers import tiny_bert, train_steps
-from trainer_fixtures import RandomTokens, make_args
-from trainer_fixtures import tiny_bert as trainer_bert
+from helpers import RandomTokens, make_args
+from helpers import tiny_bert as trainer_bert
 from transformers import Trainer
 
 notes = {{}}

@@ -15,13 +15,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import RandomTokens, make_args, tiny_bert
 from tracker_servers import (
     expected_metrics,
     use_mlflow_server,
     wandb_history,
     wandb_offline_env,
 )
-from trainer_fixtures import RandomTokens, make_args, tiny_bert
 from transformers import Trainer
 
 import attn_probe

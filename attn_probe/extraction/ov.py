@@ -18,11 +18,10 @@ model's own forward pass are listed (:data:`OV_ARCHITECTURES`); anything else ra
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from torch import nn
 
-from .architectures import Projection, child_projection, class_is, is_lora, projection
+from .architectures import Projection, QKLayout, child_projection, class_is, is_lora, projection
 from .base import AttentionLayer, ParamGetter, Tensor, UnsupportedModelError
 
 __all__ = ["OVLayout", "ov_layout", "OV_ARCHITECTURES"]
@@ -42,24 +41,9 @@ _SEPARATE_VO = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 _BERT_SELF = ("BertSelfAttention", "RobertaSelfAttention", "RobertaPreLayerNormSelfAttention")
 
 
-@dataclass(frozen=True)
-class OVLayout:
-    """One layer's OV factors: ``split(get) -> (A (H, dh, d), B (H_kv, dh, d))``."""
-
-    param_names: tuple[str, ...]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    split: Callable[[ParamGetter], tuple[Tensor, Tensor]]
-
-    def factors(self, get: ParamGetter) -> tuple[Tensor, Tensor]:
-        out, value = self.split(get)
-        expected = ((self.num_heads, self.head_dim, self.hidden_size),
-                    (self.num_kv_heads, self.head_dim, self.hidden_size))
-        if (tuple(out.shape), tuple(value.shape)) != expected:
-            raise ValueError(f"extracted W_o {tuple(out.shape)} / W_v {tuple(value.shape)}, expected {expected}")
-        return out, value
+#: the OV pair's layouts are :class:`~attn_probe.extraction.architectures.QKLayout` s (one type for
+#: both pairs' factor layouts); the name stays for code that imported it
+OVLayout = QKLayout
 
 
 def _layout(v_names: tuple[str, ...], o: Projection, layer: AttentionLayer,
@@ -74,7 +58,7 @@ def _layout(v_names: tuple[str, ...], o: Projection, layer: AttentionLayer,
         return w_o.T.reshape(h, dh, d), value(get).reshape(hkv, dh, d)
 
     names = tuple(dict.fromkeys((*v_names, *o.param_names)))
-    return OVLayout(names, h, hkv, dh, d, split)
+    return QKLayout(names, h, hkv, dh, d, split, labels=("W_o", "W_v"))
 
 
 def _separate(attn: nn.Module, layer: AttentionLayer) -> OVLayout | None:
