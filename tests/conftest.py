@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the shared modules (helpers, tracker_servers, distributed_workers/) live here, beside the test
+# folders that mirror the package (tests/core/, tests/demo/, ...): importable from every folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Worker for tests/test_peft_adapter_state.py: a live probe on an FSDP2-sharded PEFT LoRA Llama.
+"""Worker for tests/extraction/test_peft_adapter_state.py: a live probe on an FSDP2-sharded PEFT LoRA Llama.
 
 ``torchrun --standalone --nproc_per_node 2 lora_shard_worker.py ROOT``. Two adapters are attached
 before sharding; snapshots are taken with ``default`` active, after ``set_adapter("second")`` and

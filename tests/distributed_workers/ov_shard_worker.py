@@ -1,4 +1,4 @@
-"""Worker for tests/test_ov_sharded.py: the OV pair (with W_qk) on a sharded model, live and gathered.
+"""Worker for tests/distributed/test_ov_sharded.py: the OV pair (with W_qk) on a sharded model, live and gathered.
 
 Launched with ``torchrun --standalone --nproc_per_node 2 ov_shard_worker.py CASE[,CASE...] ROOT``;
 a case is ``SETUP-MODEL`` (setup ``zero3``, ``fsdp1``, ``fsdp1_orig``, ``fsdp2``; model ``bert``

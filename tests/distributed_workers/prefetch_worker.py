@@ -1,4 +1,4 @@
-"""Worker for tests/test_prefetch.py: FSDP2 gathers run one layer ahead of the scoring.
+"""Worker for tests/distributed/test_prefetch.py: FSDP2 gathers run one layer ahead of the scoring.
 
 Launched with ``torchrun --standalone --nproc_per_node 3 prefetch_worker.py ROOT``. Builds a
 4-layer Llama whose W_q (16 x 20) and W_k (8 x 20) split unevenly over three ranks, keeps an

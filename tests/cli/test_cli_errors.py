@@ -23,7 +23,7 @@ pytest.importorskip("pandas")
 from attn_probe.analysis.trajectory import load_trajectory, read_table  # noqa: E402
 from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 HOSTILE = ["=HYPERLINK(\"evil\"&A1,\"x\")", "+1+cmd", "@SUM(1+1)", "-2+3", "\tTAB", "\rCR", "'quoted",
            "plain"]

@@ -721,7 +721,7 @@ def test_layout_survives_flattened_weights(case_id: str) -> None:
 
 
 # --------------------------------------------------------------------------- docs/supported-models.md
-DOC = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
+DOC = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs" / "supported-models.md"
 
 
 LAYOUT_NOTES = {

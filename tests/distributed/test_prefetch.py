@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
 from helpers import launch  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch
 
 pytestmark = pytest.mark.timeout(300)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
 from helpers import (  # noqa: E402  (explicit float64 metrics)
     assert_matches,

@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("mlflow")
 pytest.importorskip("tensorboard")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 SINK_TIMEOUT = 15.0
 #: close() may exceed sink_timeout by this much (the final snapshot, the other sinks, a loaded machine)
