@@ -36,6 +36,7 @@ from ..isolation import safe_warn
 from ..logdir import default_log_dir
 from ..probe import Probe
 from ..schedules import ScheduleLike
+from ..stages.alerting import print_line
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
@@ -371,8 +372,9 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         if last:  # async_scoring: the snapshot still being scored first, or the final one would be skipped
             _flush(probe)
         probe.on_update(step)
-        if probe.stop_requested and not last:  # stop_on_alert: the same decision on every rank
+        if probe.stop_requested and not last:  # stop_on_alert: the same decision on every rank, same step
             control.should_training_stop = last = True
+            _stop_for_alert(probe, args, control, step, main=bool(getattr(state, "is_world_process_zero", True)))
         if last:
             # the final snapshot now: the tracker callbacks end their runs in on_train_end,
             # which they receive before this callback does
@@ -392,6 +394,28 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 def _warn(message: str) -> None:
     """A RuntimeWarning that cannot raise (``python -W error`` turns warnings into exceptions)."""
     safe_warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _stop_for_alert(probe: Probe, args: Any, control: Any, step: int, *, main: bool) -> None:
+    """stop_on_alert: ask the Trainer for a checkpoint of this step when its policy saves at all
+    (``save_strategy`` not ``"no"``), so that the weights that fired can be inspected; the main
+    process says so in one line."""
+    strategy = str(getattr(getattr(args, "save_strategy", "no"), "value", getattr(args, "save_strategy", "no")))
+    saving = strategy != "no"
+    if saving:
+        control.should_save = True
+    if not main:
+        return
+    alert = probe.alerting.stop_alert if probe.alerting is not None else None
+    cause = (f"the alert on {alert.metric} at step {alert.step} ({alert.group} layer {alert.layer}"
+             f"{'' if alert.head is None else f' head {alert.head}'})" if alert is not None else "an alert")
+    if saving:
+        where = os.path.join(str(args.output_dir), f"checkpoint-{step}")
+        kept = f"the Trainer saves a checkpoint of this step in {where} (save_strategy={strategy!r})"
+    else:
+        kept = ("no checkpoint is saved (save_strategy='no'); with save_strategy='steps' the Trainer would save "
+                "the weights that fired")
+    print_line(f"attn_probe: training stopped at step {step} because of {cause} (stop_on_alert=True); {kept}.")
 
 
 def _flush(probe: Probe) -> None:
