@@ -99,8 +99,7 @@ def run(case: str, out: Path, rank: int) -> dict:
             probe = callback.probe
             seen["skipped"] = probe.skipped_snapshots
             seen["failures"] = probe.failures
-            seen["fired"] = [[a.step, a.metric, a.layer, a.head] for a in
-                             (probe.alerting.fired if probe.alerting is not None else [])]
+            seen["fired"] = [[a.step, a.metric, a.layer, a.head] for a in getattr(probe.alerting, "fired", [])]
             seen["stop_requested"] = probe.stop_requested
 
     trainer = Trainer(model=model, args=args, train_dataset=Same(), callbacks=[Grow(model), callback, Keep()])
