@@ -193,11 +193,14 @@ class Probe:
         """
         stage = self.attention
         attention = stage.take(step) if stage is not None else None  # every rank
-        if attention is not None and self.alerting is not None:  # the combined values: the same on every rank
-            self.alerting.check_attention(step, attention_rows(stage.layers, attention.tables,
-                                                               per_head=self.config.per_head))
         snap = None
         try:
+            if attention is not None and self.alerting is not None:  # the combined values: the same on every rank
+                try:  # local: must not keep this rank out of the walk's collectives below
+                    self.alerting.check_attention(step, attention_rows(stage.layers, attention.tables,
+                                                                       per_head=self.config.per_head))
+                except Exception as exc:  # noqa: BLE001
+                    self.failure_log.report("the alert rules", exc)
             if weights:
                 snap = self.measurement.measure(  # the attention values join the weight tables before the assembly
                     step, images, asynchronous=asynchronous, finish=lambda m: self.assembler.assemble(
