@@ -1,6 +1,6 @@
 """How many of the probe's snapshots reach a user's W&B run, per way of logging (issue 29).
 
-Run as a script (``python tests/wandb_usages.py OUT_DIR [usage ...]``) it trains a tiny BERT
+Run as a script (``python tests/wandb_usages.py OUT_DIR [usage[@steps] ...]``) it trains a tiny BERT
 for ``STEPS`` updates with ``watch(every=EVERY)`` and a ``WandbSink`` in an offline W&B run, the
 user logging every ``USER_EVERY`` updates in one of the ways below, reads each run back from its
 ``.wandb`` file and prints one ``RESULT {json}`` line per usage: the probe steps that reached W&B
@@ -49,7 +49,7 @@ def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
 
 
-def one_usage(usage: str, out: Path) -> dict:
+def one_usage(usage: str, out: Path, steps: int = STEPS) -> dict:
     import torch
     import wandb
     from tracker_servers import SEQ, VOCAB, expected_metrics, tiny_bert
@@ -59,8 +59,8 @@ def one_usage(usage: str, out: Path) -> dict:
 
     root = out / usage
     root.mkdir(parents=True)
-    run = wandb.init(project="attn-probe-rows", dir=str(root), mode="offline", name=f"user-{usage}")
-    explicit = usage in ("step", "split_step", "separate_split")
+    run = wandb.init(project="attn-probe-rows", dir=str(root), mode="offline", name=f"user-{usage}", group="g29")
+    explicit = usage in ("step", "split_step", "separate", "separate_split")
     split = usage in ("split", "split_step", "separate_split")
     sink = WandbSink(run, separate_run=True) if usage.startswith("separate") else WandbSink(run)
     model = tiny_bert(0, layers=1, hidden=16, heads=2)
@@ -79,7 +79,7 @@ def one_usage(usage: str, out: Path) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = attn_probe.watch(model, optimizer=opt, log_dir=str(root / "probe"), every=EVERY, sinks=[sink])
-        for i in range(STEPS):
+        for i in range(steps):
             if i % EVERY == 0:  # the weights move between snapshots; no forward/backward otherwise (speed)
                 ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
                 model(input_ids=ids, labels=ids).loss.backward()
@@ -98,7 +98,12 @@ def one_usage(usage: str, out: Path) -> dict:
         probe.close()
         run.finish()
     history = run_file_history(root, run.id)
-    probe_history = history if not usage.startswith("separate") else run_file_history(root, sink_run_id(root, run.id))
+    groups = [run_group(root, run.id)]
+    probe_history = history
+    if usage.startswith("separate"):
+        probe_id = sink_run_id(root, run.id)
+        probe_history = run_file_history(root, probe_id)
+        groups.append(run_group(root, probe_id))
     want = expected_metrics(probe.log_dir)
     got: dict[int, dict] = {}
     for row in probe_history:
@@ -113,8 +118,16 @@ def one_usage(usage: str, out: Path) -> dict:
     user_steps = {int(row["_step"]) for row in history if "user_step" in row and row.get("_step") == row["user_step"]}
     return {"usage": usage, "snapshots": len(want), "reached": sorted(got), "wrong_values": wrong,
             "user_rows_wanted": rows_wanted, "user_rows_found": user_rows,
-            "user_rows_at_their_step": len(user_steps),
+            "user_rows_at_their_step": len(user_steps), "groups": groups,
+            "probe_keys_in_user_run": any(k.startswith("attn_probe/") for row in history for k in row),
             "warnings": [str(w.message) for w in caught if "attn_probe" in str(w.message)]}
+
+
+def run_group(root: Path, run_id: str) -> str:
+    from tracker_servers import wandb_records
+
+    path = next(p for p in root.rglob(f"run-{run_id}.wandb") if "latest-run" not in p.parts)
+    return next(r.run.run_group for r in wandb_records(path) if r.WhichOneof("record_type") == "run")
 
 
 def sink_run_id(root: Path, user_id: str) -> str:
@@ -128,9 +141,10 @@ def main(argv: list[str]) -> None:
     import wandb
 
     out = Path(argv[0])
-    for usage in argv[1:] or USAGES:
+    for arg in argv[1:] or USAGES:  # "usage" or "usage@steps"
+        usage, _, steps = arg.partition("@")
         try:
-            result = one_usage(usage, out)
+            result = one_usage(usage, out, int(steps or STEPS))
         except TypeError as exc:  # an older WandbSink without separate_run
             result = {"usage": usage, "error": f"{type(exc).__name__}: {exc}"}
         finally:

@@ -103,10 +103,12 @@ class WandbRows:
       reaches W&B when the owner moves to a later step. Two snapshots in one open row: the earlier
       one is overwritten. Each such loss is counted, the first one warned about (with the fix,
       :data:`WANDB_FIX`), the total at :meth:`close`.
-    * Before the owner's first log the probe does not know yet: a snapshot joins the open row,
-      and is committed (flushed) before the next snapshot if the owner has not logged meanwhile.
-      An owner whose first ``log(..., step=s)`` then comes at an ``s`` below W&B's step has it
-      dropped by W&B; that is warned about at once.
+    * Before the owner's first log the probe does not know yet: the first snapshot joins the open
+      row (so an owner whose first log is ``log(..., step=0)`` shares it), the next ones are rows
+      of their own. An owner whose first ``log(..., step=s)`` then comes at an ``s`` below W&B's
+      step has it dropped by W&B; that is warned about at once. (Should the first snapshot still
+      be waiting when the owner holds a row open with ``commit=False`` and the next snapshot
+      comes, that row is committed first: the owner's split row is then two rows, nothing lost.)
 
     A lock makes each decision and its ``run.log`` one step as seen by the owner's calls (a
     ``run.log`` only hands the record to W&B's service, it does not wait for it). Where the run
@@ -132,6 +134,7 @@ class WandbRows:
         #: the owner's logs dropped by W&B because their step was below W&B's step
         self.owner_dropped = 0
         self._pending_step: int | None = None
+        self._sent_any = False
         self._watch: Any = None
         self._install()
 
@@ -193,11 +196,12 @@ class WandbRows:
                         self._lose(self._pending_step)
                     else:
                         self.run.log({}, commit=True)  # the earlier snapshot: a row of its own
-                if self.owner_logged and not self.owner_step and not self.owner_open:
-                    self.run.log(values, commit=True)
-                else:
+                if self.owner_step or self.owner_open or not (self.owner_logged or self._sent_any):
                     self.run.log(values, commit=False)
                     self.pending, self._pending_step = True, int(step)
+                else:
+                    self.run.log(values, commit=True)
+                self._sent_any = True
             finally:
                 self._mine.on = False
 
