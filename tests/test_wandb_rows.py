@@ -27,7 +27,7 @@ pytest.importorskip("wandb")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
-RUNS = ("plain@500", "split@100", "step@100", "split_step@500", "separate@100", "separate_split@100")
+RUNS = ("plain@500", "split@100", "step@300", "split_step@500", "separate@100", "separate_split@100")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_a_user_who_never_passes_step_gets_every_snapshot(usages, usage, steps):
     assert r["warnings"] == []
 
 
-@pytest.mark.parametrize("usage, steps", [("step", 100), ("split_step", 500)])
+@pytest.mark.parametrize("usage, steps", [("step", 300), ("split_step", 500)])
 def test_a_user_who_passes_step_is_warned_at_the_first_lost_snapshot(usages, usage, steps):
     r = usages[usage]
     want = snapshot_steps(steps)
