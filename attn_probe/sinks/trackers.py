@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -157,6 +158,13 @@ class WandbRows:
 
         self._watch = watch
         self.run._partial_history_callback = watch
+        try:  # one status line, printed like the probe's own start line
+            print(f"attn_probe: {self.label}: while it is logged without step=, each probe snapshot is a row "
+                  "of its own on W&B's default Step axis (plot attn_probe/* against attn_probe/step); logged "
+                  "with step=, snapshots join its rows (docs/live-probe.md, \"W&B rows\")",
+                  file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - a status line must never stop training
+            pass
 
     def _saw(self, mine: bool, step: Any, commit: Any) -> None:
         current = int(self.run._local_step)
