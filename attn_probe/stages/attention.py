@@ -87,7 +87,7 @@ class AttentionStage:
         self.per_head = per_head
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
-        self.capture = AttentionCapture(model, self.layers) if self.reason is None else None
+        self.capture = AttentionCapture(model, self.layers, failures=self.failures) if self.reason is None else None
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
