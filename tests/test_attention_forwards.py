@@ -165,14 +165,14 @@ def test_trl_dpo_reference_pass_is_not_measured(tmp_path, mode):
     trainer.train()
     got = {m: sink.values(m) for m in ("max_logit", "entropy")}
     assert sorted(got["max_logit"]) == [1, 2]
-    policy = copy.deepcopy(trainer.model)
-    base_copy = policy.get_base_model()
+    base_copy = LlamaForCausalLM(base.config)
+    policy = get_peft_model(base_copy, lora)  # the policy alone: adapter "default", no "ref"
     for step in (1, 2):
         assert len(record[step]) == 1  # one training forward per step; the reference pass runs under no_grad
-        policy.load_state_dict(weights[step])
+        missing = policy.load_state_dict(weights[step], strict=False).missing_keys
+        assert missing == []
         ids, mask = record[step][0]
-        # the reference: an eager measurement of that forward alone, policy adapter on (TRL enables
-        # gradient checkpointing, under which the attention modules' own hooks are bypassed)
+        # the reference: an eager measurement of that forward alone on a fresh policy (adapter on)
         capture = AttentionCapture(base_copy, find_attention(base_copy), training_only=False)
         capture.arm()
         with torch.no_grad():
