@@ -44,15 +44,24 @@ on the attention's device, freed per chunk; plus a float32 copy of q and k.
 **Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
 <AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
 (max over all of them, entropy averaged over all their counted tokens), so the step's values
-equal one forward on the concatenated batch. A forward re-run inside backward (gradient
-checkpointing; detected with ``torch._C._current_graph_task_id()``) is skipped, so it neither
-costs a second measurement nor counts twice.
+equal one forward on the concatenated batch. Only calls inside a forward of the watched model
+entered with gradients enabled count (``training_only``, the probe's rule): not ``no_grad``/
+``inference_mode`` passes (evaluation, ``generate()``, preference trainers' reference passes),
+nor a checkpointed block re-run inside backward (outside any forward of the model); blocks
+that reentrant checkpointing runs under ``no_grad`` inside a training forward count once.
 :func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
 entropy sums and token counts), so combined values equal one process on the global batch.
 
-**Zero cost otherwise.** The wrappers registered in the interface test one dict for
-emptiness and call the previous entry; hooks exist only while armed; nothing is written into
-the model or its config.
+**Zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
+wrapped while a capture exists: for a measured implementation name it returns the function
+transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
+(the armed captures); an unwatched module gets exactly that function. Hooks exist only while
+armed; nothing is written into the model, its config or the registry.
+
+**torch.compile.** The decision is data the compiler guards on, not state it must trace: the
+armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
+place, so a compiled forward has the graphs of a run without the probe when not armed and
+one more variant (compiled at the first armed call, then reused) when armed.
 """
 
 from __future__ import annotations

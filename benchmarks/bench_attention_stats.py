@@ -11,6 +11,10 @@ with ``attention_stats=True``.
 
     python benchmarks/bench_attention_stats.py [--threads 1] [--repeats 7] [--memory | --trainer 60]
 
+``--compile BACKEND`` (``aot_eager``, ``inductor``): a compiled model (``--shape``), the wall
+time of each of 5 steps (due every second step, the first due step compiles the armed variant)
+and dynamo's graph count after each, without and with the capture.
+
 On a GPU (``--device cuda``; ``benchmarks/gpu_session.sh attention``): ``--shape llama-1b``
 (Llama-3.2-1B: d 2048, 16 layers, 32 query / 8 key-value heads, vocab 128256), ``--dtype
 bfloat16``, ``--seq 2048``, ``--batch 1``: the due and not-due step times (CUDA-synchronised)
@@ -55,8 +59,8 @@ def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "c
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step(run=model):
+        run(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
         if device != "cpu":
@@ -115,6 +119,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--trainer", type=int, metavar="STEPS")
+    parser.add_argument("--compile", metavar="BACKEND", help="time compiled steps (aot_eager, inductor)")
     parser.add_argument("--every", type=int, default=20, help="the Trainer runs' every (default 20)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -141,6 +146,9 @@ def main() -> None:
     if args.trainer:
         trainer_runs(args.trainer, args.every, **shape)
         return
+    if args.compile:
+        compiled_steps(args.compile, shape)
+        return
     if args.device != "cpu":
         cuda_step(args.repeats, shape)
         return
@@ -166,6 +174,37 @@ def main() -> None:
     a, b = statistics.median(off), statistics.median(on)
     print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
+
+
+def compiled_steps(backend: str, shape: dict) -> None:
+    """Per step: wall time and dynamo's graph count, compiled without and with the capture."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    for probe in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        step, capture = build(**shape)
+        if not probe:
+            capture.close()
+        model = capture.root
+        compiled = torch.compile(model, backend=backend)
+        times, graphs = [], []
+        for i in range(5):
+            due = probe and i % 2 == 1
+            if due:
+                capture.arm()
+            t = time.perf_counter()
+            step(compiled)
+            times.append(time.perf_counter() - t)
+            graphs.append(int(counters["stats"]["unique_graphs"]))
+            if due:
+                capture.disarm()
+        if probe:
+            capture.close()
+        print(f"{backend}, {'with the capture (due: steps 2, 4)' if probe else 'no probe'}: step times "
+              + ", ".join(f"{t:.2f}" for t in times) + f" s; graphs after each step {graphs}; "
+              f"graph breaks {sum(counters['graph_break'].values())}")
 
 
 def cuda_step(repeats: int, shape: dict) -> None:

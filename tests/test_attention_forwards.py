@@ -157,7 +157,8 @@ def test_trl_dpo_reference_pass_is_not_measured(tmp_path, mode):
     cb = AttnProbeCallback(every=1, attention_stats=True, per_head=True, sinks=[sink], metrics=("symmetry",),
                            log_dir=str(tmp_path / "tb"))
     args = DPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2, report_to="none",
-                     use_cpu=True, save_strategy="no", logging_steps=100, disable_tqdm=True, learning_rate=0.05)
+                     use_cpu=True, save_strategy="no", logging_steps=100, disable_tqdm=True, learning_rate=0.05,
+                     bf16=False)  # TRL defaults to bf16 autocast; the reference runs without it
     trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                          peft_config=lora if mode == "disable_adapter" else None, callbacks=[Steps(), cb])
     if mode == "ref_adapter":
