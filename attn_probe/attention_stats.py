@@ -324,16 +324,25 @@ class StepStats:
         the layer (max over heads; mean of the head entropies), the core's layout. NaN where
         nothing was counted."""
         nan = torch.tensor(math.nan, dtype=torch.float64, device=self.max_logit.device)
-        mx = torch.where(torch.isinf(self.max_logit), nan, self.max_logit)
+        mx = torch.where(self.max_logit == -math.inf, nan, self.max_logit)  # +inf is a real overflow
         ent = torch.where(self.tokens > 0, self.entropy_sum / self.tokens.clamp_min(1), nan)
         out = []
         off = self.offsets
         for i in range(len(self.heads)):
             m, e = mx[off[i]:off[i + 1]], ent[off[i]:off[i + 1]]
             head_max = self.max_logit[off[i]:off[i + 1]].amax()
-            layer_max = torch.where(torch.isinf(head_max), nan, head_max)
+            layer_max = torch.where(head_max == -math.inf, nan, head_max)
             out.append(torch.stack([torch.cat([layer_max[None], m]), torch.cat([e.mean()[None], e])]))
         return out
+
+    def counted(self) -> list[Tensor]:
+        """Per layer a bool ``(1 + H,)``: whether any token was counted (column 0: in any head).
+        A column that was not counted is NaN in :meth:`tables` because nothing was measured (no
+        forward reached the layer, or its measurement failed), not because the logits were NaN."""
+        seen = self.tokens > 0
+        off = self.offsets
+        return [torch.cat([seen[off[i]:off[i + 1]].any()[None], seen[off[i]:off[i + 1]]])
+                for i in range(len(self.heads))]
 
     def input_norms(self) -> Tensor:
         """``(layers,)`` largest input norm per layer, NaN where none was seen."""

@@ -48,6 +48,7 @@ class AttentionTables:
 
     def __init__(self, stats: StepStats) -> None:
         self.tables = [t.cpu().numpy() for t in stats.tables()]
+        self.counted = [c.cpu().numpy() for c in stats.counted()]  # False: not measured (NaN, no alert)
         self.norms = stats.input_norms().cpu().numpy()
         self.scaling = stats.scaling
 
