@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..event_files import has_event_files, is_event_file
 from ..tags import parse_tag
-from ..trajectory_format import TRAJECTORY_FILENAME, decode_value, encode_value
+from ..trajectory_format import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, encode_value, parse_header
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = [
     "COLUMNS",
+    "LINEAGE",
     "FORMATS",
     "MissingExtraError",
     "TrajectoryError",
@@ -55,6 +56,8 @@ PathLike = str | os.PathLike
 RunsLike = PathLike | Sequence[PathLike] | Mapping[str, PathLike]
 
 COLUMNS = ("run", "group", "step", "layer", "head", "metric", "value")
+#: lineage columns, present when a loaded run has a run header: its id, its parent's id and step
+LINEAGE = ("run_id", "parent_run", "parent_step")
 #: export format -> file name suffixes that select it
 FORMATS: dict[str, tuple[str, ...]] = {
     "csv": (".csv",),
@@ -101,29 +104,54 @@ def _pandas() -> Any:
 
 
 
+#: how deep below a given path run directories are looked for (a Trainer's output_dir/runs/<run>
+#: is 2 deep; a sweep of sweeps a few more)
+MAX_DEPTH = 64
+
+
 def _run_dirs_below(root: Path) -> list[Path]:
-    """Run directories at or below ``root``, sorted.
+    """Run directories at or below ``root``, in sorted depth-first order.
 
     A directory holding ``attn_probe.jsonl`` is one run, and event files below it (a
     logging sub-directory) belong to it; directories below it with their own trajectory
-    file are separate runs.
+    file are separate runs. The walk is iterative, follows symbolic links to directories
+    but enters each directory once (a link loop is skipped), and raises
+    :class:`TrajectoryError` (one line) below :data:`MAX_DEPTH` levels.
     """
     found: list[Path] = []
-
-    def walk(d: Path, covered: bool) -> None:
+    seen: set[tuple[int, int]] = set()
+    stack: list[tuple[Path, bool, int]] = [(root, False, 0)]
+    while stack:
+        d, covered, depth = stack.pop()
         try:
+            st = d.stat()
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue  # entered already: a symbolic link loop, or a second link to it
+            seen.add(key)
             entries = sorted(d.iterdir())
-        except OSError:
-            return
+        except (OSError, RuntimeError):
+            continue
         has_traj = (d / TRAJECTORY_FILENAME).is_file()
         if has_traj or (not covered and any(is_event_file(e.name) and e.is_file() for e in entries)):
             found.append(d)
-        for e in entries:
-            if e.is_dir() and not e.is_symlink():
-                walk(e, covered or has_traj)
+        subdirs = [e for e in entries if _is_dir(e)]
+        if subdirs and depth >= MAX_DEPTH:
+            from ..logdir import printable
 
-    walk(root, False)
+            raise TrajectoryError(
+                f"{printable(root)}: directories nested more than {MAX_DEPTH} levels deep below it "
+                f"(at {printable(subdirs[0].relative_to(root).parts[0])}/...); point at the run "
+                "directories themselves, or at a parent nearer them")
+        stack.extend((e, covered or has_traj, depth + 1) for e in reversed(subdirs))
     return found
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 #: a Trainer's default TensorBoard run directory: ``<Mon DD_HH-MM-SS>_<host>`` (SummaryWriter's
@@ -383,57 +411,115 @@ def _lines(fh: Any) -> Iterator[str | None]:
 
 
 class _RunSplitter:
-    """Tells apart the runs that one trajectory file holds, row by row, in file order.
+    """Tells apart the unidentified runs of rows written before run headers existed, row by row.
 
     A probe's steps only increase, and a resumed run first cuts the file before its resume step
-    (:func:`attn_probe.logdir.cut_trajectory`), so a value (``group, layer, head,
+    (:func:`attn_probe.trajectory_format.cut_run`), so a value (``group, layer, head,
     metric``) is written again at a step at or before its last one only where a fresh run was
     started in a ``log_dir`` that already held one (its sink warns and appends), and such a run
     counts from step 0. A value written again at a step ``s`` starts a new run when ``s`` is at or
     before the first step of the current run, and otherwise continues it: a resume appended
     without the cut, whose rows from ``s`` on replace the earlier ones (the value written last
     counts, :func:`normalize`). Values are compared one by one, so rows in any order within a
-    run (a file written by hand metric by metric) stay one run.
+    run (a file written by hand metric by metric) stay one run. Files with run headers need no
+    guess: every row belongs to the run of the header before it.
     """
 
     def __init__(self) -> None:
-        self.runs: list[list[tuple]] = []
         self._first = 0  # the current run's first step
         self._last: dict[tuple, int] = {}  # (group, layer, head, metric) -> its last step in the current run
 
-    def add(self, row: tuple) -> None:
+    def starts_run(self, row: tuple, fresh: bool) -> bool:
+        """Whether ``row`` starts a new run (``fresh``: no unidentified run is open yet)."""
         group, step, layer, head, metric, _ = row
         key = (group, layer, head, metric)
         last = self._last.get(key)
-        if not self.runs or (last is not None and step <= last and step <= self._first):
-            self.runs.append([])  # the first run, or one that starts again
+        new = fresh or (last is not None and step <= last and step <= self._first)
+        if new:
             self._last.clear()
             self._first = step
         self._first = min(self._first, step)
         self._last[key] = step
-        self.runs[-1].append(row)
+        return new
 
 
-def _read_trajectory_file(path: Path) -> list[list[tuple]]:
-    """The valid rows of a trajectory file, one list per run it holds (:class:`_RunSplitter`)."""
-    runs = _RunSplitter()
+class _FileRuns:
+    """The valid rows of one trajectory file as columns, each row tagged with its run's index.
+
+    ``runs[i]`` is ``[run_id, parent_run, parent_step, first step, last step]`` (``run_id``
+    ``None`` for a run written before run headers). One table for the whole file, whatever
+    the number of runs: memory and time are linear in the file with small constants.
+    """
+
+    def __init__(self) -> None:
+        self.run: list[int] = []
+        self.columns: tuple[list, ...] = ([], [], [], [], [], [])  # group, step, layer, head, metric, value
+        self.runs: list[list[Any]] = []
+
+    def new_run(self, run_id: str | None = None, parent: str | None = None, parent_step: int | None = None) -> int:
+        self.runs.append([run_id, parent, parent_step, None, None])
+        return len(self.runs) - 1
+
+    def add(self, run: int, row: tuple) -> None:
+        self.run.append(run)
+        for column, v in zip(self.columns, row, strict=True):
+            column.append(v)
+        meta, step = self.runs[run], row[1]
+        meta[3] = step if meta[3] is None else min(meta[3], step)
+        meta[4] = step if meta[4] is None else max(meta[4], step)
+
+    @property
+    def identified(self) -> bool:
+        return any(r[0] is not None for r in self.runs)
+
+
+def _read_trajectory_file(path: Path) -> _FileRuns:
+    """The valid rows of a trajectory file, tagged by run.
+
+    A header record (:mod:`attn_probe.trajectory_format`) starts the rows of its run (the run
+    it names when that id came before: a resumption; a resumed header of a new id continues
+    the unidentified run before it: a resume from a checkpoint written before run ids).
+    Rows before any header are split into runs by :class:`_RunSplitter`.
+    """
+    out = _FileRuns()
+    splitter = _RunSplitter()
+    by_id: dict[str, int] = {}
+    current: int | None = None  # the run the next row belongs to
+    identified = False  # inside a header's rows
     bad = 0
     with open(path, "rb") as fh:
         for line in _lines(fh):
             if line is not None and not line.strip():
                 continue
-            parsed = None if line is None else _parse_line(line)
+            rec = None if line is None else _loads(line)
+            if isinstance(rec, dict) and HEADER_KEY in rec:
+                header = parse_header(rec)
+                if header is None:
+                    bad += 1
+                    continue
+                if header.run_id in by_id:
+                    current = by_id[header.run_id]
+                elif header.resumed and current is not None and out.runs[current][0] is None:
+                    out.runs[current][0] = header.run_id
+                else:
+                    current = out.new_run(header.run_id, header.parent_run, header.parent_step)
+                by_id[header.run_id] = current
+                identified = True
+                continue
+            parsed = _parse_record(rec)
             if parsed is None:
                 bad += 1
-            else:
-                runs.add(parsed)
+                continue
+            if not identified and splitter.starts_run(parsed, current is None):
+                current = out.new_run()
+            out.add(current, parsed)
     if bad:
         warnings.warn(
             f"{path}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
             TrajectoryWarning,
             stacklevel=4,
         )
-    return runs.runs
+    return out
 
 
 # TFRecord framing of event files: u64 length, masked crc32c of the length, data, masked crc32c
@@ -638,18 +724,23 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     return rows
 
 
-def _read_run(run_dir: Path) -> list[list[tuple]]:
-    """The rows of the run(s) in ``run_dir``: one list per run its trajectory file holds, or one
-    list from its event files (empty lists when there is nothing)."""
+def _read_run(run_dir: Path) -> _FileRuns:
+    """The rows of the run(s) in ``run_dir``: those of its trajectory file, or one run from its
+    event files (no runs when there is nothing)."""
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
-        runs = _read_trajectory_file(traj)
-        if runs or not has_event_files(str(run_dir)):
-            return runs
+        found = _read_trajectory_file(traj)
+        if found.runs or not has_event_files(str(run_dir)):
+            return found
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
+    out = _FileRuns()
     rows = _read_event_files(run_dir)
-    return [rows] if rows else []
+    if rows:
+        run = out.new_run()
+        for row in rows:
+            out.add(run, row)
+    return out
 
 
 def _is_na(v: Any) -> bool:
@@ -750,9 +841,33 @@ def _str_column(s: pd.Series) -> tuple[Any, Any]:
     return out, (out.isin(wrong).to_numpy() if wrong else np.zeros(len(s), dtype=bool))
 
 
+def _optional_text_column(s: pd.Series) -> tuple[Any, Any]:
+    """``(object values, bad-row mask)`` of a nullable text column: missing is ``None``; text
+    that cannot be written as UTF-8, or a non-text value, is bad."""
+    import numpy as np
+
+    values = s.to_numpy(dtype=object, na_value=None)
+    out = np.empty(len(values), dtype=object)
+    bad = np.zeros(len(values), dtype=bool)
+    cache: dict[Any, bool] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            ok = cache.get(v)
+            if ok is None:
+                ok = cache[v] = _is_text(v)
+            if ok:
+                out[i] = v
+                continue
+        elif v is None or _is_na(v):
+            continue
+        bad[i] = True
+    return out, bad
+
+
 def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     """Coerce a long table to the canonical dtypes, drop duplicate steps (keep last), sort.
 
+    The lineage columns (:data:`LINEAGE`) are kept when present (missing ones added empty).
     Metric names of earlier versions are renamed (:data:`RENAMED_METRICS`: ``ov_qk_bound`` is
     ``ov_gain_bound``). Rows whose ``step`` is not an integer within int64 (missing, fractional, ``1e30``,
     text), whose ``layer``/``head`` is not such an integer or missing, or whose ``value`` is
@@ -785,6 +900,18 @@ def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
         "metric": metric,
         "value": pd.Series(value, index=df.index, dtype="float64"),
     })
+    if any(c in df.columns for c in LINEAGE):  # lineage: text ids or missing, an int64 step or missing
+        for c in ("run_id", "parent_run"):
+            text, bad_text = _optional_text_column(df[c]) if c in df.columns else (None, None)
+            out[c] = text if text is not None else None
+            if bad_text is not None:
+                bad |= bad_text
+        if "parent_step" in df.columns:
+            parent_step, bad_parent = _int_column(df["parent_step"], nullable=True)
+            out["parent_step"] = parent_step
+            bad |= bad_parent
+        else:
+            out["parent_step"] = pd.array([pd.NA] * len(out), dtype="Int64")
     if bad.any():
         n = int(bad.sum())
         warnings.warn(
@@ -815,36 +942,68 @@ def unescape_formulas(values: pd.Series) -> pd.Series:
     return text.where(~escaped, text.str[1:])
 
 
-def _rows_frame(run: str, rows: list[tuple]) -> pd.DataFrame:
-    """Validated reader rows as a table with exact dtypes (no float round trip for the ints)."""
+def _file_frame(names: list[str], found: _FileRuns) -> pd.DataFrame:
+    """One table of a file's rows (``names[i]`` is run ``i``'s name), with exact dtypes (no float
+    round trip for the ints) and the lineage columns; the run columns share one string per run."""
     import numpy as np
 
     pd = _pandas()
-    group, step, layer, head, metric, value = zip(*rows, strict=True)
+    group, step, layer, head, metric, value = found.columns
+    codes = np.fromiter(found.run, dtype=np.int64, count=len(found.run))
+    ids = np.empty(len(found.runs), dtype=object)
+    parents = np.empty(len(found.runs), dtype=object)
+    ids[:] = [r[0] for r in found.runs]
+    parents[:] = [r[1] for r in found.runs]
+    parent_steps = pd.array([r[2] for r in found.runs], dtype="Int64")
+    run_names = np.empty(len(names), dtype=object)
+    run_names[:] = names
     return pd.DataFrame({
-        "run": [run] * len(rows),
-        "group": list(group),
+        "run": run_names[codes],
+        "group": group,
         "step": np.array(step, dtype=np.int64),
         "layer": pd.array(layer, dtype="Int64"),
         "head": pd.array(head, dtype="Int64"),
-        "metric": list(metric),
+        "metric": metric,
         "value": np.array(value, dtype=np.float64),
+        "run_id": ids[codes],
+        "parent_run": parents[codes],
+        "parent_step": parent_steps.take(codes) if len(codes) else pd.array([], dtype="Int64"),
     })
 
 
+#: how many runs a warning names before it only counts the rest
+_NAMED_IN_WARNING = 5
+#: the longest run name a warning prints (a hostile path can be long)
+_NAME_IN_WARNING = 80
+
+
+def _short(name: str) -> str:
+    from ..logdir import printable
+
+    text = printable(name)
+    return text if len(text) <= _NAME_IN_WARNING else text[:_NAME_IN_WARNING - 3] + "..."
+
+
 def load_trajectory(runs: RunsLike) -> pd.DataFrame:
-    """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``.
+    """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``
+    (and ``run_id, parent_run, parent_step`` when a run carries a run header).
 
     ``runs`` is a run directory, a parent of run directories (``encoder/`` and ``decoder/``
     give two runs), a table written by :func:`export_trajectory`, a list of those, or
-    ``{name: directory}``. Duplicate steps of a resumed
-    run keep the value written last. A trajectory file that holds several runs (a fresh run
-    started in a ``log_dir`` that already held one appends to it: its steps start again) loads
-    as separate runs, named ``NAME``, ``NAME#2``, ``NAME#3``... in the order they were written,
-    with one :class:`TrajectoryWarning` saying so; a resumed run stays one run
-    (:class:`_RunSplitter` says how they are told apart). Corrupt or truncated trajectory lines
-    are skipped with one :class:`TrajectoryWarning` per file; directories without probe data are
-    skipped with a warning, and :class:`TrajectoryError` is raised when nothing usable is left.
+    ``{name: directory}``. Duplicate steps of a resumed run keep the value written last.
+
+    Lineage: a trajectory file written since run headers exist names each run's random
+    ``run_id`` and, for a run branched from another run's checkpoint, that run's id and step
+    (``parent_run``, ``parent_step``; ``<NA>`` otherwise); these three columns are present when
+    any loaded run (or table) has them. A trajectory file that holds several runs (a fresh run
+    started in a ``log_dir`` that already held one appends to it) loads as separate runs,
+    named ``NAME``, ``NAME#2``, ``NAME#3``... in the order they were written, with one
+    :class:`TrajectoryWarning` that counts them and names the first few; runs are told apart
+    by their run headers, or, in files written before them, by their steps starting again
+    (:class:`_RunSplitter`); a resumed run stays one run. Time and memory are linear in the
+    files, whatever the number of runs. Corrupt or truncated trajectory lines are skipped with
+    one :class:`TrajectoryWarning` per file; directories without probe data are skipped with a
+    warning, and :class:`TrajectoryError` is raised when nothing usable is left.
 
     Example:
         >>> df = load_trajectory("runs/encoder")                      # doctest: +SKIP
@@ -853,46 +1012,66 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     pd = _pandas()
     tables, dirs = _split_tables(runs)
     frames = [read_table(t) for t in tables]
+    lineage = any("run_id" in f.columns for f in frames)
     found = find_runs(dirs) if dirs or not tables else []
     taken = {n for n, _ in found}.union(*(set(f["run"]) for f in frames))
-    empty, several = [], []
+    empty: list[str] = []
+    several: list[str] = []  # one text per file holding several runs (the first few only)
+    files_several = runs_several = 0
     for name, run_dir in found:
-        runs = _read_run(run_dir)
-        if not runs:
+        got = _read_run(run_dir)
+        live = [i for i, meta in enumerate(got.runs) if meta[3] is not None]  # runs with rows
+        if not live:
             empty.append(str(run_dir))
             continue
-        names, k = [name], 1
-        for _ in runs[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
+        names = [""] * len(got.runs)
+        names[live[0]], k = name, 1
+        for i in live[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
             k += 1
             while f"{name}#{k}" in taken:
                 k += 1
-            names.append(f"{name}#{k}")
-            taken.add(names[-1])
-        for run_name, rows in zip(names, runs, strict=True):
-            frames.append(_rows_frame(run_name, rows))
-        if len(runs) > 1:
-            several.append(_runs_text(run_dir / TRAJECTORY_FILENAME, names, runs))
+            names[i] = f"{name}#{k}"
+            taken.add(names[i])
+        frames.append(_file_frame(names, got))
+        lineage = lineage or got.identified
+        if len(live) > 1:
+            files_several += 1
+            runs_several += len(live)
+            if len(several) < 3:
+                several.append(_runs_text(run_dir / TRAJECTORY_FILENAME, names, got, live))
     if several:
-        warnings.warn("; ".join(several) + ". A fresh run started in a log_dir that already holds a trajectory "
-                      "appends to it: give each run a log_dir of its own (resuming keeps one run)",
+        more = (f"; and {files_several - len(several)} more file{'s' if files_several - len(several) != 1 else ''}"
+                f" ({runs_several} runs in all)" if files_several > len(several) else "")
+        warnings.warn("; ".join(several) + more + ". A fresh run started in a log_dir that already holds a "
+                      "trajectory appends to it: give each run a log_dir of its own (resuming keeps one run)",
                       TrajectoryWarning, stacklevel=2)
     if not frames:
         raise TrajectoryError(
-            f"no probe data in {', '.join(empty)}: no valid {TRAJECTORY_FILENAME} line and no "
-            "attn_probe/... scalar in the event files"
+            f"no probe data in {', '.join(_short(d) for d in empty[:_NAMED_IN_WARNING])}"
+            f"{f' and {len(empty) - _NAMED_IN_WARNING} more' if len(empty) > _NAMED_IN_WARNING else ''}: no valid "
+            f"{TRAJECTORY_FILENAME} line and no attn_probe/... scalar in the event files"
         )
-    for d in empty:
-        warnings.warn(f"{d}: no probe data, skipped", TrajectoryWarning, stacklevel=2)
-    return normalize(pd.concat(frames, ignore_index=True))
+    if empty:
+        extra = f" and {len(empty) - _NAMED_IN_WARNING} more" if len(empty) > _NAMED_IN_WARNING else ""
+        warnings.warn(f"{', '.join(_short(d) for d in empty[:_NAMED_IN_WARNING])}{extra}: no probe data, skipped",
+                      TrajectoryWarning, stacklevel=2)
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    if not lineage:
+        df = df.drop(columns=[c for c in LINEAGE if c in df.columns])
+    return normalize(df)
 
 
-def _runs_text(path: Path, names: list[str], runs: list[list[tuple]]) -> str:
-    """``PATH holds N runs, loaded as separate runs: NAME (steps a to b), NAME#2 (...)``."""
+def _runs_text(path: Path, names: list[str], found: _FileRuns, live: list[int]) -> str:
+    """``PATH holds N runs (...), loaded as separate runs: NAME (steps a to b), ...`` naming the
+    first :data:`_NAMED_IN_WARNING` of the runs ``live`` (those with rows) only."""
     parts = []
-    for name, rows in zip(names, runs, strict=True):
-        first, last = min(r[1] for r in rows), max(r[1] for r in rows)
-        parts.append(f"{name} (step {first})" if first == last else f"{name} (steps {first} to {last})")
-    return f"{path} holds {len(runs)} runs (the steps start again), loaded as separate runs: {', '.join(parts)}"
+    for i in live[:_NAMED_IN_WARNING]:
+        first, last = found.runs[i][3], found.runs[i][4]
+        parts.append(f"{_short(names[i])} ({f'step {first}' if first == last else f'steps {first} to {last}'})")
+    if len(live) > _NAMED_IN_WARNING:
+        parts.append(f"... and {len(live) - _NAMED_IN_WARNING} more")
+    how = "told apart by their run headers" if found.identified else "the steps start again"
+    return f"{_short(str(path))} holds {len(live)} runs ({how}), loaded as separate runs: {', '.join(parts)}"
 
 
 def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
@@ -940,8 +1119,10 @@ def resolve_format(path: PathLike, format: str | None = None) -> str:
 
 def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
     pd = _pandas()
-    for run, group, step, layer, head, metric, value in df[list(COLUMNS)].itertuples(index=False):
-        yield {
+    lineage = [c for c in LINEAGE if c in df.columns]
+    for row in df[list(COLUMNS) + lineage].itertuples(index=False):
+        run, group, step, layer, head, metric, value = row[:7]
+        rec = {
             "run": run,
             "group": group,
             "step": int(step),
@@ -950,6 +1131,9 @@ def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
             "metric": metric,
             "value": encode_value(value),
         }
+        for c, v in zip(lineage, row[7:], strict=True):
+            rec[c] = None if _is_na(v) else int(v) if c == "parent_step" else v
+        yield rec
 
 
 def export_trajectory(df_or_runs: Any, path: PathLike, format: str | None = None) -> Path:
@@ -974,8 +1158,10 @@ def export_trajectory(df_or_runs: Any, path: PathLike, format: str | None = None
         out.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "csv":
             escaped = df.copy()
-            for column in ("run", "group", "metric"):
-                escaped[column] = escape_formulas(escaped[column])
+            for column in ("run", "group", "metric", "run_id", "parent_run"):
+                if column in escaped.columns:
+                    text = escaped[column]
+                    escaped[column] = escape_formulas(text).where(text.notna(), None)
             escaped.to_csv(out, index=False, lineterminator="\r\n")  # RFC 4180: a name's \r is quoted too
         elif fmt == "parquet":
             df.to_parquet(out, index=False, engine="pyarrow")
@@ -1012,11 +1198,13 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
         # pandas < 3 parses floats inexactly unless asked; pandas 3 is exact and deprecates the flag
         exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
         df = pd.read_csv(p, keep_default_na=False,
-                         na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"]},
-                         dtype={"run": str, "group": str, "metric": str}, **exact)
-        for column in ("run", "group", "metric"):
+                         na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"], "run_id": [""],
+                                    "parent_run": [""], "parent_step": [""]},
+                         dtype={"run": str, "group": str, "metric": str, "run_id": str, "parent_run": str}, **exact)
+        for column in ("run", "group", "metric", "run_id", "parent_run"):
             if column in df.columns:
-                df[column] = unescape_formulas(df[column])
+                text = df[column]
+                df[column] = unescape_formulas(text).where(text.notna(), None)
     elif fmt == "parquet":
         require("pyarrow", "pandas")
         try:
@@ -1028,7 +1216,7 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
             raise TrajectoryError(f"{p}: pandas/pyarrow refused this Parquet table "
                                   f"({type(exc).__name__}: {first})") from exc
     else:
-        recs, bad = [], 0
+        recs, bad, lineage = [], 0, False
         with open(p, "rb") as fh:
             for line in _lines(fh):
                 if line is not None and not line.strip():
@@ -1037,19 +1225,27 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
                 if parsed is None:
                     bad += 1
                 else:
-                    recs.append(parsed)
+                    recs.append(parsed[0])
+                    lineage = lineage or parsed[1]
         if bad:
             warnings.warn(f"{p}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
                           TrajectoryWarning, stacklevel=2)
-        df = pd.DataFrame.from_records(recs, columns=list(COLUMNS))
+        df = pd.DataFrame.from_records(recs, columns=list(COLUMNS) + list(LINEAGE))
         df["head"] = df["head"].astype("object").where(df["head"].notna(), None)
+        df["parent_step"] = df["parent_step"].astype("object").where(df["parent_step"].notna(), None)
+        if not lineage:
+            df = df.drop(columns=list(LINEAGE))
     return normalize(df, source=str(p))
 
 
-def _parse_table_line(line: str) -> tuple | None:
-    """One line of an exported JSONL table as a row of :data:`COLUMNS`, or ``None``."""
+def _parse_table_line(line: str) -> tuple[tuple, bool] | None:
+    """One line of an exported JSONL table as a row of :data:`COLUMNS` + :data:`LINEAGE` (and
+    whether it had lineage keys), or ``None``."""
     rec = _loads(line)
     if not isinstance(rec, dict) or not _is_text(rec.get("run")):
         return None
     parsed = _parse_record(rec, names=_is_text)  # a table may hold any names a DataFrame had
-    return None if parsed is None else (rec["run"], *parsed)
+    if parsed is None:
+        return None
+    lineage = tuple(rec.get(c) for c in LINEAGE)
+    return (rec["run"], *parsed, *lineage), any(c in rec for c in LINEAGE)
