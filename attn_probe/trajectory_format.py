@@ -302,12 +302,15 @@ class Cut:
     other_runs: int
 
 
-def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None) -> Cut:
+def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None, *,
+            otherwise: str = "last") -> Cut:
     """Drop one run's lines at ``step >= resume_step`` from a trajectory file, in constant memory.
 
-    The run cut is ``run_id`` when the file holds a header of it, else the file's last run (the
-    run of its last header; in a file without headers, every row: a file written before run
-    headers). Every line of every other run is kept byte for byte. Also dropped: that run's
+    The run cut is ``run_id`` when the file holds a header of it; else, by ``otherwise``:
+    ``"last"`` the file's last run (the run of its last header; in a file without headers,
+    every row: a file written before run headers), ``"unidentified"`` the rows before the first
+    header (a run resumed from a checkpoint written before run ids), ``"none"`` no run (a new
+    run: nothing of it is in the file). Every line of every other run is kept byte for byte. Also dropped: that run's
     lines without a readable step, a torn last line, lines over 16 MiB. When every kept line
     comes before the first dropped one the file is cut at that line's byte offset in place
     (no free space needed); otherwise the kept lines are streamed into a temporary file beside
@@ -333,9 +336,19 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
         headers = file_runs(path)
         ids = {h.run_id for h in headers}
         found = run_id is not None and run_id in ids
-        target = run_id if found else (headers[-1].run_id if headers else None)
-        legacy = target is not None and _has_rows_before_first_header(path)
-        others = len(ids - {target}) + (1 if legacy else 0)
+        if otherwise not in ("last", "unidentified", "none"):
+            raise ValueError(f"otherwise must be 'last', 'unidentified' or 'none', got {otherwise!r}")
+        legacy = _has_rows_before_first_header(path)
+        target: str | None
+        if found:
+            target = run_id
+        elif otherwise == "last":
+            target = headers[-1].run_id if headers else None
+        elif otherwise == "unidentified" and legacy:
+            target = None
+        else:  # nothing of this run in the file
+            return Cut(0, None, False, len(ids) + (1 if legacy else 0))
+        others = len(ids - {target}) + (1 if legacy and target is not None else 0)
         cut: int | None = None
         dropped = 0
         rewrite = False

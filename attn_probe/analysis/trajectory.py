@@ -444,33 +444,142 @@ class _RunSplitter:
 
 
 class _FileRuns:
-    """The valid rows of one trajectory file as columns, each row tagged with its run's index.
+    """The valid rows of one trajectory file as column arrays, each row tagged with its run's index.
 
-    ``runs[i]`` is ``[run_id, parent_run, parent_step, first step, last step]`` (``run_id``
-    ``None`` for a run written before run headers). One table for the whole file, whatever
-    the number of runs: memory and time are linear in the file with small constants.
+    Run ``i`` is ``ids[i]`` (``None`` for a run written before run headers), ``parents[i]``,
+    ``parent_steps[i]``. Rows are kept in numpy arrays per block (8 bytes a value; group and
+    metric names as codes into :attr:`names`): one table for the whole file, whatever the
+    number of runs, so memory and time are linear in the file with small constants.
     """
 
     def __init__(self) -> None:
-        self.run: list[int] = []
-        self.columns: tuple[list, ...] = ([], [], [], [], [], [])  # group, step, layer, head, metric, value
-        self.runs: list[list[Any]] = []
+        self.ids: list[str | None] = []
+        self.parents: list[str | None] = []
+        self.parent_steps: list[int | None] = []
+        self.names: dict[str, int] = {}  # group and metric names -> code
+        self._blocks: list[tuple[Any, ...]] = []  # (run, group, step, layer, head, head_missing, metric, value)
+        self._pending: tuple[list, ...] = ([], [], [], [], [], [], [], [])
 
     def new_run(self, run_id: str | None = None, parent: str | None = None, parent_step: int | None = None) -> int:
-        self.runs.append([run_id, parent, parent_step, None, None])
-        return len(self.runs) - 1
+        self.ids.append(run_id)
+        self.parents.append(parent)
+        self.parent_steps.append(parent_step)
+        return len(self.ids) - 1
+
+    def code(self, name: str) -> int:
+        return self.names.setdefault(name, len(self.names))
 
     def add(self, run: int, row: tuple) -> None:
-        self.run.append(run)
-        for column, v in zip(self.columns, row, strict=True):
+        """One row ``(group, step, layer, head, metric, value)`` (kept until :meth:`flush`)."""
+        group, step, layer, head, metric, value = row
+        for column, v in zip(self._pending, (run, self.code(group), step, layer, 0 if head is None else head,
+                                             head is None, self.code(metric), value), strict=True):
             column.append(v)
-        meta, step = self.runs[run], row[1]
-        meta[3] = step if meta[3] is None else min(meta[3], step)
-        meta[4] = step if meta[4] is None else max(meta[4], step)
+
+    def add_block(self, *columns: Any) -> None:
+        """Rows as arrays ``(run, group code, step, layer, head, head missing, metric code, value)``."""
+        self.flush()
+        self._blocks.append(columns)
+
+    def flush(self) -> None:
+        import numpy as np
+
+        pending = self._pending
+        if pending[0]:
+            self._blocks.append(tuple(np.array(c, dtype=t) for c, t in zip(
+                pending, (np.int64, np.int64, np.int64, np.int64, np.int64, bool, np.int64, np.float64), strict=True)))
+            self._pending = ([], [], [], [], [], [], [], [])
+
+    def columns(self) -> tuple[Any, ...]:
+        """``(run, group, step, layer, head, head missing, metric, value)`` arrays of every row."""
+        import numpy as np
+
+        self.flush()
+        if not self._blocks:
+            return tuple(np.array([], dtype=t) for t in (np.int64, np.int64, np.int64, np.int64, np.int64, bool,
+                                                          np.int64, np.float64))
+        out = tuple(np.concatenate(c) if len(self._blocks) > 1 else c[0] for c in zip(*self._blocks, strict=True))
+        self._blocks = [out]
+        return out
 
     @property
     def identified(self) -> bool:
-        return any(r[0] is not None for r in self.runs)
+        return any(r is not None for r in self.ids)
+
+    def counts(self) -> Any:
+        """Rows per run (a numpy array)."""
+        import numpy as np
+
+        return np.bincount(self.columns()[0], minlength=len(self.ids))
+
+    def step_range(self, run: int) -> tuple[int, int]:
+        """First and last step of run ``run`` (which has rows)."""
+        cols = self.columns()
+        steps = cols[2][cols[0] == run]
+        return int(steps.min()), int(steps.max())
+
+
+_NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+#: a row exactly as the sink writes it (``json.dumps`` of :data:`FIELDS`): read without json;
+#: 18 digits at most, so the integers fit int64; anything else goes through json and validation
+_ROW = (r'\{"step": (-?\d{1,18}), "wall_time": ' + _NUMBER + r', "group": "([A-Za-z0-9_]{1,128})", '
+        r'"layer": (-?\d{1,18}), "head": (null|-?\d{1,18}), "metric": "([A-Za-z0-9_]{1,128})", '
+        r'"value": (null|' + _NUMBER + r')\}')
+_CANONICAL = re.compile(_ROW + r"\n?")
+#: the same, for every line of a block at once
+_CANONICAL_LINES = re.compile(r"^" + _ROW + r"$", re.MULTILINE)
+#: bytes read at once
+_READ_BLOCK = 4 << 20
+
+
+def _text_blocks(fh: Any) -> Iterator[str | None]:
+    """Blocks of complete lines of a binary file as text (bad UTF-8 replaced); ``None`` for a
+    line over :data:`_MAX_LINE` without a newline in reach (skipped through)."""
+    buf = b""
+    skipping = False
+    while True:
+        chunk = fh.read(_READ_BLOCK)
+        if not chunk:
+            break
+        if skipping:
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                continue
+            chunk, skipping = chunk[nl + 1:], False
+        buf += chunk
+        end = buf.rfind(b"\n") + 1
+        if end == 0:
+            if len(buf) > _MAX_LINE:
+                yield None
+                buf, skipping = b"", True
+            continue
+        yield buf[:end].decode("utf-8", errors="replace")
+        buf = buf[end:]
+    if buf.strip() and not skipping:
+        yield buf.decode("utf-8", errors="replace")  # a torn last line: read (and refused) as a line
+
+
+def _canonical_block(block: str, out: _FileRuns) -> tuple[Any, ...] | None:
+    """``(group, step, layer, head, head missing, metric, value)`` arrays of a block whose every
+    line is a row as the sink writes it, else ``None``. Parsed by numpy, names as codes."""
+    import numpy as np
+
+    rows = _CANONICAL_LINES.findall(block)
+    if not rows or len(rows) != block.count("\n"):
+        return None
+    step, group, layer, head, metric, value = (np.array(c) for c in zip(*rows, strict=True))
+    del rows
+    values = np.where(value == "null", "nan", value).astype(np.float64)
+    if np.isinf(values).any():  # 1e400: not a finite number
+        return None
+    missing = head == "null"
+    heads = np.where(missing, "0", head).astype(np.int64)
+
+    def codes(names: Any) -> Any:
+        uniq, inverse = np.unique(names, return_inverse=True)
+        return np.array([out.code(str(u)) for u in uniq], dtype=np.int64)[inverse.ravel()]
+
+    return (codes(group), step.astype(np.int64), layer.astype(np.int64), heads, missing, codes(metric), values)
 
 
 def _read_trajectory_file(path: Path) -> _FileRuns:
@@ -479,40 +588,100 @@ def _read_trajectory_file(path: Path) -> _FileRuns:
     A header record (:mod:`attn_probe.trajectory_format`) starts the rows of its run (the run
     it names when that id came before: a resumption; a resumed header of a new id continues
     the unidentified run before it: a resume from a checkpoint written before run ids).
-    Rows before any header are split into runs by :class:`_RunSplitter`.
+    Rows before any header are split into runs by :class:`_RunSplitter`. Blocks of rows as the
+    sink writes them are parsed at once (a regular expression and numpy); other lines are parsed
+    and validated one by one.
     """
+    import numpy as np
+
     out = _FileRuns()
     splitter = _RunSplitter()
     by_id: dict[str, int] = {}
     current: int | None = None  # the run the next row belongs to
     identified = False  # inside a header's rows
     bad = 0
+    nan = float("nan")
+    isfinite = math.isfinite
+    match = _CANONICAL.fullmatch
+
+    def runs_of(group: Any, step: Any, layer: Any, head: Any, missing: Any, metric: Any) -> Any:
+        """The run index of each row of a block (before any header: the steps starting again start a run)."""
+        nonlocal current
+        if identified:
+            return np.full(len(step), current, dtype=np.int64)
+        first, last, new_run = splitter._first, splitter._last, out.new_run
+        runs = np.empty(len(step), dtype=np.int64)
+        for i, (g, s, la, h, hm, m) in enumerate(zip(group.tolist(), step.tolist(), layer.tolist(), head.tolist(),
+                                                       missing.tolist(), metric.tolist(), strict=True)):
+            key = (g, la, None if hm else h, m)
+            prev = last.get(key)
+            if current is None or (prev is not None and s <= prev and s <= first):
+                current = new_run()
+                last.clear()
+                first = s
+            elif s < first:
+                first = s
+            last[key] = s
+            runs[i] = current
+        splitter._first = first
+        return runs
+
     with open(path, "rb") as fh:
-        for line in _lines(fh):
-            if line is not None and not line.strip():
-                continue
-            rec = None if line is None else _loads(line)
-            if isinstance(rec, dict) and HEADER_KEY in rec:
-                header = parse_header(rec)
-                if header is None:
-                    bad += 1
-                    continue
-                if header.run_id in by_id:
-                    current = by_id[header.run_id]
-                elif header.resumed and current is not None and out.runs[current][0] is None:
-                    out.runs[current][0] = header.run_id
-                else:
-                    current = out.new_run(header.run_id, header.parent_run, header.parent_step)
-                by_id[header.run_id] = current
-                identified = True
-                continue
-            parsed = _parse_record(rec)
-            if parsed is None:
+        for block in _text_blocks(fh):
+            if block is None:
                 bad += 1
                 continue
-            if not identified and splitter.starts_run(parsed, current is None):
-                current = out.new_run()
-            out.add(current, parsed)
+            fast = _canonical_block(block, out)
+            if fast is not None:
+                out.add_block(runs_of(*fast[:6]), *fast)
+                continue
+            lines = block.split("\n")
+            if lines[-1] == "":
+                lines.pop()
+            for line in lines:
+                if len(line) > _MAX_LINE:
+                    bad += 1
+                    continue
+                m = match(line)
+                parsed = None
+                if m is not None:
+                    step, group, layer, head, metric, value = m.groups()
+                    v = nan if value == "null" else float(value)
+                    if v != v or isfinite(v):  # a finite value or null (NaN)
+                        parsed = (group, int(step), int(layer), None if head == "null" else int(head), metric, v)
+                if parsed is None:
+                    if not line.strip():
+                        continue
+                    rec = _loads(line)
+                    if isinstance(rec, dict) and HEADER_KEY in rec:
+                        header = parse_header(rec)
+                        if header is None:
+                            bad += 1
+                            continue
+                        if header.run_id in by_id:
+                            current = by_id[header.run_id]
+                        elif header.resumed and current is not None and out.ids[current] is None:
+                            out.ids[current] = header.run_id
+                        else:
+                            current = out.new_run(header.run_id, header.parent_run, header.parent_step)
+                        by_id[header.run_id] = current
+                        identified = True
+                        continue
+                    parsed = _parse_record(rec)
+                    if parsed is None:
+                        bad += 1
+                        continue
+                group, step, layer, head, metric, _ = parsed
+                if not identified:
+                    key = (out.code(group), layer, head, out.code(metric))
+                    prev = splitter._last.get(key)
+                    if current is None or (prev is not None and step <= prev and step <= splitter._first):
+                        current = out.new_run()
+                        splitter._last.clear()
+                        splitter._first = step
+                    splitter._first = min(splitter._first, step)
+                    splitter._last[key] = step
+                out.add(current, parsed)
     if bad:
         warnings.warn(
             f"{path}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
@@ -730,7 +899,7 @@ def _read_run(run_dir: Path) -> _FileRuns:
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
         found = _read_trajectory_file(traj)
-        if found.runs or not has_event_files(str(run_dir)):
+        if found.ids or not has_event_files(str(run_dir)):
             return found
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
@@ -837,7 +1006,12 @@ def _str_column(s: pd.Series) -> tuple[Any, Any]:
     import numpy as np
 
     out = s.astype(str)
-    wrong = [v for v in out.unique() if not _is_text(v)]  # few distinct names: check those
+    unique = out.unique().tolist()
+    try:  # all of them at once: one encode (a lone surrogate fails it)
+        "".join(unique).encode("utf-8")
+        wrong: list[str] = []
+    except UnicodeEncodeError:
+        wrong = [v for v in unique if not _is_text(v)]
     return out, (out.isin(wrong).to_numpy() if wrong else np.zeros(len(s), dtype=bool))
 
 
@@ -948,26 +1122,28 @@ def _file_frame(names: list[str], found: _FileRuns) -> pd.DataFrame:
     import numpy as np
 
     pd = _pandas()
-    group, step, layer, head, metric, value = found.columns
-    codes = np.fromiter(found.run, dtype=np.int64, count=len(found.run))
-    ids = np.empty(len(found.runs), dtype=object)
-    parents = np.empty(len(found.runs), dtype=object)
-    ids[:] = [r[0] for r in found.runs]
-    parents[:] = [r[1] for r in found.runs]
-    parent_steps = pd.array([r[2] for r in found.runs], dtype="Int64")
-    run_names = np.empty(len(names), dtype=object)
-    run_names[:] = names
+    run, group, step, layer, head, missing, metric, value = found.columns()
+    labels = np.empty(len(found.names), dtype=object)
+    labels[:] = list(found.names)
+
+    def objects(values: list) -> Any:
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = values
+        return arr[run]
+
+    parent_steps = np.array([0 if p is None else p for p in found.parent_steps], dtype=np.int64)
+    no_parent = np.array([p is None for p in found.parent_steps], dtype=bool)
     return pd.DataFrame({
-        "run": run_names[codes],
-        "group": group,
-        "step": np.array(step, dtype=np.int64),
-        "layer": pd.array(layer, dtype="Int64"),
-        "head": pd.array(head, dtype="Int64"),
-        "metric": metric,
-        "value": np.array(value, dtype=np.float64),
-        "run_id": ids[codes],
-        "parent_run": parents[codes],
-        "parent_step": parent_steps.take(codes) if len(codes) else pd.array([], dtype="Int64"),
+        "run": objects(names),
+        "group": labels[group],
+        "step": step,
+        "layer": pd.arrays.IntegerArray(layer, np.zeros(len(layer), dtype=bool)),
+        "head": pd.arrays.IntegerArray(head, missing),
+        "metric": labels[metric],
+        "value": value,
+        "run_id": objects(found.ids),
+        "parent_run": objects(found.parents),
+        "parent_step": pd.arrays.IntegerArray(parent_steps[run], no_parent[run]),
     })
 
 
@@ -1020,11 +1196,11 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     files_several = runs_several = 0
     for name, run_dir in found:
         got = _read_run(run_dir)
-        live = [i for i, meta in enumerate(got.runs) if meta[3] is not None]  # runs with rows
+        live = got.counts().nonzero()[0].tolist()  # runs with rows
         if not live:
             empty.append(str(run_dir))
             continue
-        names = [""] * len(got.runs)
+        names = [""] * len(got.ids)
         names[live[0]], k = name, 1
         for i in live[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
             k += 1
@@ -1055,10 +1231,23 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
         extra = f" and {len(empty) - _NAMED_IN_WARNING} more" if len(empty) > _NAMED_IN_WARNING else ""
         warnings.warn(f"{', '.join(_short(d) for d in empty[:_NAMED_IN_WARNING])}{extra}: no probe data, skipped",
                       TrajectoryWarning, stacklevel=2)
-    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     if not lineage:
-        df = df.drop(columns=[c for c in LINEAGE if c in df.columns])
-    return normalize(df)
+        frames = [f.drop(columns=[c for c in LINEAGE if c in f.columns]) for f in frames]
+    if not tables:  # rows validated while read: only the dtypes, the renames, duplicates and order
+        df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        del frames
+        return _finish(df)
+    return normalize(pd.concat(frames, ignore_index=True))
+
+
+def _finish(df: pd.DataFrame) -> pd.DataFrame:
+    """The last steps of :func:`normalize` for rows the readers validated already."""
+    for column in ("run", "group", "metric"):
+        df[column] = df[column].astype(str)
+    if df["metric"].isin(list(RENAMED_METRICS)).any():  # runs written before a metric was renamed
+        df["metric"] = df["metric"].replace(RENAMED_METRICS)
+    df = df.drop_duplicates(subset=_KEY, keep="last")
+    return df.sort_values(_KEY, na_position="first", kind="stable").reset_index(drop=True)
 
 
 def _runs_text(path: Path, names: list[str], found: _FileRuns, live: list[int]) -> str:
@@ -1066,7 +1255,7 @@ def _runs_text(path: Path, names: list[str], found: _FileRuns, live: list[int]) 
     first :data:`_NAMED_IN_WARNING` of the runs ``live`` (those with rows) only."""
     parts = []
     for i in live[:_NAMED_IN_WARNING]:
-        first, last = found.runs[i][3], found.runs[i][4]
+        first, last = found.step_range(i)
         parts.append(f"{_short(names[i])} ({f'step {first}' if first == last else f'steps {first} to {last}'})")
     if len(live) > _NAMED_IN_WARNING:
         parts.append(f"... and {len(live) - _NAMED_IN_WARNING} more")

@@ -107,7 +107,11 @@ class TrajectorySink(Sink):
         given = config.get("run_id") if isinstance(config.get("run_id"), str) and config.get("run_id") else None
         resumed = run.resume_step is not None
         if resumed:
-            cut = cut_run(self.path, run.resume_step, given)
+            # a run id given but not in the file: a new (branched) run, or one resumed from a checkpoint
+            # written before run ids (``continues_unidentified``), whose rows have no header
+            otherwise = "last" if given is None else "unidentified" if config.get("continues_unidentified") \
+                else "none"
+            cut = cut_run(self.path, run.resume_step, given, otherwise=otherwise)
             self.run_id = given or cut.run_id or new_run_id()
             if cut.dropped:
                 which = (f"run {cut.run_id}" if cut.run_id is not None
