@@ -567,8 +567,9 @@ def _canonical_block(block: str, out: _FileRuns) -> tuple[Any, ...] | None:
     rows = _CANONICAL_LINES.findall(block)
     if not rows or len(rows) != block.count("\n"):
         return None
-    step, group, layer, head, metric, value = (np.array(c) for c in zip(*rows, strict=True))
+    table = np.array(rows)  # (rows, 6) strings, built in C
     del rows
+    step, group, layer, head, metric, value = (table[:, i] for i in range(6))
     values = np.where(value == "null", "nan", value).astype(np.float64)
     if np.isinf(values).any():  # 1e400: not a finite number
         return None
@@ -609,22 +610,37 @@ def _read_trajectory_file(path: Path) -> _FileRuns:
         nonlocal current
         if identified:
             return np.full(len(step), current, dtype=np.int64)
-        first, last, new_run = splitter._first, splitter._last, out.new_run
-        runs = np.empty(len(step), dtype=np.int64)
-        for i, (g, s, la, h, hm, m) in enumerate(zip(group.tolist(), step.tolist(), layer.tolist(), head.tolist(),
-                                                       missing.tolist(), metric.tolist(), strict=True)):
-            key = (g, la, None if hm else h, m)
+        first, last = splitter._first, splitter._last
+        ids, parents, parent_steps = out.ids, out.parents, out.parent_steps
+        # each row's value (group, layer, head, metric) as one small int, found by numpy
+        pd = _pandas()
+        combined = np.zeros(len(step), dtype=np.int64)
+        for column in (group, layer, np.where(missing, np.iinfo(np.int64).min, head), metric):
+            codes, uniq = pd.factorize(column)  # hashing, linear; each count <= the block's rows (< 2**15.2)
+            combined = combined * len(uniq) + codes
+        inverse, _ = pd.factorize(combined)
+        at = np.unique(inverse, return_index=True)[1]  # a row of each value, in the order of ``inverse``'s codes
+        # the same key as rows read one by one get (global group/metric codes), so runs continue across blocks
+        keys = [(g, la, None if hm else h, m) for g, la, h, hm, m in zip(
+            group[at].tolist(), layer[at].tolist(), head[at].tolist(), missing[at].tolist(), metric[at].tolist(),
+            strict=True)]
+        runs = []
+        for k, s in zip(inverse.tolist(), step.tolist(), strict=True):
+            key = keys[k]
             prev = last.get(key)
             if current is None or (prev is not None and s <= prev and s <= first):
-                current = new_run()
+                ids.append(None)
+                parents.append(None)
+                parent_steps.append(None)
+                current = len(ids) - 1
                 last.clear()
                 first = s
             elif s < first:
                 first = s
             last[key] = s
-            runs[i] = current
+            runs.append(current)
         splitter._first = first
-        return runs
+        return np.array(runs, dtype=np.int64)
 
     with open(path, "rb") as fh:
         for block in _text_blocks(fh):
@@ -1202,12 +1218,19 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
             continue
         names = [""] * len(got.ids)
         names[live[0]], k = name, 1
-        for i in live[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
-            k += 1
-            while f"{name}#{k}" in taken:
+        prefix = f"{name}#"
+        if len(live) > 1 and not any(t.startswith(prefix) for t in taken):  # no number is taken: in one go
+            numbered = [f"{prefix}{k}" for k in range(2, len(live) + 1)]
+            for i, n in zip(live[1:], numbered, strict=True):
+                names[i] = n
+            taken.update(numbered)
+        else:
+            for i in live[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
                 k += 1
-            names[i] = f"{name}#{k}"
-            taken.add(names[i])
+                while f"{prefix}{k}" in taken:
+                    k += 1
+                names[i] = f"{prefix}{k}"
+                taken.add(names[i])
         frames.append(_file_frame(names, got))
         lineage = lineage or got.identified
         if len(live) > 1:
