@@ -122,7 +122,7 @@ def test_trajectory_file_replaced_mid_run_gets_the_later_rows(tmp_path):
     def restore_a_backup(d):  # e.g. a copy taken earlier, moved back over the file
         path = d / TRAJECTORY_FILENAME
         with open(path) as f:
-            first = f.readline()
+            first = f.readline() + f.readline()  # the run header and the first row
         (d / "backup").write_text(first)
         os.replace(d / "backup", path)
 
