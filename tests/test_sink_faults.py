@@ -223,7 +223,7 @@ for leave, limit in ((0, 1), (4096, 400)):  # full; a little room (the trajector
     free()
     outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
                       "before": names}})
-from attn_probe.logdir import cut_trajectory
+from attn_probe.trajectory_format import cut_trajectory
 fill(limit=400)
 try:  # the rewrite (the kept rows are not a prefix) fails: no temporary file, the file untouched
     cut_trajectory(path, 30)
