@@ -132,6 +132,8 @@ def jsonl_at(run_dir, step):
     out = {}
     with open(run_dir / "attn_probe.jsonl") as f:
         for line in f:
+            if '"run_header"' in line:  # a run header, not a row
+                continue
             r = json.loads(line)
             if r.get("step") == step and "metric" in r:
                 out[(r["group"], r["layer"], r["head"], r["metric"])] = r["value"]
