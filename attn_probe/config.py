@@ -72,7 +72,9 @@ class ProbeConfig:
       steps (:mod:`attn_probe.attention_stats`, ``docs/scores.md``);
     * ``alerts``: :class:`~attn_probe.alerts.AlertRule` s on logged metrics; ``alert_callback``
       (called with each :class:`~attn_probe.alerts.Alert`, main process); ``stop_on_alert``: a
-      fired alert stops the Trainer (``control.should_training_stop``).
+      fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
+      ``save_strategy`` saves), every rank at the same step (``docs/live-probe.md``); rules that
+      can never fire are refused when the probe is built.
 
     Where it goes and how it is written (not recorded in the run header):
 

@@ -29,14 +29,14 @@ from torch import nn
 
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
-from .distributed import AgreementError, is_main_process
+from .distributed import Agreement, AgreementError, is_main_process, world_info
 from .extraction import AttentionLayer
 from .images import render_heatmap
 from .isolation import Failures, never_raise, safe_warn
 from .logdir import LogDirError, LogDirInUseError
 from .pairs import QKPair, ScorePair
 from .sinks import Snapshot
-from .stages.alerting import build_alerting
+from .stages.alerting import agree_stop, attention_rows, build_alerting
 from .stages.assembly import Assembler
 from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
@@ -108,8 +108,16 @@ class Probe:
                                        is_main_process=self.is_main_process, failures=self.failure_log)
         self.assembler = Assembler([pair.metrics for pair in self.pairs])
         self.metrics, alertable = metric_names(cfg, self.pairs, layers)
-        self.alerting = build_alerting(cfg, alertable, is_main_process=self.is_main_process,
-                                       failures=self.failure_log)  # ValueError naming the known metrics
+        self.alerting = build_alerting(cfg, alertable, logged=self.metrics, layers=[lay.layer for lay in layers],
+                                       is_main_process=self.is_main_process,
+                                       failures=self.failure_log)  # ValueError: a rule that can never fire
+        #: the probe's gloo group on several ranks: the sharded walk's, else (DDP) its own when the
+        #: attention statistics are combined or a stop decision is shared (a collective: every rank attaches)
+        self.ranks: Agreement | None = agreement
+        if agreement is None and world_info().distributed and (cfg.attention_stats or (cfg.stop_on_alert and cfg.alerts)):
+            self.ranks = Agreement(cfg.agreement_timeout)
+        if self.alerting is not None:
+            self.alerting.ranks = self.ranks
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
@@ -121,7 +129,7 @@ class Probe:
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
         # the attention stage (registering wrappers) last: nothing after it raises
-        self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, agreement,
+        self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, self.ranks,
                                                             self.decision.measures_forwards, self.failure_log)
         if self.attention is not None:
             self.attention.after_update(self.step)  # the first update after attach (never raises)
@@ -174,15 +182,35 @@ class Probe:
             pass
 
     # -- running the stages --------------------------------------------------------------------
-    def _take(self, step: int, images: bool | None, asynchronous: bool) -> Snapshot | None:
-        """Stages 2 to 4 at ``step`` (already decided): measure (weights; attention), assemble, write."""
+    def _take(self, step: int, images: bool | None, asynchronous: bool, weights: bool = True) -> Snapshot | None:
+        """Stages 2 to 4 at ``step`` (already decided): measure (weights; attention), assemble, write.
+
+        Every rank issues the same collectives whatever happens here: the attention combine,
+        then the walk, then the stop decision (:func:`~attn_probe.stages.alerting.agree_stop`),
+        also when the measurement fails. ``weights=False``: a step whose weight snapshot is
+        skipped (the previous asynchronous one is still being scored) still combines the
+        attention values and agrees on the stop on every rank.
+        """
         stage = self.attention
         attention = stage.take(step) if stage is not None else None  # every rank
-        snap = self.measurement.measure(  # the attention values join the weight tables before the assembly
-            step, images, asynchronous=asynchronous, finish=lambda m: self.assembler.assemble(
-                m.step, m.tables, m.images, stage.extra_tables(m.tables, attention) if stage is not None else ()))
-        if snap is not None:
-            self._publish(snap)
+        snap = None
+        try:
+            if attention is not None and self.alerting is not None:  # the combined values: the same on every rank
+                try:  # local: must not keep this rank out of the walk's collectives below
+                    self.alerting.check_attention(step, attention_rows(stage.layers, attention.tables,
+                                                                       per_head=self.config.per_head,
+                                                                       counted=attention.counted))
+                except Exception as exc:  # noqa: BLE001
+                    self.failure_log.report("the alert rules", exc)
+            if weights:
+                snap = self.measurement.measure(  # the attention values join the weight tables before the assembly
+                    step, images, asynchronous=asynchronous, finish=lambda m: self.assembler.assemble(
+                        m.step, m.tables, m.images, stage.extra_tables(m.tables, attention) if stage is not None else ()))
+                if snap is not None:
+                    self._publish(snap)
+        finally:
+            if not self.decision.disabled:
+                agree_stop(self.alerting, step, self.decision.disable)
         return snap
 
     def _publish(self, snapshot: Snapshot) -> None:
@@ -194,7 +222,8 @@ class Probe:
 
     @property
     def stop_requested(self) -> bool:
-        """An alert fired with ``stop_on_alert`` (the same on every rank; the Trainer stops on it)."""
+        """An alert fired with ``stop_on_alert``: the same on every rank at the same step (the
+        Trainer stops on it; a plain loop checks it after ``optimizer.step()``)."""
         return self.alerting is not None and self.alerting.stop_requested
 
     def _agreed(self, step: int, images: bool | None) -> Snapshot | None:
@@ -238,7 +267,13 @@ class Probe:
             return None
         asynchronous = self.measurement.scorer is not None and not self._final
         if asynchronous and self.measurement.busy(step):  # the previous one is still being scored: skipped
-            return None
+            if self.ranks is None:
+                return None
+            # several ranks: only the main process scores, so only it can be busy; the step's
+            # collectives (attention combine, stop decision) still run on every rank, and every
+            # rank records the step as taken (the final snapshot at close() is then agreed too)
+            self.decision.taken(step)
+            return self._take(step, None, False, weights=False)
         self.decision.taken(step)
         return self._take(step, None, asynchronous)
 
@@ -355,6 +390,8 @@ class Probe:
             if self.attention is not None:
                 self.attention.close()  # the registry's previous entries are restored; never raises
             self.decision.close()  # local: the agreement group's sockets and threads
+            if self.ranks is not None and self.ranks is not self.decision.agreement:
+                self.ranks.close()  # DDP: the probe's own group, likewise
             try:
                 if self.outputs is not None:
                     self.outputs.close()

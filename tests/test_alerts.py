@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from attn_probe.alerts import Alert, AlertMonitor, AlertRule, check_rules
+from attn_probe.alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
 
 
 def rows(value: float, *, metric: str = "max_logit", layer: int = 0, heads: tuple[float, ...] = ()) -> list[dict]:
@@ -31,8 +31,8 @@ def test_threshold_fires_once_per_crossing():
     fired = run(rule, series)
     assert [(a.step, a.value) for a in fired] == [(30, 10.5), (60, 11.0)]
     assert fired[0].layer == 0 and fired[0].head is None and fired[0].metric == "max_logit"
-    assert fired[0].message() == ("attn_probe alert at step 30: max_logit = 10.5 in self layer 0 "
-                                  "(rule: above 10)")
+    assert fired[0].message() == ("attn_probe alert at step 30: max_logit = 10.5 in self layer 0, all heads "
+                                  "(rule: max_logit above 10)")
 
 
 def test_threshold_never_fires_below():
@@ -62,7 +62,7 @@ def test_growth_compares_only_within_the_window():
 
 
 def test_growth_ignores_non_positive_and_nan_references():
-    rule = AlertRule("max_logit", growth=2.0, within=100)
+    rule = AlertRule("max_logit", growth=2.0, within=100, nan=False)
     assert run(rule, [(0, 0.0), (1, -5.0), (2, math.nan), (3, 1.0), (4, 1.5)]) == []
     assert [a.step for a in run(rule, [(0, 0.0), (3, 1.0), (4, 2.0)])] == [4]
 
@@ -77,7 +77,7 @@ def test_heads_and_layers_filters():
     monitor = AlertMonitor([AlertRule("max_logit", above=5.0, heads=True, layers=(1,))])
     fired = monitor.evaluate(7, rows(9.0, layer=0, heads=(9.0, 9.0)) + rows(9.0, layer=1, heads=(1.0, 6.0)))
     assert [(a.layer, a.head, a.value, a.step) for a in fired] == [(1, 1, 6.0, 7)]
-    assert "self layer 1 head 1" in fired[0].message()
+    assert "self layer 1, head 1" in fired[0].message()
 
 
 def test_several_rules_and_metrics_are_independent():
@@ -115,7 +115,8 @@ def test_resumed_run_rewinds_history():
     ({"growth": 2.0}, "within"),
     ({"growth": 2.0, "within": 0}, "within"),
     ({"above": 1.0, "layers": (-1,)}, "layer indices"),
-], ids=["none", "both", "nan", "within-on-above", "factor", "no-within", "zero-within", "layers"])
+    ({"above": 1.0, "nan": 1}, "nan must be True or False"),
+], ids=["none", "both", "nan", "within-on-above", "factor", "no-within", "zero-within", "layers", "nan-flag"])
 def test_invalid_rules(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AlertRule("max_logit", **kwargs)
@@ -129,3 +130,39 @@ def test_check_rules():
         check_rules([{"metric": "max_logit"}])
     with pytest.raises(ValueError, match="unknown metric 'max_logit'; logged metrics: entropy, symmetry"):
         check_rules([rule], known={"symmetry", "entropy"})
+
+
+def test_nan_fires_once_per_layer_and_metric_with_the_step():
+    """A NaN value fires by default (a diverging run), once per (layer, metric) however many rules
+    and heads watch it, and again only after the value was finite; the rule's own condition and
+    a growth rule's history are untouched by it."""
+    nan = math.nan
+    monitor = AlertMonitor([AlertRule("max_logit", above=10.0), AlertRule("max_logit", growth=2.0, within=5),
+                            AlertRule("max_logit", above=10.0, heads=True)])
+    assert monitor.evaluate(0, rows(1.0, heads=(1.0, 1.0))) == []
+    fired = monitor.evaluate(1, rows(nan, heads=(nan, nan)) + rows(nan, layer=1))
+    assert [(a.step, a.layer, a.head, a.rule.above) for a in fired] == [(1, 0, None, 10.0), (1, 1, None, 10.0)]
+    assert all(math.isnan(a.value) for a in fired)
+    assert fired[0].message() == ("attn_probe alert at step 1: max_logit = nan in self layer 0, all heads "
+                                  "(not a number: non-finite weights or activations; rule: max_logit above 10)")
+    assert monitor.evaluate(2, rows(nan, heads=(nan, nan)) + rows(nan, layer=1)) == []  # still NaN: once
+    # layer 0 finite again (1.5: growth x1.5 from step 0, the NaN never entered the history), then NaN again
+    assert monitor.evaluate(3, rows(1.5, heads=(1.0, 1.0))) == []
+    assert [(a.step, a.layer) for a in monitor.evaluate(4, rows(nan, heads=(nan, nan)))] == [(4, 0)]
+
+
+def test_nan_false_and_infinities():
+    """nan=False: NaN fires nothing; +inf is above every threshold; -inf fires nothing."""
+    assert run(AlertRule("max_logit", above=10.0, nan=False), [(0, math.nan), (1, math.nan)]) == []
+    assert [a.step for a in run(AlertRule("max_logit", above=1e300), [(0, 1.0), (1, math.inf)])] == [1]
+    assert run(AlertRule("max_logit", above=-1e300), [(0, -math.inf)]) == []
+
+
+@pytest.mark.parametrize("rule, why", [
+    (AlertRule("max_logit", above=1.0), "'max_logit' is not logged in this run (logged metrics: spectral_norm, symmetry)"),
+    (AlertRule("symmetry", above=1.0, heads=True), "heads=True needs per-head values: pass per_head=True"),
+    (AlertRule("symmetry", above=1.0, layers=(0, 7, 9)), "layers 7, 9 are not measured (measured layers: 0, 1)"),
+    (AlertRule("symmetry", above=1.0, layers=(1,)), None),
+], ids=["not-logged", "heads-without-per-head", "layer-outside", "possible"])
+def test_impossible_rule(rule, why):
+    assert impossible_rule(rule, logged={"symmetry", "spectral_norm"}, per_head=False, layers=[0, 1]) == why

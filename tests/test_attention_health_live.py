@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -220,10 +221,10 @@ def test_unmeasurable_attention_warns_at_attach_and_weights_go_on(tmp_path):
 
 
 @pytest.mark.parametrize("stop", [True, False])
-def test_alert_fires_at_the_right_step_and_stops_training(tmp_path, stop):
+def test_alert_fires_at_the_right_step_and_stops_training(tmp_path, capfd, stop):
     """W_q is doubled at the start of every step (learning rate 0, one repeated batch), so the
     layer's max logit at step s is 2^s times the reference's at step 0; a rule above 2^3.5 times
-    that fires at step 4 only, with one warning and one callback call, and stops the Trainer
+    that fires at step 4 only, with one alert line and one callback call, and stops the Trainer
     there when asked."""
     model = _llama()
     base = reference(copy.deepcopy(model), *_same_batch(2))
@@ -239,9 +240,10 @@ def test_alert_fires_at_the_right_step_and_stops_training(tmp_path, stop):
                            alerts=[AlertRule("max_logit", above=threshold, layers=(0,))],
                            alert_callback=fired.append, stop_on_alert=stop)
     args = make_args(tmp_path, 8, per_device_train_batch_size=2, learning_rate=0.0, logging_steps=100)
-    with pytest.warns(RuntimeWarning, match=r"attn_probe alert at step 4: max_logit = .* in self layer 0"):
-        trainer = Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb])
-        trainer.train()
+    trainer = Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb])
+    trainer.train()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("attn_probe alert")]
+    assert len(lines) == 1 and re.match(r"attn_probe alert at step 4: max_logit = .* in self layer 0, all heads", lines[0])
     assert [(a.step, a.layer, a.head) for a in fired] == [(4, 0, None)]
     assert fired[0].value == pytest.approx(base[(0, None)][0] * 16, rel=TOL)
     assert trainer.state.global_step == (4 if stop else 8)
@@ -260,9 +262,9 @@ def wandb_offline(monkeypatch, tmp_path):
                                  WANDB_WATCH="false")
 
 
-def test_alert_reaches_the_wandb_run(tmp_path, wandb_offline):
+def test_alert_reaches_the_wandb_run(tmp_path, capfd, wandb_offline):
     """report_to=["wandb"] (offline): the fired alert is an alert record of the Trainer's run file,
-    with the warning line as its text."""
+    with the alert line as its text."""
     import wandb
 
     from tests.tracker_servers import finished_wandb_records
@@ -279,8 +281,8 @@ def test_alert_reaches_the_wandb_run(tmp_path, wandb_offline):
                            alerts=[AlertRule("max_logit", above=base[(0, None)][0] * 2 ** 2.5, layers=(0,))])
     args = make_args(tmp_path / "out", 4, per_device_train_batch_size=2, learning_rate=0.0, logging_steps=100,
                      report_to=["wandb"])
-    with pytest.warns(RuntimeWarning, match="attn_probe alert at step 3"):
-        Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb]).train()
+    Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb]).train()
+    assert "attn_probe alert at step 3" in capfd.readouterr().err
     wandb.run.finish()
     alerts = [r.alert for r in finished_wandb_records(wandb_offline) if r.WhichOneof("record_type") == "alert"]
     assert [a.title for a in alerts] == ["attn_probe: max_logit in layer 0"]

@@ -1,66 +1,160 @@
-"""A stage after the assembly: the alert rules (:mod:`attn_probe.alerts`) on each snapshot's values.
+"""A stage after the assembly: the alert rules (:mod:`attn_probe.alerts`) and the stop decision.
 
-Every rank evaluates the rules on the values it has (the combined ones, identical on every rank),
-so all ranks take the same stop decision without a collective. On the main process a fired
-alert is one warning line, a call of the user's ``alert_callback``, and ``run.alert`` of the
-active W&B run, sent from a daemon thread: the training thread never waits on a tracker.
+Where each rule is evaluated, so that every rank takes the same stop decision at the same step:
+
+- rules on ``max_logit`` and ``entropy`` (:data:`EVERY_RANK`): on every rank, from the values
+  combined over ranks (identical everywhere), on the training thread when they are taken
+  (:meth:`Alerting.check_attention`), even in the asynchronous mode;
+- rules on the weight metrics and ``logit_bound_ratio``: on the main process, which alone scores
+  the weights, when its snapshot is published (:meth:`Alerting.check`). With ``stop_on_alert`` on
+  several ranks their stop is shared: :meth:`Alerting.agree`, one MIN all-reduce of three
+  integers on the probe's gloo group at every snapshot on every rank (bounded by
+  ``agreement_timeout``); a stop found between snapshots (an asynchronous delivery) is shared at
+  the next one.
+
+On the main process a fired alert is one line on stderr (printed, like the status line: no file
+path, no source line, shown whatever the warnings filter), a call of the user's
+``alert_callback``, and ``run.alert`` of the active W&B run, sent from a daemon thread: the
+training thread never waits on a tracker.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-from ..alerts import Alert, AlertMonitor
+from ..alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
 from ..config import ProbeConfig
-from ..isolation import Failures, safe_warn
+from ..distributed import Agreement, AgreementError
+from ..isolation import Failures
 from ..sinks import Snapshot
 
-__all__ = ["Alerting", "build_alerting"]
+__all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]
+
+#: metrics whose values are combined over ranks before they are logged: identical on every rank
+EVERY_RANK = ("max_logit", "entropy")
+#: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound)
+DERIVED = ("logit_bound_ratio",)
+
+
+def print_line(line: str) -> None:
+    """One line on stderr, never raising (a closed stderr loses it)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - reporting must never stop training
+        pass
 
 
 class Alerting:
-    """``check(snapshot)``: evaluate the rules; ``stop_requested`` once one fired with ``stop_on_alert``."""
+    """The rules of a probe: ``check_attention`` (every rank), ``check`` (main process), ``agree``.
 
-    def __init__(self, rules: Sequence[Any], known: Iterable[str], *, stop_on_alert: bool,
-                 callback: Callable[[Alert], Any] | None, is_main_process: bool, failures: Failures) -> None:
-        self.monitor = AlertMonitor(rules, known=set(known))  # ValueError naming the known metrics
+    ``stop_requested`` is set, identically on every rank, once a rule fired with
+    ``stop_on_alert`` (``stop_alert``: the alert that stopped it, on the main process).
+    ``ranks``: the probe's agreement group on a run of several processes (``None``: one
+    process, where a stop is decided at once). ``fired``: the alerts fired on this rank.
+    """
+
+    def __init__(self, rules: Sequence[AlertRule], *, stop_on_alert: bool, callback: Callable[[Alert], Any] | None,
+                 is_main_process: bool, failures: Failures, ranks: Agreement | None = None) -> None:
+        every = [r for r in rules if r.metric in EVERY_RANK]
+        main = [r for r in rules if r.metric not in EVERY_RANK]
+        self.every_rank = AlertMonitor(every) if every else None
+        self.main = AlertMonitor(main) if main else None
         self.stop_on_alert = stop_on_alert
         self.callback = callback
         self.is_main_process = is_main_process
         self.failures = failures
+        self.ranks = ranks
+        self.fired: list[Alert] = []
         self.stop_requested = False
+        self.stop_alert: Alert | None = None
+        self._pending: Alert | None = None  # main process: a stop to share at the next agreement
 
-    def check(self, snapshot: Snapshot) -> list[Alert]:
-        rows: dict[tuple, dict[str, Any]] = {}
-        for r in snapshot.records:
-            key = (r.group, r.layer, r.head)
-            rows.setdefault(key, {"group": r.group, "layer": r.layer, "head": r.head})[r.metric] = r.value
-        fired = self.monitor.evaluate(snapshot.step, rows.values())
+    @property
+    def shares_stop(self) -> bool:
+        """Whether the ranks agree on the stop at each snapshot: ``stop_on_alert`` with a rule that
+        only the main process evaluates, on several ranks."""
+        return self.stop_on_alert and self.main is not None and self.ranks is not None
+
+    def check_attention(self, step: int, rows: Iterable[dict[str, Any]]) -> list[Alert]:
+        """The rules on ``max_logit``/``entropy`` on ``step``'s combined values (every rank)."""
+        if self.every_rank is None:
+            return []
+        fired = self.every_rank.evaluate(step, rows)
         if fired and self.stop_on_alert:
-            self.stop_requested = True
-        if fired and self.is_main_process:
-            for alert in fired:
-                safe_warn(alert.message())
-                if self.callback is not None:
-                    try:
-                        self.callback(alert)
-                    except Exception as exc:  # noqa: BLE001 - user code must not stop training
-                        self.failures.report("the alert callback", exc)
-                _tracker_alert(alert, self.failures)
+            self._stop(fired[0])
+        self._report(fired)
         return fired
 
+    def check(self, snapshot: Snapshot) -> list[Alert]:
+        """The other rules on a published snapshot (main process; a stop is shared with :meth:`agree`)."""
+        if self.main is None:
+            return []
+        rows: dict[tuple, dict[str, Any]] = {}
+        for r in snapshot.records:
+            if r.metric in DERIVED and r.value != r.value:
+                continue  # a NaN ratio only says an input is missing; NaN logits or weights fire their own rules
+            key = (r.group, r.layer, r.head)
+            rows.setdefault(key, {"group": r.group, "layer": r.layer, "head": r.head})[r.metric] = r.value
+        fired = self.main.evaluate(snapshot.step, rows.values())
+        if fired and self.stop_on_alert and not self.stop_requested:
+            if self.ranks is None:
+                self._stop(fired[0])
+            elif self._pending is None:
+                self._pending = fired[0]
+        self._report(fired)
+        return fired
 
-def build_alerting(config: ProbeConfig, known: Iterable[str], *, is_main_process: bool,
-                   failures: Failures) -> Alerting | None:
-    """The stage for ``config.alerts`` (``None`` without rules); raises ``ValueError`` naming
-    the ``known`` metrics when a rule names another."""
+    def agree(self, step: int) -> None:
+        """Every rank, at each snapshot (taken or skipped) when :attr:`shares_stop`: one MIN
+        all-reduce of ``[no stop here, step, -step]``. A stop on any rank stops every rank; ranks
+        at different steps raise ``RuntimeError`` (every rank alike). Raises
+        :class:`~attn_probe.distributed.AgreementError` when the group failed (the caller
+        disables the probe on this rank)."""
+        assert self.ranks is not None
+        no_stop, low, minus_high = self.ranks.min([0 if self._pending is not None else 1, int(step), -int(step)])
+        if low != -minus_high:
+            raise RuntimeError(f"the ranks disagree on the step of the stop decision ({low} to {-minus_high})")
+        if not no_stop and not self.stop_requested:
+            self._stop(self._pending)
+        self._pending = None
+
+    def _stop(self, alert: Alert | None) -> None:
+        self.stop_requested = True
+        self.stop_alert = alert
+
+    def _report(self, fired: list[Alert]) -> None:
+        self.fired.extend(fired)
+        if not self.is_main_process:
+            return
+        for alert in fired:
+            print_line(alert.message())
+            if self.callback is not None:
+                try:
+                    self.callback(alert)
+                except Exception as exc:  # noqa: BLE001 - user code must not stop training
+                    self.failures.report("the alert callback", exc)
+            _tracker_alert(alert, self.failures)
+
+
+def build_alerting(config: ProbeConfig, known: Collection[str], *, logged: Collection[str], layers: Iterable[int],
+                   is_main_process: bool, failures: Failures, ranks: Agreement | None = None) -> Alerting | None:
+    """The stage for ``config.alerts`` (``None`` without rules). Raises ``ValueError``, one line,
+    for a rule that can never fire: a metric that is not one of ``known`` (the names a rule may
+    take) or not ``logged`` in this run, a head rule without ``per_head``, a layer index not
+    among the measured ``layers``."""
     if not config.alerts:
         return None
-    return Alerting(config.alerts, known, stop_on_alert=config.stop_on_alert, callback=config.alert_callback,
-                    is_main_process=is_main_process, failures=failures)
+    rules = check_rules(config.alerts, known)  # "alert on unknown metric ..."
+    layers = set(layers)
+    for rule in rules:
+        why = impossible_rule(rule, logged=logged, per_head=config.per_head, layers=layers)
+        if why is not None:
+            raise ValueError(f"alert rule {rule.metric} {rule.describe()} can never fire: {why}")
+    return Alerting(rules, stop_on_alert=config.stop_on_alert, callback=config.alert_callback,
+                    is_main_process=is_main_process, failures=failures, ranks=ranks)
 
 
 def _tracker_alert(alert: Alert, failures: Failures) -> None:
@@ -77,3 +171,32 @@ def _tracker_alert(alert: Alert, failures: Failures) -> None:
             failures.report("the W&B alert", exc)
 
     threading.Thread(target=send, name="attn_probe-alert", daemon=True).start()
+
+
+def agree_stop(alerting: Alerting | None, step: int, disable: Callable[[str], None]) -> None:
+    """:meth:`Alerting.agree` where the stop is shared; a failed group calls ``disable`` (this rank
+    then issues no further collective); never raises."""
+    if alerting is None or not alerting.shares_stop:
+        return
+    try:
+        alerting.agree(step)
+    except AgreementError as exc:
+        disable(str(exc))
+    except Exception as exc:  # noqa: BLE001 - a step mismatch: the same on every rank
+        alerting.failures.report("the stop decision between ranks", exc)
+
+
+def attention_rows(layers: Sequence[Any], tables: Sequence[Any], *, per_head: bool,
+                   counted: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    """Rows ``{group, layer, head, max_logit, entropy}`` of the combined attention ``tables`` (per
+    layer a ``(2, 1 + H)`` table, rows :data:`EVERY_RANK`, column 0 the layer), heads with ``per_head``.
+    ``counted`` (per layer, per column): columns where nothing was measured (no forward reached the
+    layer, or its measurement failed) give no row, so their NaN never fires a rule."""
+    rows = []
+    for i, (layer, table) in enumerate(zip(layers, tables, strict=True)):
+        for col in range(table.shape[1] if per_head else 1):
+            if counted is not None and not counted[i][col]:
+                continue
+            rows.append({"group": layer.group, "layer": layer.layer, "head": None if col == 0 else col - 1,
+                         **{name: float(table[k, col]) for k, name in enumerate(EVERY_RANK)}})
+    return rows
