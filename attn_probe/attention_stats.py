@@ -56,7 +56,12 @@ entropy sums and token counts), so combined values equal one process on the glob
 wrapped while a capture exists: for a measured implementation name it returns the function
 transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
 (the armed captures); an unwatched module gets exactly that function. Hooks exist only while
-armed; nothing is written into the model, its config or the registry.
+armed; nothing is written into the model, its config or the registry. That glue lives in
+:mod:`attn_probe.integrations.attention_functions` (which also says which models can be read,
+:func:`unavailable_reason`); this module holds the statistics (pure tensor functions) and the
+capture, which uses the glue through its small interface (acquire/release, arm/disarm, and
+the capture's :meth:`AttentionCapture.observe`). The capture calls :func:`logit_stats` through
+this module's attribute at call time, so a test may replace ``attention_stats.logit_stats``.
 
 **torch.compile.** The decision is data the compiler guards on, not state it must trace: the
 armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
@@ -66,10 +71,8 @@ one more variant (compiled at the first armed call, then reused) when armed.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +81,8 @@ from torch import nn
 
 from .extraction.architectures import unwrap
 from .extraction.base import AttentionLayer
+from .integrations import attention_functions as registry
+from .integrations.attention_functions import installed_wrappers, unavailable_reason
 from .isolation import Failures, safe_warn
 
 Tensor = torch.Tensor
@@ -87,20 +92,6 @@ ATTENTION_METRICS: tuple[str, ...] = ("max_logit", "entropy")
 
 #: default number of logit elements formed at once (see the module docstring for the bound)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
-
-#: implementation name -> how its masks read; anything else is not measured
-_FAMILIES = {
-    "eager": "eager",
-    "sdpa": "sdpa",
-    "flash_attention_2": "flash",
-    "flash_attention_3": "flash",
-    "flash_attention_4": "flash",
-}
-
-#: the wrappers' one flag: the armed captures (a tuple replaced, never mutated, on arm/disarm;
-#: under torch.compile a guard on it, so a compiled forward has one variant unarmed, one armed)
-_ARMED: tuple[AttentionCapture, ...] = ()
-_LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,149 +354,6 @@ def combine(stats: StepStats, reduce: Callable[[Tensor, str], Tensor]) -> StepSt
     return StepStats(stats.names, stats.heads, maxes[:n], sums[:n], sums[n:], maxes[n:], stats.scaling)
 
 
-# ---------------------------------------------------------------------------------------------
-# The wrappers: around what transformers' get_interface returns, for the measured names
-# ---------------------------------------------------------------------------------------------
-
-
-def _forward_owner(cls: type) -> type:
-    for klass in cls.__mro__:
-        if "forward" in vars(klass):
-            return klass
-    return cls
-
-
-def _forward_source(cls: type) -> str:
-    try:
-        return inspect.getsource(_forward_owner(cls).forward)
-    except (OSError, TypeError):
-        return ""
-
-
-def _observe(family: str, module: nn.Module, query: Tensor, key: Tensor,
-             attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
-    for capture in _ARMED:
-        i = capture.index.get(module)
-        if i is not None:
-            capture._observe(i, family, module, query, key, attention_mask, args, kwargs)
-
-
-def _wrap(fn: Callable, family: str) -> Callable:
-    """``fn`` (what transformers resolved) behind the armed check: a new closure per call, no
-    cache (a cache's state would be one more thing a compiled forward guards on)."""
-
-    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-        if _ARMED:
-            _observe(family, module, query, key, attention_mask, args, kwargs)
-        return fn(module, query, key, value, attention_mask, *args, **kwargs)
-
-    wrapper.__name__ = f"attn_probe_{family}_wrapper"
-    wrapper.__qualname__ = wrapper.__name__
-    return wrapper
-
-
-def _get_interface(self, attn_implementation: str, default: Callable) -> Callable:
-    """``AttentionInterface.get_interface`` while a capture exists: the function transformers
-    resolves (the registered one, or the module's own ``default`` for ``eager``), wrapped
-    when its name is measured; anything else is returned as is."""
-    fn = _ORIGINAL[0](self, attn_implementation, default)  # set before the first patch, never removed
-    family = _FAMILIES.get(attn_implementation) if attn_implementation in _USERS else None
-    if family is None or not callable(fn):
-        return fn
-    return _wrap(fn, family)
-
-
-#: implementation name -> number of captures measuring it
-_USERS: dict[str, int] = {}
-#: transformers' own ``get_interface``, kept from the first patch on (a one-element list)
-_ORIGINAL: list[Callable] = []
-
-
-def _interface_class():
-    from transformers.modeling_utils import AttentionInterface
-
-    return AttentionInterface
-
-
-def _acquire(names: Sequence[str]) -> None:
-    with _LOCK:
-        cls = _interface_class()
-        current = cls.__dict__.get("get_interface")
-        if not _ORIGINAL:
-            _ORIGINAL.append(current)
-        if current is _ORIGINAL[0]:  # else ours is still in place, or inside someone's patch over it
-            cls.get_interface = _get_interface
-        for name in names:
-            _USERS[name] = _USERS.get(name, 0) + 1
-
-
-def _release(names: Sequence[str]) -> None:
-    with _LOCK:
-        for name in names:
-            if name in _USERS:
-                _USERS[name] -= 1
-                if _USERS[name] <= 0:
-                    del _USERS[name]
-        if _USERS or not _ORIGINAL:
-            return
-        cls = _interface_class()
-        if cls.__dict__.get("get_interface") is _get_interface:
-            cls.get_interface = _ORIGINAL[0]  # else someone patched over it: ours passes through now
-
-
-def installed_wrappers() -> dict[str, int]:
-    """Implementation name -> number of captures measuring it (for tests and diagnostics)."""
-    with _LOCK:
-        return dict(_USERS)
-
-
-# ---------------------------------------------------------------------------------------------
-# Which models can be measured
-# ---------------------------------------------------------------------------------------------
-
-
-def _implementation(module: nn.Module) -> str | None:
-    config = getattr(module, "config", None)
-    return getattr(config, "_attn_implementation", None)
-
-
-def unavailable_reason(layers: Sequence[AttentionLayer]) -> str | None:
-    """``None`` if every layer's attention goes through transformers' attention interface in a
-    way this module reads; otherwise one line saying why ``max_logit``/``entropy`` are unavailable.
-    """
-    if not layers:
-        return "attention statistics are unavailable: no attention layers were found"
-    try:
-        modeling_utils = importlib.import_module("transformers.modeling_utils")
-    except ImportError:
-        return "attention statistics are unavailable: transformers is not installed"
-    local = getattr(modeling_utils.ALL_ATTENTION_FUNCTIONS, "_local_mapping", {})
-    for layer in layers:
-        module = layer.module
-        cls = type(module).__name__
-        if module is None:
-            return f"attention statistics are unavailable: {layer.name} has no module"
-        if "get_interface(" not in _forward_source(type(module)):
-            return (f"attention statistics are unavailable: {cls} ({layer.name}) does not call "
-                    "transformers' attention interface (ALL_ATTENTION_FUNCTIONS.get_interface)")
-        impl = _implementation(module)
-        if impl not in _FAMILIES:
-            return (f"attention statistics are unavailable: {cls} ({layer.name}) uses attention "
-                    f"implementation {impl!r}; measured: {', '.join(_FAMILIES)}")
-        if impl in local:
-            return (f"attention statistics are unavailable: {impl!r} is overridden locally in "
-                    "transformers' ALL_ATTENTION_FUNCTIONS, which a registered wrapper cannot see")
-        config = getattr(module, "config", None)
-        if impl == "eager" and getattr(config, "reorder_and_upcast_attn", False):
-            return (f"attention statistics are unavailable: {cls} with reorder_and_upcast_attn=True "
-                    "computes eager attention itself, outside the attention interface")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The capture: one per watched model
-# ---------------------------------------------------------------------------------------------
-
 
 class AttentionCapture:
     """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
@@ -548,7 +396,7 @@ class AttentionCapture:
         self._offsets = [0]
         for h in self.heads:
             self._offsets.append(self._offsets[-1] + h)
-        self._implementations = sorted({_implementation(layer.module) for layer in self.layers})
+        self._implementations = sorted({registry.implementation(layer.module) for layer in self.layers})
         try:
             params = inspect.signature(self.root.forward).parameters
             self._mask_positions = {name: list(params).index(name) for name in
@@ -564,7 +412,7 @@ class AttentionCapture:
         self._failed_step = False
         self._warned = False
         self.failures: list[str] = []
-        _acquire(self._implementations)
+        registry.acquire(self._implementations)
 
     # -- step control -------------------------------------------------------------------------
 
@@ -585,7 +433,6 @@ class AttentionCapture:
 
     def arm(self) -> None:
         """Start a step: zero the accumulators, add the hooks, let the wrappers measure."""
-        global _ARMED
         if self._closed:
             raise RuntimeError("AttentionCapture is closed")
         if self._armed:
@@ -597,16 +444,12 @@ class AttentionCapture:
         self._hooks.append(self.root.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
-        with _LOCK:
-            _ARMED = (*_ARMED, self)
+        registry.arm(self)
         self._armed = True
 
     def disarm(self) -> None:
         """End the step: the wrappers pass straight through again and the hooks are removed."""
-        global _ARMED
-        with _LOCK:
-            if self in _ARMED:
-                _ARMED = tuple(c for c in _ARMED if c is not self)
+        registry.disarm(self)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -637,7 +480,7 @@ class AttentionCapture:
         if self._closed:
             return
         self.disarm()
-        _release(self._implementations)
+        registry.release(self._implementations)
         self._closed = True
 
     def __enter__(self) -> AttentionCapture:
@@ -699,8 +542,10 @@ class AttentionCapture:
 
         return hook
 
-    def _observe(self, i: int, family: str, module: nn.Module, query: Tensor, key: Tensor,
-                 attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
+    def observe(self, i: int, family: str, module: nn.Module, query: Tensor, key: Tensor,
+                attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
+        """One call of watched layer ``i``'s attention function (made by the registry's wrapper
+        while armed): adds its logit statistics to the step's accumulators; never raises."""
         if not self._counted():
             return  # not a forward that produces the update, or a checkpointed block re-run in backward
         try:

@@ -31,8 +31,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("core.products",),
     ("core.formulas",),
     ("core", "tags", "alerts"),
-    # measured attention quantities (the attention-function wrappers)
-    ("attention_stats",),
+    # measured attention quantities; the attention-function registry glue they read through
+    # (integrations.attention_functions: transformers' get_interface wrapped, imports no module of
+    # the package, so it sits here rather than with the rest of integrations/)
+    ("integrations.attention_functions", "attention_stats"),
     # scored weight pairs
     ("pairs",),
     # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out)
