@@ -26,6 +26,7 @@ import torch
 
 from .core import (
     DEFAULT_METRICS,
+    WRITTEN_NAMES,
     check_metrics,
     gpu_algorithm,
     gram_is_cheaper,
@@ -69,7 +70,7 @@ class QKPair:
 
     def __init__(self, metrics: Sequence[str] | None = None, *, dtype: torch.dtype = torch.float32) -> None:
         self.core_metrics = check_metrics(metrics)
-        self.metrics = tuple({"ov_qk_bound": "ov_gain_bound"}.get(self.prefix + m, self.prefix + m) for m in self.core_metrics)
+        self.metrics = tuple(WRITTEN_NAMES.get(self.prefix + m, self.prefix + m) for m in self.core_metrics)
         self.dtype = dtype
 
     def param_names(self, layer: AttentionLayer) -> tuple[str, ...]:

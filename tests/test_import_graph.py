@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attn_probe"
 LAYERS: list[tuple[str, ...]] = [
     # leaves: stdlib, torch, numpy only
     ("isolation", "schedules", "logdir", "live_view", "trajectory_format", "asynchronous", "counting",
-     "extraction.base", "event_files"),
+     "extraction.base", "event_files", "resume_policy"),
     # architecture knowledge
     ("extraction", "intervention"),
     # the maths: the independent reference definitions (imports nothing of the package); the

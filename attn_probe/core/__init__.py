@@ -56,6 +56,7 @@ from .formulas import (
     DEFAULT_METRICS,
     MAGNITUDES,
     METRICS,
+    WRITTEN_NAMES,
     check_metrics,
     is_magnitude,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "METRICS",
     "DEFAULT_METRICS",
     "MAGNITUDES",
+    "WRITTEN_NAMES",
     "is_magnitude",
     "Products",
     "check_metrics",

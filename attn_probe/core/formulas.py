@@ -110,11 +110,16 @@ DEFAULT_METRICS: tuple[str, ...] = tuple(METRICS)
 #: across-layer ``max`` (blow-ups sit in a few layers) and plots use a log y axis
 MAGNITUDES: frozenset[str] = frozenset({"spectral_norm", "frobenius_norm", "stable_rank", "qk_bound"})
 
+#: a pair-prefixed metric name -> the name the pair writes instead (data, read by the pairs when
+#: they name their metrics and by :func:`is_magnitude`): the OV pair's ``qk_bound`` is
+#: ``sigma_max(W_o) sigma_max(W_v)``, a gain bound, and is written as ``ov_gain_bound``
+WRITTEN_NAMES: dict[str, str] = {"ov_qk_bound": "ov_gain_bound"}
+
 
 def is_magnitude(metric: str) -> bool:
-    """Whether ``metric`` (possibly with a pair prefix such as ``ov_``) is one of :data:`MAGNITUDES`."""
-    if metric == "ov_gain_bound":  # the OV pair's name for its qk_bound (pairs.OVPair)
-        return True
+    """Whether ``metric`` (possibly with a pair prefix such as ``ov_``, or written under another
+    name, :data:`WRITTEN_NAMES`) is one of :data:`MAGNITUDES`."""
+    metric = next((old for old, new in WRITTEN_NAMES.items() if new == metric), metric)
     return any(metric == m or metric.endswith("_" + m) for m in MAGNITUDES)
 
 

@@ -35,6 +35,7 @@ from ..extraction import find_attention
 from ..isolation import safe_warn
 from ..logdir import default_log_dir
 from ..probe import Probe
+from ..resume_policy import choose_run, previous_runs, relative_to, saved_run
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line
 
@@ -50,7 +51,14 @@ RESTORE_KEY = "attn_probe_restore"
 
 
 def _find_callback_handler() -> Any:
-    """The ``CallbackHandler`` dispatching the current event (found on the call stack)."""
+    """The ``CallbackHandler`` dispatching the current event (found on the call stack).
+
+    Why the stack (issue 30 kept it, ``docs/architecture.md``): a callback given as
+    ``callbacks=[...]`` is never handed its handler (events receive args, state, control and
+    the model/optimizer/... keyword arguments, not the handler or the other callbacks), and the
+    handler is needed before ``TensorBoardCallback`` opens its writer. :func:`attach` sets
+    ``handler`` explicitly, and then this is never called.
+    """
     frame = sys._getframe(1)
     for _ in range(8):
         if frame is None:
@@ -113,6 +121,14 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     options and sinks, instead of a new one built from the saved args.
     """
 
+    # Why ``__new__`` and the call stack (issue 30 kept them; docs/architecture.md): the Trainer
+    # restores callback states by calling ``type(callback)(**saved_args)`` inside its
+    # ``_load_callback_state`` and replacing the attached instance with the result; no hook of
+    # the Trainer lets a callback take part. Only ``__new__`` can hand back the attached instance
+    # (its options and sinks), and only the caller's frame says which Trainer (and so which of
+    # several attached instances in one process) is restoring, and gives its args and state for the
+    # early choice of the run directory. An explicit registry of attached instances could not tell
+    # two Trainers apart, nor serve ``callbacks=[...]`` (never attached), without changing behaviour.
     def __new__(cls, *args: Any, **kwargs: Any) -> AttnProbeCallback:
         if not args and (kwargs.get(RESTORE_KEY) or not kwargs):  # earlier versions saved args {}
             live = _attached_instance_being_restored(cls, marked=bool(kwargs))
@@ -203,30 +219,30 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         the checkpoint (which :meth:`on_train_begin` gives up for a fresh one if it cannot be written).
         Also sets the run's identity (:meth:`_set_identity`): the checkpoint's run id when its run
         is continued (found by that id in the directory's trajectory), else a new id, with the
-        checkpoint's run as parent when there is one.
+        checkpoint's run as parent when there is one. The decision is
+        :func:`attn_probe.resume_policy.choose_run`'s; this carries it out on the Trainer.
         """
         step = int(state.global_step)
-        saved = _saved_run(state) if step > 0 else None
+        saved = saved_run(getattr(state, "stateful_callbacks", None)) if step > 0 else None
+        from_env = os.getenv("TENSORBOARD_LOGGING_DIR") is not None
+        choice = choose_run(step, saved, log_dir=self.log_dir, output_dir=args.output_dir, trainer_dir_from_env=from_env)
         self.parent_run = None
-        self._set_identity(None)
-        if self.log_dir is not None:
-            chosen = os.path.expanduser(self.log_dir)
-            if os.getenv("TENSORBOARD_LOGGING_DIR") is None:
+        self._set_identity(choice.run_id, parent=choice.parent_id, step=choice.parent_step, legacy=choice.legacy)
+        if choice.kind == "given":
+            if not from_env:
                 # with attach() this runs before the TensorBoardCallback opens its writer: make the
                 # Trainer's loss go to the same run (no public setter exists)
-                _point_tensorboard(handler, chosen)
-            if saved is not None and saved[3] is not None and not _holds_run(chosen, saved[3]):
-                self._set_identity(None, parent=saved[3], step=step)  # the checkpoint's run is elsewhere
-            elif saved is not None:
-                self._set_identity(saved[3], legacy=saved[3] is None)
-            return chosen, False
-        if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
-            found, problem, foreign = _resolve_saved_run(saved, args.output_dir)
-            if found is None and foreign:
-                return self._branched_log_dir(args, handler, step, saved[0], saved[3]), False
-            if found is None:
-                return self._fresh_log_dir(args, handler, step, saved[0], problem, saved[3]), False
-            self._set_identity(saved[3], legacy=saved[3] is None)
+                _point_tensorboard(handler, choice.directory)
+            return choice.directory, False
+        if choice.kind == "branch":
+            return self._branched_log_dir(args, handler, step, saved.path, saved.run_id), False
+        if choice.kind == "fresh":
+            return self._fresh_log_dir(args, handler, step, saved.path, choice.problem, saved.run_id), False
+        if choice.kind == "continue":
+            found = choice.directory
+            if choice.relocated:
+                _warn(f"attn_probe: the probe's run saved with the checkpoint, {saved.path}, no longer exists; "
+                      f"continuing the run found at the same place under output_dir, {found}.")
             # continue the run of the checkpoint: the trajectory stays one run; tell a
             # TensorBoardCallback that has not opened its writer yet to write there too
             _point_tensorboard(handler, found)
@@ -239,7 +255,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             return found, True
         log_dir = trainer_log_dir(args, handler)
         if state.global_step > 0 and saved is None:
-            previous = _previous_runs(args.output_dir, log_dir)
+            previous = previous_runs(args.output_dir, log_dir)
             if previous:
                 _warn(f"attn_probe: resuming at step {state.global_step} in a new run directory {log_dir}; "
                       f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
@@ -372,7 +388,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc), self._identity.get("run_id"))
             self.probe = build(log_dir)
         self.run_log_dir = log_dir
-        self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
+        self.run_log_dir_relative = relative_to(log_dir, args.output_dir) if log_dir is not None else None
         self.run_output_dir = os.path.abspath(str(args.output_dir))
         if main:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
@@ -521,106 +537,6 @@ def _attached_instance_being_restored(cls: type, *, marked: bool) -> Any:
     return callback
 
 
-def _saved_run(state: Any) -> tuple[str, str | None, str | None, str | None] | None:
-    """The probe's run recorded in the checkpoint's ``trainer_state.json``, if any.
-
-    ``(path as used, path relative to that run's output_dir or None, that output_dir or None,
-    run id or None)``; checkpoints written before the relative path, the output_dir or the run
-    id were recorded give ``None`` there.
-    """
-    saved = (getattr(state, "stateful_callbacks", None) or {}).get("AttnProbeCallback")
-    if isinstance(saved, list):
-        saved = saved[-1] if saved else None
-    if not isinstance(saved, dict):
-        return None
-    attributes = saved.get("attributes") or {}
-    value, relative = attributes.get("run_log_dir"), attributes.get("run_log_dir_relative")
-    if not (isinstance(value, str) and value):
-        return None
-    relative = relative if isinstance(relative, str) and relative and not os.path.isabs(relative) else None
-    output_dir = attributes.get("run_output_dir")
-    run_id = attributes.get("run_id")
-    return (value, relative, output_dir if isinstance(output_dir, str) and output_dir else None,
-            run_id if isinstance(run_id, str) and run_id else None)
-
-
-def _relative_to(path: str, root: Any) -> str | None:
-    """``path`` relative to ``root`` when it lies inside it (``"."`` for ``root`` itself), else ``None``."""
-    try:
-        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(str(root)))
-    except ValueError:  # another drive (Windows)
-        return None
-    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
-        return None
-    return rel
-
-
-def _resolve_saved_run(saved: tuple[str, str | None, str | None, str | None],
-                       output_dir: Any) -> tuple[str | None, str, bool]:
-    """Where the saved run is now: ``(directory, "", False)``, or ``(None, why not, foreign)``.
-
-    In order: the recorded relative path under the *current* ``output_dir`` (the output
-    directory may have been moved or copied since); the recorded path itself; for checkpoints
-    that recorded only that path, the same trailing components (``runs/<name>``) under the
-    current ``output_dir`` when they hold a trajectory. A directory is taken only when it exists
-    and can be written (:func:`attn_probe.logdir.check_log_dir`): a run directory is never
-    recreated where a moved or deleted one was. A directory outside the current ``output_dir``
-    is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
-    explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
-    (a run branched from another run's checkpoint), which is never written. When the checkpoint
-    records a run id, a directory whose trajectory does not hold that run is never taken, whatever
-    its name: two runs whose directories have the same name (started in the same second) stay two.
-    """
-    from ..logdir import LogDirError, check_log_dir
-    from ..trajectory_format import TRAJECTORY_FILENAME
-
-    path, relative, saved_output_dir, run_id = saved
-    output_dir = str(output_dir)
-    same_output_dir = saved_output_dir is not None and _same_path(saved_output_dir, output_dir)
-
-    def ours(candidate: str) -> bool:
-        if run_id is not None and not _holds_run(candidate, run_id):
-            return False
-        return same_output_dir or _relative_to(os.path.realpath(candidate), os.path.realpath(output_dir)) is not None
-
-    candidates = []
-    if relative is not None:
-        candidates.append(os.path.normpath(os.path.join(output_dir, relative)))
-    candidates.append(path)
-    if relative is None and not os.path.isdir(path):
-        parts = [p for p in os.path.normpath(path).split(os.sep) if p]
-        for n in range(min(3, len(parts) - 1), 0, -1):
-            tail = os.path.join(output_dir, *parts[-n:])
-            if os.path.isfile(os.path.join(tail, TRAJECTORY_FILENAME)):
-                candidates.append(tail)
-                break
-    problem = "it no longer exists"
-    for candidate in candidates:
-        if not os.path.isdir(candidate) or not ours(candidate):
-            continue
-        try:
-            check_log_dir(candidate)
-        except LogDirError as exc:
-            problem = str(exc)
-            continue
-        if candidate not in (path, candidates[0]):
-            _warn(f"attn_probe: the probe's run saved with the checkpoint, {path}, no longer exists; "
-                  f"continuing the run found at the same place under output_dir, {candidate}.")
-        return candidate, "", False
-    return None, problem, not ours(path)
-
-
-def _holds_run(directory: str, run_id: str) -> bool:
-    """Whether ``directory``'s trajectory holds the run ``run_id`` (a directory without a
-    trajectory file, or one that cannot be read, holds no run)."""
-    from ..trajectory_format import TRAJECTORY_FILENAME, file_runs
-
-    try:
-        return any(h.run_id == run_id for h in file_runs(os.path.join(directory, TRAJECTORY_FILENAME)))
-    except (OSError, MemoryError):
-        return False
-
-
 def _unused_dir(log_dir: str, handler: Any) -> str:
     """``log_dir``, or a unique sibling when it already holds another run's files (and the
     Trainer's TensorBoard writer is not open there): a new run never writes another run's files."""
@@ -639,24 +555,6 @@ def _unused_dir(log_dir: str, handler: Any) -> str:
         return log_dir  # the probe's own check names the problem
     _point_tensorboard(handler, chosen)
     return chosen
-
-
-def _same_path(a: str, b: str) -> bool:
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
-def _previous_runs(output_dir: str, current: str) -> list[str]:
-    """Earlier probe runs under ``output_dir/runs`` (those holding a trajectory), oldest first."""
-    from ..trajectory_format import TRAJECTORY_FILENAME
-
-    root = os.path.join(str(output_dir), "runs")
-    try:
-        entries = [os.path.join(root, e) for e in os.listdir(root)]
-    except OSError:
-        return []
-    runs = [e for e in entries if os.path.isfile(os.path.join(e, TRAJECTORY_FILENAME))
-            and os.path.realpath(e) != os.path.realpath(current)]
-    return sorted(runs, key=os.path.getmtime)
 
 
 def _point_tensorboard(handler: Any, log_dir: str) -> None:

@@ -1,0 +1,219 @@
+"""Which run directory a (resumed) training session writes: the policy, as plain values.
+
+Paths, run ids and steps in, a decision out; no Trainer, no transformers. The Trainer glue
+(:class:`attn_probe.integrations.transformers.AttnProbeCallback`) reads the saved run from the
+checkpoint's ``trainer_state.json`` (:func:`saved_run`), asks :func:`choose_run` what to do and
+carries the decision out (pointing the Trainer's TensorBoard callback, warning, choosing the
+default directory).
+
+The rules (``docs/live-probe.md``, "Hugging Face Trainer"):
+
+- ``log_dir=`` given: that directory. The checkpoint's run continues there when it holds the
+  checkpoint's run id (or the checkpoint predates run ids); otherwise this is a new run whose
+  parent is the checkpoint's run.
+- a checkpoint with a saved run (and no ``TENSORBOARD_LOGGING_DIR``): the saved run continues
+  where :func:`resolve_saved_run` finds it (under the current ``output_dir`` first, so a moved
+  or copied output directory keeps its run); a run of *another* ``output_dir`` is never written
+  (a branch: a new run, with the saved one as parent); a saved run that is gone or cannot be
+  written gives a fresh run, with the saved one as parent.
+- otherwise the Trainer's TensorBoard run (a new run id).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+__all__ = ["Resolution", "RunChoice", "SavedRun", "choose_run", "holds_run", "previous_runs",
+           "relative_to", "resolve_saved_run", "same_path", "saved_run"]
+
+
+class SavedRun(NamedTuple):
+    """The probe's run recorded with a checkpoint (``None`` where an older checkpoint recorded nothing)."""
+
+    #: the run directory as used
+    path: str
+    #: that path relative to the run's ``output_dir``, when it lay inside it
+    relative: str | None
+    #: the ``output_dir`` of that run
+    output_dir: str | None
+    #: the run's id
+    run_id: str | None
+
+
+class Resolution(NamedTuple):
+    """Where a saved run is now (:func:`resolve_saved_run`)."""
+
+    #: the directory to continue, or ``None``
+    directory: str | None
+    #: why none was taken ("" when one was)
+    problem: str
+    #: the saved run belongs to another ``output_dir`` (never written: a branch)
+    foreign: bool
+    #: the directory was found under the current ``output_dir`` rather than at the saved path
+    relocated: bool = False
+
+
+@dataclass(frozen=True)
+class RunChoice:
+    """What :func:`choose_run` decided.
+
+    ``kind``: ``"given"`` (``log_dir=``, in :attr:`directory`), ``"continue"`` (the saved run, found
+    in :attr:`directory`), ``"branch"`` (a new run under this ``output_dir`` for another's
+    checkpoint), ``"fresh"`` (a new run: the saved one is unusable, :attr:`problem` says why) or
+    ``"default"`` (the Trainer's TensorBoard run). The identity: :attr:`run_id` is the id continued
+    (``None``: a new one), :attr:`parent_id`/:attr:`parent_step` the run branched from (a parent
+    id of ``None`` with ``parent_step`` set: a parent without id), :attr:`legacy` a continued run
+    from a checkpoint written before run ids.
+    """
+
+    kind: str
+    directory: str | None = None
+    run_id: str | None = None
+    parent_id: str | None = None
+    parent_step: int | None = None
+    legacy: bool = False
+    problem: str = ""
+    relocated: bool = False
+    saved: SavedRun | None = None
+
+
+def saved_run(stateful_callbacks: Mapping[str, Any] | None, name: str = "AttnProbeCallback") -> SavedRun | None:
+    """The probe's run recorded in a checkpoint's ``stateful_callbacks`` (``trainer_state.json``), if any."""
+    saved = (stateful_callbacks or {}).get(name)
+    if isinstance(saved, list):
+        saved = saved[-1] if saved else None
+    if not isinstance(saved, dict):
+        return None
+    attributes = saved.get("attributes") or {}
+    value, relative = attributes.get("run_log_dir"), attributes.get("run_log_dir_relative")
+    if not (isinstance(value, str) and value):
+        return None
+    relative = relative if isinstance(relative, str) and relative and not os.path.isabs(relative) else None
+    output_dir = attributes.get("run_output_dir")
+    run_id = attributes.get("run_id")
+    return SavedRun(value, relative, output_dir if isinstance(output_dir, str) and output_dir else None,
+                    run_id if isinstance(run_id, str) and run_id else None)
+
+
+def relative_to(path: str, root: Any) -> str | None:
+    """``path`` relative to ``root`` when it lies inside it (``"."`` for ``root`` itself), else ``None``."""
+    try:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(str(root)))
+    except ValueError:  # another drive (Windows)
+        return None
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+        return None
+    return rel
+
+
+def same_path(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name the same place (user-expanded, links resolved)."""
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def holds_run(directory: str, run_id: str) -> bool:
+    """Whether ``directory``'s trajectory holds the run ``run_id`` (a directory without a
+    trajectory file, or one that cannot be read, holds no run)."""
+    from .trajectory_format import TRAJECTORY_FILENAME, file_runs
+
+    try:
+        return any(h.run_id == run_id for h in file_runs(os.path.join(directory, TRAJECTORY_FILENAME)))
+    except (OSError, MemoryError):
+        return False
+
+
+def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str | None], output_dir: Any) -> Resolution:
+    """Where the saved run is now.
+
+    In order: the recorded relative path under the *current* ``output_dir`` (the output
+    directory may have been moved or copied since); the recorded path itself; for checkpoints
+    that recorded only that path, the same trailing components (``runs/<name>``) under the
+    current ``output_dir`` when they hold a trajectory. A directory is taken only when it exists
+    and can be written (:func:`attn_probe.logdir.check_log_dir`): a run directory is never
+    recreated where a moved or deleted one was. A directory outside the current ``output_dir``
+    is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
+    explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
+    (a run branched from another run's checkpoint), which is never written. When the checkpoint
+    records a run id, a directory whose trajectory does not hold that run is never taken, whatever
+    its name: two runs whose directories have the same name (started in the same second) stay two.
+    """
+    from .logdir import LogDirError, check_log_dir
+    from .trajectory_format import TRAJECTORY_FILENAME
+
+    path, relative, saved_output_dir, run_id = saved
+    output_dir = str(output_dir)
+    same_output_dir = saved_output_dir is not None and same_path(saved_output_dir, output_dir)
+
+    def ours(candidate: str) -> bool:
+        if run_id is not None and not holds_run(candidate, run_id):
+            return False
+        return same_output_dir or relative_to(os.path.realpath(candidate), os.path.realpath(output_dir)) is not None
+
+    candidates = []
+    if relative is not None:
+        candidates.append(os.path.normpath(os.path.join(output_dir, relative)))
+    candidates.append(path)
+    if relative is None and not os.path.isdir(path):
+        parts = [p for p in os.path.normpath(path).split(os.sep) if p]
+        for n in range(min(3, len(parts) - 1), 0, -1):
+            tail = os.path.join(output_dir, *parts[-n:])
+            if os.path.isfile(os.path.join(tail, TRAJECTORY_FILENAME)):
+                candidates.append(tail)
+                break
+    problem = "it no longer exists"
+    for candidate in candidates:
+        if not os.path.isdir(candidate) or not ours(candidate):
+            continue
+        try:
+            check_log_dir(candidate)
+        except LogDirError as exc:
+            problem = str(exc)
+            continue
+        return Resolution(candidate, "", False, relocated=candidate not in (path, candidates[0]))
+    return Resolution(None, problem, not ours(path))
+
+
+def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output_dir: Any,
+               trainer_dir_from_env: bool = False) -> RunChoice:
+    """The run directory and identity of a session starting at ``step`` (see the module docstring).
+
+    ``saved``: the checkpoint's run (:func:`saved_run`; ``None`` at step 0 or without one);
+    ``log_dir``: the user's ``log_dir=``; ``trainer_dir_from_env``: ``TENSORBOARD_LOGGING_DIR``
+    is set (the Trainer's directory is then the user's choice, and a saved run is not looked for).
+    """
+    if step <= 0:
+        saved = None
+    if log_dir is not None:
+        chosen = os.path.expanduser(log_dir)
+        if saved is not None and saved.run_id is not None and not holds_run(chosen, saved.run_id):
+            # the checkpoint's run is elsewhere: a new run, its child
+            return RunChoice("given", chosen, parent_id=saved.run_id, parent_step=step, saved=saved)
+        if saved is not None:
+            return RunChoice("given", chosen, run_id=saved.run_id, legacy=saved.run_id is None, saved=saved)
+        return RunChoice("given", chosen)
+    if saved is not None and not trainer_dir_from_env:
+        found = resolve_saved_run(saved, output_dir)
+        if found.directory is None and found.foreign:
+            return RunChoice("branch", parent_id=saved.run_id, parent_step=step, saved=saved)
+        if found.directory is None:
+            return RunChoice("fresh", parent_id=saved.run_id, parent_step=step, problem=found.problem, saved=saved)
+        return RunChoice("continue", found.directory, run_id=saved.run_id, legacy=saved.run_id is None,
+                         relocated=found.relocated, saved=saved)
+    return RunChoice("default", saved=saved)
+
+
+def previous_runs(output_dir: str, current: str) -> list[str]:
+    """Earlier probe runs under ``output_dir/runs`` (those holding a trajectory), oldest first."""
+    from .trajectory_format import TRAJECTORY_FILENAME
+
+    root = os.path.join(str(output_dir), "runs")
+    try:
+        entries = [os.path.join(root, e) for e in os.listdir(root)]
+    except OSError:
+        return []
+    runs = [e for e in entries if os.path.isfile(os.path.join(e, TRAJECTORY_FILENAME))
+            and os.path.realpath(e) != os.path.realpath(current)]
+    return sorted(runs, key=os.path.getmtime)
