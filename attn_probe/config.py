@@ -57,7 +57,7 @@ class ProbeConfig:
 
     * ``every``: snapshot schedule: an int ``n`` (every ``n`` updates), a callable
       ``step -> bool`` (:mod:`attn_probe.schedules`), or ``None`` (only by hand);
-    * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.metrics.METRICS`);
+    * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.core.METRICS`);
     * ``per_head``: also log every head's ``M_h``;
     * ``groups`` / ``layers``: restrict to these attention groups / layer indices;
     * ``num_std``: directionality threshold, ``mean + num_std * std``;

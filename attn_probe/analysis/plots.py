@@ -110,7 +110,7 @@ def plot_dynamics(
     layers as a line and the q25-q75 band around it. With ``per_layer=True`` every layer is a
     line coloured by depth (viridis, with a colorbar), and runs differ by line style. For the
     scores y spans [-1, 1] with a dashed zero line; the magnitudes (norms, stable rank,
-    ``qk_bound``: :func:`attn_probe.metrics.is_magnitude`) get a log y axis. ``df_or_runs`` is a long table or run directories (see
+    ``qk_bound``: :func:`attn_probe.core.is_magnitude`) get a log y axis. ``df_or_runs`` is a long table or run directories (see
     :func:`~attn_probe.analysis.trajectory.load_trajectory`). Saved to ``path`` if given.
 
     NaN values are left out (lines join the finite steps). A metric with no finite value keeps

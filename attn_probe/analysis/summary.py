@@ -39,7 +39,7 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
 
 
 def _in_registry_order(metrics: Any) -> list[str]:
-    """Distinct metrics, those of :data:`attn_probe.metrics.METRICS` first in its order, then the rest."""
+    """Distinct metrics, those of :data:`attn_probe.core.METRICS` first in its order, then the rest."""
     from ..core import METRICS
 
     order = {m: i for i, m in enumerate(METRICS)}
@@ -109,7 +109,7 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
 
 
 def is_magnitude(metric: str) -> bool:
-    """:func:`attn_probe.metrics.is_magnitude`, also for a metric known by a new name
+    """:func:`attn_probe.core.is_magnitude`, also for a metric known by a new name
     (:data:`~attn_probe.analysis.trajectory.RENAMED_METRICS`: ``ov_gain_bound`` as ``ov_qk_bound``)."""
     from ..core import is_magnitude as core
     from .trajectory import RENAMED_METRICS

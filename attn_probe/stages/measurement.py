@@ -14,7 +14,7 @@ training thread and scored on the worker of :class:`~attn_probe.asynchronous.Asy
 
 **Hooks for other work.** :meth:`Measurement.score_stacked` is the one place the live
 probe calls the scoring core on unsharded layers: the place to cut per-layer work (the
-GPU-first scoring, which selects its algorithm inside :mod:`attn_probe.metrics`). A test
+GPU-first scoring, which selects its algorithm inside :mod:`attn_probe.core`). A test
 may patch it on the class (a public method) to hold or fail the scoring. Quantities measured
 from the weights during the walk (like the heatmaps, :class:`attn_probe.images.HeatmapImages`)
 get ``(layer, get)`` in :meth:`Measurement.measure`'s loop.
