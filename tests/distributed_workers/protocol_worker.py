@@ -1,4 +1,4 @@
-"""Worker for tests/test_collective_protocol.py: rank-local events must not break the collectives.
+"""Worker for tests/distributed/test_collective_protocol.py: rank-local events must not break the collectives.
 
 ``torchrun --standalone --nproc_per_node 2 protocol_worker.py SETUP:CASE[,SETUP:CASE...] ROOT``
 with SETUP ``fsdp1``, ``fsdp2`` or ``ddp``. Each case trains a fresh tiny BERT for ``STEPS`` optimizer

@@ -3,7 +3,7 @@ references, no host synchronisation inside it, bf16 Gram products with float32 o
 stack budget from the free memory, the operation count beside the profiler's kernel count, and
 the asynchronous mode on CUDA streams.
 
-Run on a GPU machine with ``python -m pytest -q tests/test_cuda.py``.
+Run on a GPU machine with ``python -m pytest -q tests/core/test_cuda.py``.
 """
 
 from __future__ import annotations

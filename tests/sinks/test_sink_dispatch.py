@@ -19,7 +19,7 @@ from attn_probe.sinks import RunInfo, Snapshot
 from attn_probe.sinks.dispatch import SinkDispatcher, describe_steps
 
 RUN = RunInfo(config={}, model={}, groups=["self"], metrics=["symmetry"], per_head=False)
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 
 

@@ -19,12 +19,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_attention_health_live import Records, _same_batch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import attn_probe  # noqa: E402
-from tests.test_attention_health_live import Records, _same_batch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: an attention class with no source file (exec'd), whose forward passes its own function,
 #: not named eager_attention_forward, as get_interface's default

@@ -15,13 +15,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_attention_health_live import Data, Records  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe import AttnProbeCallback  # noqa: E402
 from tests.helpers import make_args  # noqa: E402
-from tests.test_attention_health_live import Data, Records  # noqa: E402
 
 L = 9
 

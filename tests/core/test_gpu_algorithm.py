@@ -223,7 +223,7 @@ def test_bench_snapshot_build_initialises_buffers():
 
     from transformers import AutoModelForCausalLM
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_snapshot.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_snapshot.py"
     spec = importlib.util.spec_from_file_location("bench_snapshot", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 EVERY, STEPS, FILL_AT, FREE_AT = 5, 300, 100, 250
