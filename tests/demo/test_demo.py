@@ -34,7 +34,7 @@ TINY = [
     "--max-chars",
     "20000",
     "--no-progress",
-    "--sequential",  # in this process; tests/test_demo_processes.py trains the models at the same time
+    "--sequential",  # in this process; tests/demo/test_demo_processes.py trains the models at the same time
 ]
 
 

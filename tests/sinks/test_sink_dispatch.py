@@ -11,26 +11,19 @@ import time
 import warnings
 
 import pytest
-import torch
-from transformers import BertConfig, BertForMaskedLM
+from helpers import tiny_bert
 
 import attn_probe
 from attn_probe.sinks import RunInfo, Snapshot
 from attn_probe.sinks.dispatch import SinkDispatcher, describe_steps
 
 RUN = RunInfo(config={}, model={}, groups=["self"], metrics=["symmetry"], per_head=False)
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 
 
 def snap(step):
     return Snapshot(step=step, wall_time=0.0, records=[])
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    return BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=12))
 
 
 class ListSink:

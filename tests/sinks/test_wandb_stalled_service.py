@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("wandb")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the service through /proc")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 SINK_TIMEOUT = 5.0
 

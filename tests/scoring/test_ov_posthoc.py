@@ -12,9 +12,8 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_model
 from transformers import (
-    BertConfig,
-    BertForMaskedLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -38,8 +37,8 @@ OV = tuple("ov_" + m for m in metrics_module.DEFAULT_METRICS if m != "qk_bound")
 
 
 def bert():
-    return BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
-                                      intermediate_size=48, max_position_embeddings=16))
+    return tiny_model("bert", None, vocab_size=40, hidden_size=D, num_attention_heads=H, intermediate_size=48,
+                      max_position_embeddings=16)
 
 
 def gpt2():

@@ -19,12 +19,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers import tiny_model  # noqa: E402
+from test_attention_health_live import Records, _same_batch  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 import attn_probe  # noqa: E402
-from tests.test_attention_health_live import Records, _same_batch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: an attention class with no source file (exec'd), whose forward passes its own function,
 #: not named eager_attention_forward, as get_interface's default
@@ -58,12 +59,8 @@ def _teacher_namespace() -> dict:
 
 
 def _model(seed: int, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, vocab_size=99,
-                                         initializer_range=0.4))
-    model.set_attn_implementation("eager")
-    return model
+    return tiny_model("llama", seed, impl="eager", num_hidden_layers=layers, intermediate_size=64, vocab_size=99,
+                      max_position_embeddings=2048, initializer_range=0.4)
 
 
 def _distil(tmp_path, probe: bool, namespace: dict) -> tuple[list[float], list[torch.Tensor], Records]:

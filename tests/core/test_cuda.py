@@ -3,7 +3,7 @@ references, no host synchronisation inside it, bf16 Gram products with float32 o
 stack budget from the free memory, the operation count beside the profiler's kernel count, and
 the asynchronous mode on CUDA streams.
 
-Run on a GPU machine with ``python -m pytest -q tests/test_cuda.py``.
+Run on a GPU machine with ``python -m pytest -q tests/core/test_cuda.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_model
 from test_core_paths import check_table, factors  # explicit float64 references
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,10 +118,8 @@ def test_op_count_on_cuda_equals_the_gpu_algorithm_on_cpu(tmp_path):
 
 
 def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=256,
-                                        max_position_embeddings=32)).cuda()
+    return tiny_model("llama", vocab_size=64, hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                      max_position_embeddings=32).cuda()
 
 
 def _jsonl(path):

@@ -15,24 +15,20 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_attention_health_live import Data, Records  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe import AttnProbeCallback  # noqa: E402
-from tests.helpers import make_args  # noqa: E402
-from tests.test_attention_health_live import Data, Records  # noqa: E402
+from tests.helpers import make_args, tiny_model  # noqa: E402
 
 L = 9
 
 
 def _llama(impl: str = "eager") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, vocab_size=99,
-                                         initializer_range=0.4))
-    model.set_attn_implementation(impl)
-    return model
+    return tiny_model("llama", impl=impl, intermediate_size=64, vocab_size=99, max_position_embeddings=2048,
+                      initializer_range=0.4)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 EVERY, STEPS, FILL_AT, FREE_AT = 5, 300, 100, 250
@@ -307,7 +307,7 @@ def test_two_processes_with_one_log_dir(tmp_path):
 
 def test_default_directories_are_unique_and_a_named_one_is_refused(tmp_path, monkeypatch):
     import torch
-    from transformers import BertConfig, BertForMaskedLM
+    from helpers import tiny_model
 
     import attn_probe
     from attn_probe.logdir import LogDirInUseError
@@ -315,8 +315,7 @@ def test_default_directories_are_unique_and_a_named_one_is_refused(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("attn_probe.stages.outputs.default_log_dir", lambda: os.path.join("runs", "same_second_host"))
     torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=64, max_position_embeddings=12))
+    model = tiny_model("bert", None)
     a = attn_probe.Probe(model, every=None, metrics=("symmetry",))
     b = attn_probe.Probe(model, every=None, metrics=("symmetry",))
     assert a.log_dir != b.log_dir and {os.path.basename(a.log_dir), os.path.basename(b.log_dir)} == {

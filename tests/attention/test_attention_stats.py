@@ -16,10 +16,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from helpers import tiny_model  # noqa: E402
 from transformers import (  # noqa: E402
-    BertConfig,
     BertModel,
-    GPT2Config,
     GPT2Model,
     LlamaConfig,
     LlamaForCausalLM,
@@ -45,31 +44,20 @@ L = 9  # sequence length
 
 
 def _llama(impl: str = "eager", seed: int = 0, **extra) -> LlamaModel:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=99, initializer_range=0.4, **extra)
-    model = LlamaModel(cfg).double().eval()
-    model.set_attn_implementation(impl)
-    return model
+    return tiny_model("llama", seed, cls=LlamaModel, impl=impl, intermediate_size=64, vocab_size=99,
+                      max_position_embeddings=2048, initializer_range=0.4, **extra).double().eval()
 
 
 def _bert(impl: str = "eager", seed: int = 0) -> BertModel:
-    torch.manual_seed(seed)
-    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                     vocab_size=99, initializer_range=0.4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = BertModel(cfg, add_pooling_layer=False).double().eval()
-    model.set_attn_implementation(impl)
-    return model
+    return tiny_model("bert", seed, cls=BertModel, impl=impl, model_kwargs=dict(add_pooling_layer=False),
+                      vocab_size=99, max_position_embeddings=512, initializer_range=0.4, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0).double().eval()
 
 
 def _gpt2(impl: str = "eager", seed: int = 0) -> GPT2Model:
-    torch.manual_seed(seed)
-    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, bos_token_id=0, eos_token_id=0,
-                     initializer_range=0.4, scale_attn_by_inverse_layer_idx=True,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2Model(cfg).double().eval()
-    model.set_attn_implementation(impl)
-    return model
+    return tiny_model("gpt2", seed, cls=GPT2Model, impl=impl, n_positions=1024, bos_token_id=0, eos_token_id=0,
+                      initializer_range=0.4, scale_attn_by_inverse_layer_idx=True,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).double().eval()
 
 
 def _gemma2(impl: str = "eager", seed: int = 0):

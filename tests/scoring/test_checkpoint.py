@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 from safetensors.torch import save_file
 
 from attn_probe import find_attention, score_model
@@ -19,20 +20,15 @@ TINY = dict(vocab_size=64)
 
 
 def _bert(cls_name: str = "BertForMaskedLM"):
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=37, max_position_embeddings=32, **TINY)
-    return getattr(transformers, cls_name)(cfg)
+    return tiny_model("bert", None, cls=cls_name, intermediate_size=37, max_position_embeddings=32, **TINY)
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, **TINY)
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_model("gpt2", None, n_positions=32, **TINY)
 
 
 def _llama_gqa():
-    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=37, **TINY)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_model("llama", None, intermediate_size=37, max_position_embeddings=2048, **TINY)
 
 
 def _t5():

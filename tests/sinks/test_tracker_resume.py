@@ -46,7 +46,7 @@ import attn_probe
 from attn_probe.sinks import RunInfo
 from attn_probe.sinks.trackers import STEP_KEY
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, tracker_servers
 #: the probe's record of the last step each tracker run got, beside attn_probe.jsonl
 SENT_FILENAME = "attn_probe_trackers.json"
 FIRST, RESUME_AT, LAST = 6, 3, 9  # plain loops

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("wandb")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: helpers, tracker_servers
 ROOT = os.path.dirname(TESTS)
 RUNS = ("plain@500", "split@100", "step@300", "split_step@500", "separate@100", "separate_split@100")
 

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_attention_health_live import TOL, Data, Records, _llama, _same_batch, reference  # noqa: E402
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import attn_probe  # noqa: E402
@@ -21,7 +22,6 @@ from attn_probe import AttnProbeCallback  # noqa: E402
 from attn_probe.attention_stats import AttentionCapture  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
 from tests.helpers import make_args  # noqa: E402
-from tests.test_attention_health_live import TOL, Data, Records, _llama, _same_batch, reference  # noqa: E402
 
 
 def _check(got: dict, model, ids, mask, step: int) -> None:

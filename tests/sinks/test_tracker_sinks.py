@@ -34,7 +34,7 @@ from attn_probe.sinks import Record, RunInfo, Snapshot
 from attn_probe.sinks.trackers import KEY_PATTERN, STEP_KEY, tracker_key, tracker_metrics
 from attn_probe.tags import STATS
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, tracker_servers
 STEPS = 4
 
 

@@ -19,7 +19,7 @@ from attn_probe import score_model
 
 pytestmark = pytest.mark.timeout(600)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "distributed_workers"))
 import shard_worker  # noqa: E402
 from helpers import launch  # noqa: E402

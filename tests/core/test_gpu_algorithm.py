@@ -14,8 +14,8 @@ import threading
 
 import pytest
 import torch
+from helpers import tiny_model
 from test_core_paths import check_table, factors
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
 from attn_probe import core
@@ -163,9 +163,8 @@ def test_op_counter_counts_kernels_not_views():
 
 
 def _llama(layers, d=256, heads=8, kv=2):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                                        num_key_value_heads=kv, intermediate_size=64, max_position_embeddings=64))
+    return tiny_model("llama", vocab_size=64, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=64, max_position_embeddings=64)
 
 
 def snapshot_ops(layers, per_head, tmp_path, gpu=True):
@@ -223,7 +222,7 @@ def test_bench_snapshot_build_initialises_buffers():
 
     from transformers import AutoModelForCausalLM
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_snapshot.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_snapshot.py"
     spec = importlib.util.spec_from_file_location("bench_snapshot", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -8,8 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import SEQ, VOCAB, tiny_bert
-from transformers import BertConfig
+from helpers import SEQ, VOCAB, tiny_bert, tiny_model
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
@@ -220,8 +219,8 @@ def test_bad_writing_options_fail_before_anything_is_written(tmp_path, option, v
 
     from attn_probe import AttnProbeCallback
 
-    model = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=16))
+    model = tiny_model("bert", None, cls=BertModel, vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=16, max_position_embeddings=512)
     with pytest.raises(error, match=option):
         attn_probe.watch(model, log_dir=str(tmp_path / "run"), **{option: value})
     assert not (tmp_path / "run").exists()

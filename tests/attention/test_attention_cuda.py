@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from helpers import tiny_model  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from attn_probe.attention_stats import AttentionCapture  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
@@ -20,11 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _model(impl: str, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                         num_key_value_heads=2, intermediate_size=128, vocab_size=199,
-                                         initializer_range=0.2))
-    model.set_attn_implementation(impl)
+    model = tiny_model("llama", impl=impl, hidden_size=64, num_attention_heads=8, intermediate_size=128, vocab_size=199,
+                       max_position_embeddings=2048, initializer_range=0.2)
     return model.to(device=device, dtype=dtype).train()
 
 

@@ -16,26 +16,22 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from attn_probe import AttnProbeCallback  # noqa: E402
 from attn_probe.alerts import AlertRule  # noqa: E402
 from attn_probe.attention_stats import installed_wrappers  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
-from tests.helpers import make_args  # noqa: E402
+from tests.helpers import make_args, tiny_model  # noqa: E402
 
 L = 9
 TOL = 1e-5
 
 
 def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, vocab_size=99,
-                                         initializer_range=0.4)).double()
-    model.set_attn_implementation("sdpa")
-    return model
+    return tiny_model("llama", impl="sdpa", intermediate_size=64, vocab_size=99, max_position_embeddings=2048,
+                      initializer_range=0.4).double()
 
 
 class Data(torch.utils.data.Dataset):
@@ -80,12 +76,8 @@ class Records:
 
 
 def _bert():
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                      vocab_size=99, initializer_range=0.4, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0)).double()
+    return tiny_model("bert", vocab_size=99, max_position_embeddings=512, initializer_range=0.4,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).double()
 
 
 def reference(model, ids, mask) -> dict[tuple[int, int | None], tuple[float, float]]:

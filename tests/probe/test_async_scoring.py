@@ -295,7 +295,7 @@ def test_a_probe_never_closed_writes_its_snapshot_in_flight_at_exit(tmp_path):
     script = tmp_path / "never_closed.py"
     script.write_text(EXIT_SCRIPT)
     log_dir = tmp_path / "run"
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script), str(log_dir)], capture_output=True, text=True,
                           timeout=120, env=env)

@@ -14,6 +14,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import tiny_model  # noqa: E402
 from test_extraction import check_against_hooks, heads  # noqa: E402
 
 from attn_probe.extraction import find_attention, unwrap  # noqa: E402
@@ -21,18 +22,12 @@ from attn_probe.scoring import score_model  # noqa: E402
 
 
 def tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=37, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_model("llama", cls=transformers.AutoModelForCausalLM.from_config, vocab_size=99,
+                      intermediate_size=37, max_position_embeddings=64).eval()
 
 
 def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_model("gpt2").eval()
 
 
 def _summary(model: nn.Module) -> list[tuple]:
