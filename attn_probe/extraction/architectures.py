@@ -221,7 +221,7 @@ def check_head_counts(attn: nn.Module, path: str, layout: QKLayout) -> QKLayout:
         f"{layout.num_kv_heads} KV heads of size {layout.head_dim} from its projections, but the module "
         f"states num_attention_heads={heads}, num_key_value_heads={kv}; the projections hold something "
         "else besides the per-head queries/keys (e.g. a gate) in a layout attn_probe does not know. "
-        "Describe it with attn_probe.register_adapter(fn) (see docs/supported-models.md)."
+        "Describe it with attn_probe.register_adapter(fn) (`attn-probe models` prints the recipe)."
     )
 
 
@@ -597,7 +597,7 @@ def _nanogpt_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
 
 
 def _timm_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """timm's ``Attention`` (ViT, DeiT, BEiT-free ViTs: ``timm.layers.attention`` and the older
+    """timm's ``Attention`` (ViT, DeiT and the ViTs built on them: ``timm.layers.attention`` and the older
     ``timm.models.vision_transformer``): ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``, so rows
     ``[q | k | v]``, each head-major; ``head_dim`` from the module (timm >= 1.0) or
     ``qkv.out_features / (3 * num_heads)``."""
@@ -644,6 +644,28 @@ FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
     _litgpt_layout,
     _nanogpt_layout,
 ]
+
+
+#: class tables behind some fused layouts (listed by :func:`describe_layouts`)
+_LAYOUT_CLASSES: dict[str, dict[str, tuple[str, str | None]]] = {
+    "_interleaved_layout": _INTERLEAVED,
+    "_contiguous_layout": _CONTIGUOUS,
+}
+
+
+def describe_layouts() -> list[tuple[str, str]]:
+    """``(name, description)`` of every built-in layout, read from the registry itself
+    (:data:`SEPARATE_QK_NAMES`, :data:`FUSED_LAYOUTS` and their docstrings and class tables):
+    what ``attn-probe models`` prints, so it never drifts from the code."""
+    pairs = ", ".join(f"({q}, {k})" for q, k in SEPARATE_QK_NAMES)
+    rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config")]
+    for fn in FUSED_LAYOUTS:
+        text = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+        table = _LAYOUT_CLASSES.get(fn.__name__)
+        if table:
+            text += " Classes: " + ", ".join(f"{c}.{child}" for c, (child, _) in table.items()) + "."
+        rows.append((fn.__name__.strip("_").removesuffix("_layout"), text))
+    return rows
 
 
 #: Layouts registered with :func:`attn_probe.register_adapter`; tried before everything else.
@@ -716,4 +738,6 @@ __all__ = [
     "check_head_counts",
     "group_of",
     "unwrap",
+    "describe_layouts",
+    "child_projection",
 ]
