@@ -79,11 +79,13 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
         if guess is None and qs and ks:
             guess = (qs[0], ks[0])
         if fused is None:
-            where = f"{path}.{{}}" if path else "{}"
+            prefix = f"{path}." if path else ""
             widths = [(n, _fused_width(module, n)) for n in kids]
-            fused = next((f"'{where.format(n)}' ({w})" for n, w in widths if w), None)
+            fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n}: {w})" for n, w in widths if w),
+                         None)
             if fused is None:
-                fused = next((f"'{where.format(n)}'" for n in kids if "q" in n.lower() and "k" in n.lower()), None)
+                fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n})"
+                              for n in kids if "q" in n.lower() and "k" in n.lower()), None)
         if len(seen) < limit:
             seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids)})")
     return seen, guess, fused
@@ -263,7 +265,7 @@ def find_attention(
         cands, guess, fused = _candidates(root)
         q_guess, k_guess = guess or ("my_q", "my_k")
         hint = (
-            f" {fused} looks like a fused q/k/v projection: describe its layout with "
+            f" {fused}: describe its layout with "
             "attn_probe.register_adapter(fn)."
             if fused and guess is None
             else ""

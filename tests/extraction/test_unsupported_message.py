@@ -104,7 +104,7 @@ def test_trainer_attach_and_callback_forms(tmp_path: Path) -> None:
                          ids=["mha", "gqa"])
 def test_fused_hint_by_width_whatever_the_name(d: int, out: int, width: str) -> None:
     text = message(lambda: find_attention(fused_model(d, out)))
-    assert f"'attn.mixer' ({width}) looks like a fused q/k/v projection" in text
+    assert f"'mixer' looks like a fused q/k/v projection (attn.mixer: {width})" in text
     assert "register_adapter" in text
 
 
@@ -117,7 +117,7 @@ def test_nanogpt_without_head_count_gets_the_hint() -> None:
     attn = nn.Module()
     attn.c_attn, attn.c_proj = nn.Linear(16, 48), nn.Linear(16, 16)
     text = message(lambda: find_attention(nn.ModuleDict({"attn": attn})))
-    assert "'attn.c_attn' (16 -> 48 = 3 x 16) looks like a fused" in text
+    assert "'c_attn' looks like a fused q/k/v projection (attn.c_attn: 16 -> 48 = 3 x 16)" in text
 
 
 def models_command(text: str) -> list[str]:
