@@ -112,8 +112,13 @@ def _entry_point() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         if str(frame.f_globals.get("__name__", "")).startswith("attn_probe"):
-            this = frame.f_locals.get("self")  # a method: its class (or a base) may be the entry
-            names = [frame.f_code.co_name] + ([c.__name__ for c in type(this).__mro__] if this is not None else [])
+            code = frame.f_code
+            qualname = getattr(code, "co_qualname", None)  # Python >= 3.11: "AttnProbeCallback.on_init_end"
+            if qualname is not None:
+                names = [qualname.split(".")[0], code.co_name]
+            else:  # 3.10: a method's class from its self
+                this = frame.f_locals.get("self")
+                names = [code.co_name] + ([c.__name__ for c in type(this).__mro__] if this is not None else [])
             entry = next((n for n in names if n in _CALL_FORMS), entry)
         frame = frame.f_back
     return entry
