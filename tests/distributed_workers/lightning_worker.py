@@ -1,8 +1,9 @@
 """A Lightning run with AttnProbeCallback: ``python lightning_worker.py OUT NPROC``.
 
 NPROC=2: ``strategy="ddp"`` on 2 CPU processes (gloo; Lightning launches the second one), batch 2
-per rank; NPROC=1: one process, batch 4 (the same sequences per step: Lightning's
-DistributedSampler keeps the order of a non-shuffled loader). A dropout-free GPT-2, so both train
+per rank; NPROC=1: one process, batch 4 (the same sequences per step: a non-shuffling
+DistributedSampler gives rank r the sequences r, r + 2, ...). SGD, linear in the gradient, so that
+DDP's averaged gradient is the single process's. A dropout-free GPT-2, so both train
 the same weights. Accumulation 2, validation every 2 batches, attention statistics on.
 """
 
@@ -40,7 +41,7 @@ class LitGPT2(L.LightningModule):
         self.log("val_loss", self.model(**batch).loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=0.5)  # linear in the gradient: DDP's average = one batch
 
 
 def main() -> None:
@@ -51,9 +52,16 @@ def main() -> None:
                         accumulate_grad_batches=2, val_check_interval=2, check_val_every_n_epoch=None,
                         limit_val_batches=2, num_sanity_val_steps=0, logger=TensorBoardLogger(out),
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=nproc, strategy=strategy)
-    loader = torch.utils.data.DataLoader(RandomTokens(), batch_size=batch)
-    trainer.fit(LitGPT2(), loader, torch.utils.data.DataLoader(RandomTokens(), batch_size=batch))
+                        enable_model_summary=False, accelerator="cpu", devices=nproc, strategy=strategy,
+                        use_distributed_sampler=False)
+
+    def loader() -> torch.utils.data.DataLoader:
+        # Lightning's own sampler would shuffle the training set under DDP: rank r takes sequences r, r + 2, ...
+        sampler = torch.utils.data.DistributedSampler(RandomTokens(), num_replicas=nproc, rank=trainer.global_rank,
+                                                      shuffle=False)
+        return torch.utils.data.DataLoader(RandomTokens(), batch_size=batch, sampler=sampler)
+
+    trainer.fit(LitGPT2(), loader(), loader())
 
 
 if __name__ == "__main__":
