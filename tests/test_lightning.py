@@ -160,6 +160,61 @@ def test_submodule_option_and_own_log_dir_without_tensorboard_logger(tmp_path):
         AttnProbeCallback(module="nope").watched_model(module)
 
 
+def test_other_loggers_get_the_values_and_async_scoring(tmp_path):
+    """trackers: a CSVLogger beside the TensorBoardLogger gets the probe's values at the probe's steps through
+    its log_metrics; async_scoring=True still ends on the final weights."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(1)
+    module = LitLM("gpt2")
+    csv = CSVLogger(str(tmp_path / "csv"))
+    trainer = L.Trainer(callbacks=[AttnProbeCallback(every=2, async_scoring=True)], max_steps=4,
+                        logger=[TensorBoardLogger(str(tmp_path / "tb")), csv], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=1)
+    trainer.fit(module, loader())
+    table = rows(trainer.loggers[0].log_dir)
+    assert steps(table) == [0, 2, 4]
+    assert_final_equals_score_model(table, module.model, 4)
+    frame = pd.read_csv(os.path.join(csv.log_dir, "metrics.csv"))
+    columns = [c for c in frame.columns if "symmetry" in c]
+    assert columns, list(frame.columns)
+    logged = frame.dropna(subset=[columns[0]])
+    assert sorted(int(s) for s in logged["step"]) == [0, 2, 4]
+
+
+def test_tensorboardx_writer_is_refused_in_one_line(tmp_path):
+    """A TensorBoardLogger writing with tensorboardX (Lightning's fallback without the tensorboard package)
+    is refused before step 0 in one line naming the way out (log_dir=)."""
+    class TensorBoardXWriter:  # what tensorboardX.SummaryWriter is to the check: its module
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    TensorBoardXWriter.__module__ = "tensorboardX.writer"
+
+    class XLogger(TensorBoardLogger):
+        @property
+        def experiment(self) -> object:
+            return TensorBoardXWriter()
+
+        def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+            pass
+
+        def log_hyperparams(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    trainer = L.Trainer(callbacks=[AttnProbeCallback(every=2)], max_steps=2, logger=XLogger(str(tmp_path)),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu")
+    module = LitLM("gpt2")
+    with pytest.raises(TypeError, match=r"tensorboardX.*log_dir=") as info:
+        trainer.fit(module, loader())
+    assert "\n" not in str(info.value)
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize("same_version", [False, True])
 def test_resume_from_a_lightning_checkpoint_duplicates_no_step(tmp_path, capfd, same_version):
     """Interrupted after step 6, resumed from the step-4 checkpoint: no step twice. A new logger version
