@@ -240,6 +240,10 @@ def test_resume_from_a_lightning_checkpoint_duplicates_no_step(tmp_path, capfd, 
         assert raw_steps(second_dir).count(4) <= 2  # the interrupted run's row, then the resumed one
         table = rows(second_dir)
         assert steps(table) == [0, 2, 4, 6, 8]
+        ea = EventAccumulator(second_dir, size_guidance={"scalars": 0})  # TensorBoard's view: the restart marker
+        ea.Reload()
+        tag = next(t for t in ea.Tags()["scalars"] if "symmetry" in t)
+        assert [e.step for e in ea.Scalars(tag)] == [0, 2, 4, 6, 8]
     else:
         assert second_dir != first_dir
         table = rows(second_dir)
@@ -268,6 +272,12 @@ def test_unsupported_model_fails_at_setup(tmp_path):
         def __init__(self) -> None:
             super().__init__()
             self.lin = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self.lin(batch["input_ids"][:, :2].float()).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     trainer = L.Trainer(callbacks=[AttnProbeCallback()], max_steps=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu")

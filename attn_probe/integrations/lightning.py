@@ -229,7 +229,10 @@ class AttnProbeCallback(Callback):
         if probe.stop_requested and not trainer.should_stop:  # the same decision on every rank, same step
             trainer.should_stop = True
             if trainer.is_global_zero:
-                _stop_line(probe, trainer, step)
+                try:
+                    _stop_line(probe, trainer, step)
+                except Exception:  # noqa: BLE001 - a status line must never stop training
+                    pass
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         probe = self.probe
@@ -280,7 +283,8 @@ def _stop_line(probe: Probe, trainer: Any, step: int) -> None:
     cause = (f"the alert on {alert.metric} at step {alert.step} ({alert.group} layer {alert.layer}"
              f"{'' if alert.head is None else f' head {alert.head}'})" if alert is not None else "an alert")
     fit_loop = trainer.fit_loop
-    when = ("training stops after this step" if fit_loop._can_stop_early else
+    # FitLoop._can_stop_early: Lightning's own test of min_steps/min_epochs (no public accessor)
+    when = ("training stops after this step" if getattr(fit_loop, "_can_stop_early", True) else
             f"Lightning stops once min_steps={fit_loop.min_steps} / min_epochs={fit_loop.min_epochs} are met")
     print_line(f"attn_probe: trainer.should_stop set at step {step} because of {cause} (stop_on_alert=True); {when}.")
 
