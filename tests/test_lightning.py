@@ -292,23 +292,27 @@ def test_import_attn_probe_does_not_import_lightning():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def run_worker(out: Path, nproc: int, *extra: str, timeout: float = 240) -> None:
+    """``tests/distributed_workers/lightning_worker.py`` in its own session; killed (the whole group) and failed
+    after ``timeout`` seconds."""
+    worker = REPO / "tests" / "distributed_workers" / "lightning_worker.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(worker), str(out), str(nproc), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # Lightning's launcher and the rank it started: the group we made
+        output, _ = proc.communicate()
+        pytest.fail(f"the Lightning run ({nproc} processes) did not finish in {timeout} s\n{output[-4000:]}")
+    assert proc.returncode == 0, output[-6000:]
+
+
 def test_ddp_two_processes_write_once_with_single_process_values(tmp_path):
     """strategy="ddp" on 2 CPU processes (gloo): one trajectory, written once, equal to a single process
     that trains on both ranks' batches (the DDP step averages the same gradients)."""
-    worker = REPO / "tests" / "distributed_workers" / "lightning_worker.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(worker), str(tmp_path / "ddp"), "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the DDP run did not finish in 240 s\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path / "single"), "1"], capture_output=True,
-                          text=True, env=env, cwd=str(REPO), timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_worker(tmp_path / "ddp", 2)
+    run_worker(tmp_path / "single", 1)
     ddp_runs = [p for p in (tmp_path / "ddp").rglob("attn_probe.jsonl")]
     assert len(ddp_runs) == 1, ddp_runs  # global zero only
     ddp_dir = str(ddp_runs[0].parent)
@@ -319,3 +323,10 @@ def test_ddp_two_processes_write_once_with_single_process_values(tmp_path):
     assert set(ddp) == set(single)
     for key, value in single.items():
         assert ddp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_ddp_alert_stops_every_rank_at_the_same_step(tmp_path):
+    """stop_on_alert under strategy="ddp": both ranks stop after step 1 (a rank going on alone would hang in
+    DDP's all-reduce until the timeout)."""
+    run_worker(tmp_path, 2, "stop")
+    assert sorted(p.read_text() for p in tmp_path.glob("stopped_rank*.txt")) == ["1", "1"]

@@ -1,4 +1,7 @@
-"""A Lightning run with AttnProbeCallback: ``python lightning_worker.py OUT NPROC``.
+"""A Lightning run with AttnProbeCallback: ``python lightning_worker.py OUT NPROC [stop]``.
+
+``stop``: an alert rule that fires at step 0 with ``stop_on_alert``, every step scheduled; each
+rank writes the step it stopped at to ``OUT/stopped_rank<R>.txt``.
 
 NPROC=2: ``strategy="ddp"`` on 2 CPU processes (gloo; Lightning launches the second one), batch 2
 per rank; NPROC=1: one process, batch 4 (the same sequences per step: a non-shuffling
@@ -22,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import SEQ, VOCAB, RandomTokens  # noqa: E402
 
+from attn_probe.alerts import AlertRule  # noqa: E402
 from attn_probe.lightning import AttnProbeCallback  # noqa: E402
 
 
@@ -46,9 +50,12 @@ class LitGPT2(L.LightningModule):
 
 def main() -> None:
     out, nproc = sys.argv[1], int(sys.argv[2])
+    stop = sys.argv[3:] == ["stop"]
     batch = 4 // nproc
+    options = (dict(every=1, stop_on_alert=True, alerts=[AlertRule("spectral_norm", above=0.0)]) if stop
+               else dict(every=2, attention_stats=True, per_head=True))
     strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)) if nproc > 1 else "auto"
-    trainer = L.Trainer(callbacks=[AttnProbeCallback(every=2, attention_stats=True, per_head=True)], max_steps=4,
+    trainer = L.Trainer(callbacks=[AttnProbeCallback(**options)], max_steps=4,
                         accumulate_grad_batches=2, val_check_interval=2, check_val_every_n_epoch=None,
                         limit_val_batches=2, num_sanity_val_steps=0, logger=TensorBoardLogger(out),
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
@@ -62,6 +69,8 @@ def main() -> None:
         return torch.utils.data.DataLoader(RandomTokens(), batch_size=batch, sampler=sampler)
 
     trainer.fit(LitGPT2(), loader(), loader())
+    if stop:
+        Path(out, f"stopped_rank{trainer.global_rank}.txt").write_text(str(trainer.global_step))
 
 
 if __name__ == "__main__":
