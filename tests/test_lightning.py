@@ -251,6 +251,11 @@ def test_resume_from_a_lightning_checkpoint_duplicates_no_step(tmp_path, capfd, 
         assert sorted(set(steps(rows(first_dir))) & set(steps(table))) == [6]  # the interrupted run's own step 6
         line = [ln for ln in err.splitlines() if ln.startswith("attn_probe: resumed at step 4")]
         assert len(line) == 1 and first_dir in line[0] and second_dir in line[0] and "after step 4" in line[0]
+        ea = EventAccumulator(second_dir, size_guidance={"tensors": 0})  # the lineage, in the run header
+        ea.Reload()
+        text = ea.Tensors("attn_probe/config/text_summary")[0].tensor_proto.string_val[0].decode()
+        header = json.loads(text.split("**configuration**\n\n```\n", 1)[1].split("\n```", 1)[0])
+        assert (header["parent_run"], header["parent_step"]) == (first_dir, 4)
     assert_final_equals_score_model(table, module.model, 8)
 
 
