@@ -44,15 +44,24 @@ on the attention's device, freed per chunk; plus a float32 copy of q and k.
 **Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
 <AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
 (max over all of them, entropy averaged over all their counted tokens), so the step's values
-equal one forward on the concatenated batch. A forward re-run inside backward (gradient
-checkpointing; detected with ``torch._C._current_graph_task_id()``) is skipped, so it neither
-costs a second measurement nor counts twice.
+equal one forward on the concatenated batch. Only calls inside a forward of the watched model
+entered with gradients enabled count (``training_only``, the probe's rule): not ``no_grad``/
+``inference_mode`` passes (evaluation, ``generate()``, preference trainers' reference passes),
+nor a checkpointed block re-run inside backward (outside any forward of the model); blocks
+that reentrant checkpointing runs under ``no_grad`` inside a training forward count once.
 :func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
 entropy sums and token counts), so combined values equal one process on the global batch.
 
-**Zero cost otherwise.** The wrappers registered in the interface test one dict for
-emptiness and call the previous entry; hooks exist only while armed; nothing is written into
-the model or its config.
+**Zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
+wrapped while a capture exists: for a measured implementation name it returns the function
+transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
+(the armed captures); an unwatched module gets exactly that function. Hooks exist only while
+armed; nothing is written into the model, its config or the registry.
+
+**torch.compile.** The decision is data the compiler guards on, not state it must trace: the
+armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
+place, so a compiled forward has the graphs of a run without the probe when not armed and
+one more variant (compiled at the first armed call, then reused) when armed.
 """
 
 from __future__ import annotations
@@ -60,10 +69,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import re
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +78,7 @@ from torch import nn
 
 from .extraction.architectures import unwrap
 from .extraction.base import AttentionLayer
+from .isolation import Failures, safe_warn
 
 Tensor = torch.Tensor
 
@@ -90,8 +97,9 @@ _FAMILIES = {
     "flash_attention_4": "flash",
 }
 
-#: the wrappers' one flag: the modules of armed captures -> (capture, layer index)
-_ARMED: dict[nn.Module, tuple[AttentionCapture, int]] = {}
+#: the wrappers' one flag: the armed captures (a tuple replaced, never mutated, on arm/disarm;
+#: under torch.compile a guard on it, so a compiled forward has one variant unarmed, one armed)
+_ARMED: tuple[AttentionCapture, ...] = ()
 _LOCK = threading.Lock()
 
 
@@ -316,16 +324,25 @@ class StepStats:
         the layer (max over heads; mean of the head entropies), the core's layout. NaN where
         nothing was counted."""
         nan = torch.tensor(math.nan, dtype=torch.float64, device=self.max_logit.device)
-        mx = torch.where(torch.isinf(self.max_logit), nan, self.max_logit)
+        mx = torch.where(self.max_logit == -math.inf, nan, self.max_logit)  # +inf is a real overflow
         ent = torch.where(self.tokens > 0, self.entropy_sum / self.tokens.clamp_min(1), nan)
         out = []
         off = self.offsets
         for i in range(len(self.heads)):
             m, e = mx[off[i]:off[i + 1]], ent[off[i]:off[i + 1]]
             head_max = self.max_logit[off[i]:off[i + 1]].amax()
-            layer_max = torch.where(torch.isinf(head_max), nan, head_max)
+            layer_max = torch.where(head_max == -math.inf, nan, head_max)
             out.append(torch.stack([torch.cat([layer_max[None], m]), torch.cat([e.mean()[None], e])]))
         return out
+
+    def counted(self) -> list[Tensor]:
+        """Per layer a bool ``(1 + H,)``: whether any token was counted (column 0: in any head).
+        A column that was not counted is NaN in :meth:`tables` because nothing was measured (no
+        forward reached the layer, or its measurement failed), not because the logits were NaN."""
+        seen = self.tokens > 0
+        off = self.offsets
+        return [torch.cat([seen[off[i]:off[i + 1]].any()[None], seen[off[i]:off[i + 1]]])
+                for i in range(len(self.heads))]
 
     def input_norms(self) -> Tensor:
         """``(layers,)`` largest input norm per layer, NaN where none was seen."""
@@ -347,10 +364,8 @@ def combine(stats: StepStats, reduce: Callable[[Tensor, str], Tensor]) -> StepSt
 
 
 # ---------------------------------------------------------------------------------------------
-# The registry wrappers
+# The wrappers: around what transformers' get_interface returns, for the measured names
 # ---------------------------------------------------------------------------------------------
-
-_INTERFACE_CALL = re.compile(r"get_interface\(\s*[^,()]+(?:\([^()]*\))?[^,()]*,\s*([A-Za-z_][\w.]*)\s*\)")
 
 
 def _forward_owner(cls: type) -> type:
@@ -367,73 +382,43 @@ def _forward_source(cls: type) -> str:
         return ""
 
 
-_EAGER: dict[type, Callable] = {}
-
-
-def eager_function(cls: type) -> Callable | None:
-    """The eager attention function a module class passes as ``get_interface``'s default."""
-    fn = _EAGER.get(cls)
-    if fn is not None:
-        return fn
-    owner = _forward_owner(cls)
-    namespace = vars(sys.modules.get(owner.forward.__module__, sys))
-    match = _INTERFACE_CALL.search(_forward_source(cls))
-    names = [match.group(1)] if match else []
-    names.append("eager_attention_forward")
-    for name in names:
-        obj: object = namespace.get(name.split(".")[0])
-        for part in name.split(".")[1:]:
-            obj = getattr(obj, part, None)
-        if callable(obj):
-            _EAGER[cls] = obj
-            return obj
-    return None
-
-
-def _eager_of(module: nn.Module) -> Callable:
-    fn = eager_function(type(module))
-    if fn is None:
-        raise RuntimeError(f"attn_probe: no eager attention function found for {type(module).__name__}")
-    return fn
-
-
 def _observe(family: str, module: nn.Module, query: Tensor, key: Tensor,
              attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
-    entry = _ARMED.get(module)
-    if entry is not None:
-        entry[0]._observe(entry[1], family, module, query, key, attention_mask, args, kwargs)
+    for capture in _ARMED:
+        i = capture.index.get(module)
+        if i is not None:
+            capture._observe(i, family, module, query, key, attention_mask, args, kwargs)
 
 
-def _make_wrapper(name: str, previous: Callable | None) -> Callable:
-    family = _FAMILIES[name]
-    if previous is None:  # "eager" was not registered: each module's own eager function
+def _wrap(fn: Callable, family: str) -> Callable:
+    """``fn`` (what transformers resolved) behind the armed check: a new closure per call, no
+    cache (a cache's state would be one more thing a compiled forward guards on)."""
 
-        def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-            if _ARMED:
-                _observe(family, module, query, key, attention_mask, args, kwargs)
-            fn = _EAGER.get(type(module)) or _eager_of(module)
-            return fn(module, query, key, value, attention_mask, *args, **kwargs)
-    else:
-
-        def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
-            if _ARMED:
-                _observe(family, module, query, key, attention_mask, args, kwargs)
-            return previous(module, query, key, value, attention_mask, *args, **kwargs)
+    def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
+        if _ARMED:
+            _observe(family, module, query, key, attention_mask, args, kwargs)
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     wrapper.__name__ = f"attn_probe_{family}_wrapper"
     wrapper.__qualname__ = wrapper.__name__
-    wrapper._attn_probe_previous = previous  # type: ignore[attr-defined]
     return wrapper
 
 
-@dataclass
-class _Slot:
-    previous: Callable | None
-    wrapper: Callable
-    users: int = 0
+def _get_interface(self, attn_implementation: str, default: Callable) -> Callable:
+    """``AttentionInterface.get_interface`` while a capture exists: the function transformers
+    resolves (the registered one, or the module's own ``default`` for ``eager``), wrapped
+    when its name is measured; anything else is returned as is."""
+    fn = _ORIGINAL[0](self, attn_implementation, default)  # set before the first patch, never removed
+    family = _FAMILIES.get(attn_implementation) if attn_implementation in _USERS else None
+    if family is None or not callable(fn):
+        return fn
+    return _wrap(fn, family)
 
 
-_SLOTS: dict[str, _Slot] = {}
+#: implementation name -> number of captures measuring it
+_USERS: dict[str, int] = {}
+#: transformers' own ``get_interface``, kept from the first patch on (a one-element list)
+_ORIGINAL: list[Callable] = []
 
 
 def _interface_class():
@@ -442,39 +427,36 @@ def _interface_class():
     return AttentionInterface
 
 
-def _acquire(name: str) -> None:
+def _acquire(names: Sequence[str]) -> None:
     with _LOCK:
-        slot = _SLOTS.get(name)
-        if slot is None:
-            mapping = _interface_class()._global_mapping
-            previous = mapping.get(name)
-            slot = _SLOTS[name] = _Slot(previous, _make_wrapper(name, previous))
-            _interface_class().register(name, slot.wrapper)
-        slot.users += 1
+        cls = _interface_class()
+        current = cls.__dict__.get("get_interface")
+        if not _ORIGINAL:
+            _ORIGINAL.append(current)
+        if current is _ORIGINAL[0]:  # else ours is still in place, or inside someone's patch over it
+            cls.get_interface = _get_interface
+        for name in names:
+            _USERS[name] = _USERS.get(name, 0) + 1
 
 
-def _release(name: str) -> None:
+def _release(names: Sequence[str]) -> None:
     with _LOCK:
-        slot = _SLOTS.get(name)
-        if slot is None:
+        for name in names:
+            if name in _USERS:
+                _USERS[name] -= 1
+                if _USERS[name] <= 0:
+                    del _USERS[name]
+        if _USERS or not _ORIGINAL:
             return
-        slot.users -= 1
-        if slot.users > 0:
-            return
-        del _SLOTS[name]
-        mapping = _interface_class()._global_mapping
-        if mapping.get(name) is not slot.wrapper:
-            return  # someone registered over it: leave the (now pass-through) wrapper in their chain
-        if slot.previous is None:
-            mapping.pop(name, None)
-        else:
-            _interface_class().register(name, slot.previous)
+        cls = _interface_class()
+        if cls.__dict__.get("get_interface") is _get_interface:
+            cls.get_interface = _ORIGINAL[0]  # else someone patched over it: ours passes through now
 
 
 def installed_wrappers() -> dict[str, int]:
-    """Implementation name -> number of captures using its wrapper (for tests and diagnostics)."""
+    """Implementation name -> number of captures measuring it (for tests and diagnostics)."""
     with _LOCK:
-        return {name: slot.users for name, slot in _SLOTS.items()}
+        return dict(_USERS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,8 +495,6 @@ def unavailable_reason(layers: Sequence[AttentionLayer]) -> str | None:
         if impl in local:
             return (f"attention statistics are unavailable: {impl!r} is overridden locally in "
                     "transformers' ALL_ATTENTION_FUNCTIONS, which a registered wrapper cannot see")
-        if impl == "eager" and eager_function(type(module)) is None:
-            return f"attention statistics are unavailable: no eager attention function found for {cls}"
         config = getattr(module, "config", None)
         if impl == "eager" and getattr(config, "reorder_and_upcast_attn", False):
             return (f"attention statistics are unavailable: {cls} with reorder_and_upcast_attn=True "
@@ -527,26 +507,31 @@ def unavailable_reason(layers: Sequence[AttentionLayer]) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass (a checkpointed forward being re-run)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
 class AttentionCapture:
     """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
 
-    Construction registers, for each implementation name the layers use, a wrapper in
-    ``ALL_ATTENTION_FUNCTIONS`` (shared and reference-counted across captures, restored by the
-    last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators, adds a forward
-    pre-hook on the model for the 2D padding masks and one on each attention module for its
-    input norm), :meth:`disarm` ends it and removes the hooks, :meth:`collect` returns the
-    step's :class:`StepStats` (device tensors, no host sync). Raises ``ValueError`` with
-    :func:`unavailable_reason`'s line when the model cannot be measured.
+    Construction wraps, for the implementation names the layers use, what transformers'
+    ``AttentionInterface.get_interface`` returns (shared and reference-counted across captures,
+    restored by the last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators,
+    adds a forward pre-hook and an always-called forward hook on the model, for the forward's
+    grad mode and 2D padding masks, and a pre-hook on each attention module for its input
+    norm), :meth:`disarm` ends it and removes the hooks, :meth:`collect` returns the step's
+    :class:`StepStats`. Raises ``ValueError`` with :func:`unavailable_reason`'s line when the
+    model cannot be measured.
+
+    Which forwards count: with ``training_only`` (the probe's rule, ``docs/scores.md``) the
+    calls inside a forward of ``model`` entered with gradients enabled (the forwards that
+    produce the update, including blocks that reentrant gradient checkpointing runs under
+    ``no_grad`` inside it); never calls outside a forward of ``model`` (a checkpointed block
+    re-run in backward). Without it, also forwards under ``no_grad``/``inference_mode``.
+    A failure while measuring costs that step's values of the layer: one warning per capture
+    (:func:`~attn_probe.isolation.safe_warn`), ``failures`` (a :class:`~attn_probe.isolation.Failures`)
+    counted once per step it happens in.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
-                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
+                 failures: Failures | None = None) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -555,9 +540,14 @@ class AttentionCapture:
         self.root = unwrap(model)
         self.layers = tuple(layers)
         self.chunk_elements = int(chunk_elements)
+        self.training_only = bool(training_only)
+        self.failure_log = failures
         self.names = tuple(layer.name for layer in self.layers)
         self.heads = tuple(layer.num_heads for layer in self.layers)
         self.index = {layer.module: i for i, layer in enumerate(self.layers)}
+        self._offsets = [0]
+        for h in self.heads:
+            self._offsets.append(self._offsets[-1] + h)
         self._implementations = sorted({_implementation(layer.module) for layer in self.layers})
         try:
             params = inspect.signature(self.root.forward).parameters
@@ -568,45 +558,59 @@ class AttentionCapture:
         self._hooks: list = []
         self._armed = False
         self._closed = False
-        self._masks: dict[str, Tensor | None] = {}
-        self._state: list[list[Tensor] | None] = [None] * len(self.layers)
-        self._norms: list[Tensor | None] = [None] * len(self.layers)
-        self._scaling: list[float | None] = [None] * len(self.layers)
-        self.observed: set[int] = set()
+        #: one frame per forward of the model being run: (counted, its 2D masks)
+        self._frames: list[tuple[bool, dict[str, Tensor | None]]] = []
+        self._buffers: list[Tensor] | None = None
+        self._failed_step = False
+        self._warned = False
         self.failures: list[str] = []
-        for impl in self._implementations:
-            _acquire(impl)
+        _acquire(self._implementations)
 
     # -- step control -------------------------------------------------------------------------
 
+    def _reset(self) -> None:
+        """Preallocated float64 accumulators, reset in place (the same tensors every step, so a
+        compiled forward that updates them is not re-specialised on new objects)."""
+        if self._buffers is None:
+            device, n, layers = self._device(), self._offsets[-1], len(self.layers)
+            self._buffers = [torch.empty(n, dtype=torch.float64, device=device) for _ in range(3)] + \
+                [torch.empty(layers, dtype=torch.float64, device=device) for _ in range(3)]
+        mx, ent, tok, norm, scaling, seen = self._buffers
+        mx.fill_(-math.inf)
+        ent.zero_()
+        tok.zero_()
+        norm.fill_(-math.inf)
+        scaling.fill_(math.nan)
+        seen.zero_()
+
     def arm(self) -> None:
         """Start a step: zero the accumulators, add the hooks, let the wrappers measure."""
+        global _ARMED
         if self._closed:
             raise RuntimeError("AttentionCapture is closed")
         if self._armed:
             return
-        self._state = [None] * len(self.layers)
-        self._norms = [None] * len(self.layers)
-        self._masks = {}
-        self.observed = set()
-        self._hooks.append(self.root.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        self._reset()
+        self._frames = []
+        self._failed_step = False
+        self._hooks.append(self.root.register_forward_pre_hook(self._enter, with_kwargs=True))
+        self._hooks.append(self.root.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
         with _LOCK:
-            for module, i in self.index.items():
-                _ARMED[module] = (self, i)
+            _ARMED = (*_ARMED, self)
         self._armed = True
 
     def disarm(self) -> None:
         """End the step: the wrappers pass straight through again and the hooks are removed."""
+        global _ARMED
         with _LOCK:
-            for module in self.index:
-                if _ARMED.get(module, (None,))[0] is self:
-                    del _ARMED[module]
+            if self in _ARMED:
+                _ARMED = tuple(c for c in _ARMED if c is not self)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._masks = {}
+        self._frames = []
         self._armed = False
 
     @property
@@ -614,35 +618,26 @@ class AttentionCapture:
         return self._armed
 
     def missing(self) -> list[str]:
-        """Names of watched layers whose attention did not pass through a wrapper this step."""
-        return [name for i, name in enumerate(self.names) if i not in self.observed]
+        """Names of watched layers whose attention was not measured this step."""
+        if self._buffers is None:
+            return list(self.names)
+        seen = self._buffers[5].tolist()
+        return [name for name, n in zip(self.names, seen, strict=True) if n == 0]
 
     def collect(self) -> StepStats:
         """The step's values so far (see :class:`StepStats`), on the first layer's device."""
-        device = self._device()
-        parts_max, parts_ent, parts_tok = [], [], []
-        for i, h in enumerate(self.heads):
-            state = self._state[i]
-            if state is None:
-                parts_max.append(torch.full((h,), -math.inf, dtype=torch.float64, device=device))
-                parts_ent.append(torch.zeros(h, dtype=torch.float64, device=device))
-                parts_tok.append(torch.zeros(h, dtype=torch.float64, device=device))
-            else:
-                parts_max.append(state[0].to(device=device, dtype=torch.float64))
-                parts_ent.append(state[1].to(device=device, dtype=torch.float64))
-                parts_tok.append(state[2].to(device=device, dtype=torch.float64))
-        norms = [n.to(device=device, dtype=torch.float64).reshape(()) if n is not None
-                 else torch.tensor(-math.inf, dtype=torch.float64, device=device) for n in self._norms]
-        return StepStats(self.names, self.heads, torch.cat(parts_max), torch.cat(parts_ent),
-                         torch.cat(parts_tok), torch.stack(norms), tuple(self._scaling))
+        if self._buffers is None:
+            self._reset()
+        mx, ent, tok, norm, scaling, _ = (b.clone() for b in self._buffers)
+        scales = tuple(None if math.isnan(s) else s for s in scaling.tolist())
+        return StepStats(self.names, self.heads, mx, ent, tok, norm, scales)
 
     def close(self) -> None:
-        """Disarm and release the registry wrappers (the last user restores the previous entries)."""
+        """Disarm and release the wrappers (the last user restores ``get_interface``)."""
         if self._closed:
             return
         self.disarm()
-        for impl in self._implementations:
-            _release(impl)
+        _release(self._implementations)
         self._closed = True
 
     def __enter__(self) -> AttentionCapture:
@@ -659,24 +654,33 @@ class AttentionCapture:
                 return p.device
         return torch.device("cpu")
 
-    def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        masks: dict[str, Tensor | None] = {}
         for name, pos in self._mask_positions.items():
             mask = kwargs.get(name)
             if mask is None and pos < len(args):  # the bound forward's parameters exclude self
                 mask = args[pos]
-            self._masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+            masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self._frames.append((torch.is_grad_enabled() or not self.training_only, masks))
+
+    def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self._frames:
+            self._frames.pop()
+
+    def _counted(self) -> bool:
+        return bool(self._frames) and self._frames[-1][0]
 
     def _query_mask(self, i: int, batch: int, q_len: int) -> Tensor | None:
         group = self.layers[i].group
         name = "decoder_attention_mask" if group in ("decoder", "cross") else "attention_mask"
-        mask = self._masks.get(name)
+        mask = self._frames[-1][1].get(name) if self._frames else None
         if mask is None or mask.shape[0] != batch or mask.shape[1] < q_len:
             return None
         return mask[:, -q_len:].bool()
 
     def _input_hook(self, i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if _in_backward():
+            if not self._counted():
                 return
             x = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(x, Tensor) or x.dim() < 2:
@@ -688,9 +692,8 @@ class AttentionCapture:
                     valid = self._query_mask(i, norms.shape[0], norms.shape[-1]) if norms.dim() == 2 else None
                     if valid is not None and valid.shape == norms.shape:
                         norms = norms.masked_fill(~valid.to(norms.device), -math.inf)
-                    top = norms.amax()
-                    prev = self._norms[i]
-                    self._norms[i] = top if prev is None else torch.maximum(prev, top)
+                    slot = self._buffers[3][i:i + 1]
+                    slot.copy_(torch.maximum(slot, norms.amax().to(slot)))
             except Exception as exc:  # never take training down
                 self._fail(f"input norm of {self.names[i]}: {exc!r}")
 
@@ -698,9 +701,8 @@ class AttentionCapture:
 
     def _observe(self, i: int, family: str, module: nn.Module, query: Tensor, key: Tensor,
                  attention_mask: Tensor | None, args: tuple, kwargs: dict) -> None:
-        if _in_backward():
-            return  # a checkpointed forward re-run: already measured in the forward
-        self.observed.add(i)
+        if not self._counted():
+            return  # not a forward that produces the update, or a checkpointed block re-run in backward
         try:
             if args:
                 raise TypeError("positional arguments after the mask are not understood")
@@ -714,26 +716,36 @@ class AttentionCapture:
                 q_len, k_len = query.shape[2], key.shape[2]
                 rows = row_mask(family, module, attention_mask, kwargs, q_len, k_len, query.device)
                 sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
-                result = logit_stats(
+                top, ent, tok = logit_stats(
                     query, key, float(scaling), rows,
                     query_valid=self._query_mask(i, query.shape[0], q_len),
                     softcap=kwargs.get("softcap"), sinks=sinks, chunk_elements=self.chunk_elements,
                 )
-            self._scaling[i] = float(scaling)
-            state = self._state[i]
-            if state is None:
-                self._state[i] = list(result)
-            else:
-                state[0] = torch.maximum(state[0], result[0])
-                state[1] = state[1] + result[1]
-                state[2] = state[2] + result[2]
+                mx, ent_sum, tokens, _, scale, seen = self._buffers
+                o0, o1 = self._offsets[i], self._offsets[i + 1]
+                mx[o0:o1].copy_(torch.maximum(mx[o0:o1], top.to(mx)))
+                ent_sum[o0:o1].add_(ent.to(ent_sum))
+                tokens[o0:o1].add_(tok.to(tokens))
+                scale[i:i + 1].fill_(float(scaling))
+                seen[i:i + 1].add_(1)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
 
     def _fail(self, message: str) -> None:
-        if message not in self.failures:
-            self.failures.append(message)
-            warnings.warn(f"attn_probe: attention statistics skipped for {message}", RuntimeWarning, stacklevel=2)
+        """Count a failure (once per step in ``failure_log``), warn about the first one only."""
+        try:
+            if message not in self.failures:
+                self.failures.append(message)
+            if not self._failed_step:
+                self._failed_step = True
+                if self.failure_log is not None:
+                    self.failure_log.count += 1
+            if not self._warned:
+                self._warned = True
+                safe_warn(f"attn_probe: attention statistics skipped for {message}; training is unaffected, "
+                          "later failures of the attention statistics are counted, not reported.")
+        except Exception:  # noqa: BLE001 - nothing here may reach the model's forward
+            pass
 
 
 __all__ = [
@@ -742,7 +754,6 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "StepStats",
     "combine",
-    "eager_function",
     "installed_wrappers",
     "logit_bound_ratio",
     "logit_stats",

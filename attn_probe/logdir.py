@@ -20,9 +20,7 @@ failing. Only the standard library is imported here.
 from __future__ import annotations
 
 import errno
-import json
 import os
-import re
 import socket
 import tempfile
 import threading
@@ -44,7 +42,6 @@ __all__ = [
     "LogDirLock",
     "acquire_default",
     "check_log_dir",
-    "cut_trajectory",
     "default_log_dir",
     "printable",
     "restore_lock",
@@ -544,163 +541,3 @@ def acquire_default(base: str | os.PathLike | None = None, *, fresh: bool = True
             raise
         return lock
     raise _error(f"attn_probe: every log directory name like {base!r} is in use", errno.EEXIST)
-
-
-# --------------------------------------------------------------------------------------------
-# Cutting the trajectory file at a resume step, in constant memory
-# --------------------------------------------------------------------------------------------
-
-#: bytes read at once while scanning the trajectory file
-_SCAN_CHUNK = 4 << 20
-#: a line longer than this is unreadable (dropped, skipped through without holding it)
-_MAX_LINE = 16 << 20
-#: the step of a line as the trajectory sink writes it (``{"step": 12, "wall_time": ...``)
-_STEP_AT_START = re.compile(rb'\{"step": (-?\d{1,19})[,}]')
-#: the same after a newline: found in a whole chunk with a fast literal search
-_STEP_AFTER_NEWLINE = re.compile(rb'\n\{"step": (-?\d{1,19})[,}]')
-
-
-def _line_step(line: bytes) -> int | None:
-    """The step of one complete line, or ``None`` when it has none (torn, corrupt, no ``step``)."""
-    m = _STEP_AT_START.match(line)
-    if m is not None and line.endswith(b"}\n"):
-        return int(m.group(1))
-    try:
-        step = json.loads(line)["step"]
-        return None if isinstance(step, bool) else int(step)
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, IndexError):
-        return None
-
-
-def _scan_lines(fh: Any, resume_step: int) -> Any:
-    """``(offset, data, keep, lines)`` blocks covering the file behind ``fh`` in order.
-
-    A block is a run of lines that are all kept (``step < resume_step``) or all dropped (a
-    step at or past it, no readable step, a torn last line, a line over :data:`_MAX_LINE`).
-    A line's step is read from its start when the line is as the sink writes it
-    (``{"step": N, ...}``), else by parsing it as JSON.
-    Whole chunks of canonical lines are decided at once from their steps' minimum and
-    maximum; ``data`` is empty for dropped blocks. At most one chunk and one line are held.
-    """
-    offset = 0  # file offset of ``buf[0]``
-    buf = b""
-    skipping = False  # inside an overlong line, already reported as dropped
-    while True:
-        chunk = fh.read(_SCAN_CHUNK)
-        if not chunk:
-            break
-        if skipping:
-            nl = chunk.find(b"\n")
-            if nl < 0:
-                offset += len(chunk)
-                continue
-            offset += nl + 1
-            chunk, skipping = chunk[nl + 1:], False
-        buf += chunk
-        end = buf.rfind(b"\n") + 1
-        if end == 0:
-            if len(buf) > _MAX_LINE:  # one line longer than any the sink writes: unreadable
-                yield offset, b"", False, 1
-                offset += len(buf)
-                buf, skipping = b"", True
-            continue
-        block, buf = buf[:end], buf[end:]
-        lines = block.count(b"\n")
-        steps = _STEP_AFTER_NEWLINE.findall(b"\n" + block)
-        if len(steps) == lines == block.count(b"}\n"):  # every line canonical: decide the chunk at once when it is uniform
-            ints = list(map(int, steps))
-            lo, hi = min(ints), max(ints)
-            if hi < resume_step or lo >= resume_step:
-                keep = hi < resume_step
-                yield offset, block if keep else b"", keep, lines
-                offset += end
-                continue
-        start = 0
-        while start < end:
-            stop = block.index(b"\n", start) + 1
-            line = block[start:stop]
-            step = _line_step(line) if stop - start <= _MAX_LINE else None
-            keep = step is not None and step < resume_step
-            yield offset + start, line if keep else b"", keep, 1
-            start = stop
-        offset += end
-    if buf and not skipping:  # a torn last line
-        yield offset, b"", False, 1
-
-
-def cut_trajectory(path: str | os.PathLike, resume_step: int) -> int:
-    """Drop the lines of a trajectory file with ``step >= resume_step``, in constant memory.
-
-    Also dropped: lines without a readable step, a torn last line, lines over 16 MiB. The file
-    is scanned once in chunks; when every kept line comes before the first dropped one (the
-    usual case: steps only grow) the file is cut at that line's byte offset in place, which
-    needs no free space. Otherwise (a line of an earlier step after a later one) the kept
-    lines are streamed into a temporary file beside it, which replaces it (and is removed if
-    that fails). Memory use does not grow with the file. Returns the number of lines dropped;
-    a missing file is 0. Every failure is a :class:`LogDirError` naming the file and the cause.
-    """
-    path = os.fspath(path)
-    resume_step = int(resume_step)
-
-    def failed(exc: BaseException) -> LogDirError:
-        reason = "out of memory" if isinstance(exc, MemoryError) else _reason(exc) \
-            if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        return _error(f"attn_probe cannot cut its trajectory file {path!r} back to the resume step "
-                      f"{resume_step}: {reason}. The run's earlier steps are untouched; free the cause "
-                      "or resume with a fresh log_dir=", getattr(exc, "errno", None))
-
-    tmp: str | None = None
-    try:
-        if not os.path.lexists(path):
-            return 0
-        cut: int | None = None
-        dropped = 0
-        rewrite = False
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            for offset, _data, keep, lines in _scan_lines(fh, resume_step):
-                if not keep:
-                    cut = offset if cut is None else cut
-                    dropped += lines
-                elif cut is not None:
-                    rewrite = True
-                    break
-        if cut is None:
-            return 0
-        if not rewrite:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, cut)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return dropped
-        check_log_dir(os.path.dirname(path) or ".", need_bytes=size)
-        tmp = f"{path}.tmp{os.getpid()}"
-        dropped = 0
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            with open(path, "rb") as fh:
-                for _offset, data, keep, lines in _scan_lines(fh, resume_step):
-                    if keep:
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.write(fd, view):]
-                    else:
-                        dropped += lines
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-        return dropped
-    except LogDirError:
-        raise
-    except (OSError, MemoryError) as exc:
-        raise failed(exc) from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass

@@ -198,7 +198,8 @@ class Probe:
             if attention is not None and self.alerting is not None:  # the combined values: the same on every rank
                 try:  # local: must not keep this rank out of the walk's collectives below
                     self.alerting.check_attention(step, attention_rows(stage.layers, attention.tables,
-                                                                       per_head=self.config.per_head))
+                                                                       per_head=self.config.per_head,
+                                                                       counted=attention.counted))
                 except Exception as exc:  # noqa: BLE001
                     self.failure_log.report("the alert rules", exc)
             if weights:

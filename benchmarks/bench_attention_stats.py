@@ -10,6 +10,16 @@ unarmed then armed, each in a fresh process. ``--trainer STEPS`` times whole Tra
 with ``attention_stats=True``.
 
     python benchmarks/bench_attention_stats.py [--threads 1] [--repeats 7] [--memory | --trainer 60]
+
+``--compile BACKEND`` (``aot_eager``, ``inductor``): a compiled model (``--shape``), the wall
+time of each of 5 steps (due every second step, the first due step compiles the armed variant)
+and dynamo's graph count after each, without and with the capture.
+
+On a GPU (``--device cuda``; ``benchmarks/gpu_session.sh attention``): ``--shape llama-1b``
+(Llama-3.2-1B: d 2048, 16 layers, 32 query / 8 key-value heads, vocab 128256), ``--dtype
+bfloat16``, ``--seq 2048``, ``--batch 1``: the due and not-due step times (CUDA-synchronised)
+and the peak allocated memory of each; ``--trainer STEPS --every 10`` times the Trainer runs
+on that device.
 """
 
 from __future__ import annotations
@@ -21,35 +31,51 @@ import subprocess
 import sys
 import time
 
+SHAPES = {
+    "small": dict(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=512),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, intermediate_size=8192, tie_word_embeddings=True),
+}
 
-def build():
+
+def _model(shape: str, seq: int, device: str, dtype: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 128)))
+    model.set_attn_implementation("sdpa")
+    return model.to(device=device, dtype=getattr(torch, dtype))
+
+
+def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32"):
+    import torch
 
     from attn_probe.attention_stats import AttentionCapture
     from attn_probe.extraction import find_attention
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                                         num_key_value_heads=2, intermediate_size=512, max_position_embeddings=128))
-    model.set_attn_implementation("sdpa")
+    model = _model(shape, seq, device, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 1000, (8, 128))
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step(run=model):
+        run(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     return step, AttentionCapture(model, find_attention(model))
 
 
-def trainer_runs(steps: int) -> None:
+def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 128, batch: int = 8,
+                 device: str = "cpu", dtype: str = "float32") -> None:
     import tempfile
     import warnings
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     import attn_probe
 
@@ -60,22 +86,19 @@ def trainer_runs(steps: int) -> None:
             return 10 ** 6
 
         def __getitem__(self, i):
-            ids = torch.randint(0, 1000, (128,), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(0, SHAPES[shape]["vocab_size"], (seq,), generator=torch.Generator().manual_seed(i))
             return {"input_ids": ids, "labels": ids}
 
     def run(mode: str) -> float:
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4,
-                                             num_attention_heads=8, num_key_value_heads=2, intermediate_size=512,
-                                             max_position_embeddings=128))
-        model.set_attn_implementation("sdpa")
+        model = _model(shape, seq, device, dtype)
         with tempfile.TemporaryDirectory() as out:
-            targs = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=8,
-                                      report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
-                                      logging_steps=10 ** 6, seed=0)
+            targs = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+                                      report_to="none", save_strategy="no", use_cpu=device == "cpu",
+                                      disable_tqdm=True, logging_steps=10 ** 6, seed=0)
             trainer = Trainer(model=model, args=targs, train_dataset=Tokens())
             if mode != "none":
-                attn_probe.attach(trainer, every=20, attention_stats=(mode == "attention_stats"), log_dir=out + "/tb")
+                attn_probe.attach(trainer, every=every, attention_stats=(mode == "attention_stats"),
+                                  log_dir=out + "/tb")
             t = time.perf_counter()
             trainer.train()
             return time.perf_counter() - t
@@ -85,8 +108,9 @@ def trainer_runs(steps: int) -> None:
         for mode in times:
             times[mode].append(run(mode))
     best = {m: min(v) for m, v in times.items()}
-    print(" ".join(f"{m} {best[m]:.1f} s" for m in best),
-          f"(attention_stats x{best['attention_stats'] / best['probe']:.3f} of the probe alone)")
+    print(f"Trainer {steps} steps, every={every}:", " ".join(f"{m} {best[m]:.1f} s" for m in best),
+          f"(attention_stats x{best['attention_stats'] / best['probe']:.3f} of the probe alone, "
+          f"x{best['attention_stats'] / best['none']:.3f} of no probe)")
 
 
 def main() -> None:
@@ -95,6 +119,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--trainer", type=int, metavar="STEPS")
+    parser.add_argument("--compile", metavar="BACKEND", help="time compiled steps (aot_eager, inductor)")
+    parser.add_argument("--every", type=int, default=20, help="the Trainer runs' every (default 20)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--one-step", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -109,9 +140,17 @@ def main() -> None:
         step()
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
         return
-    print(f"# torch {torch.__version__}, {args.threads} threads, CPU")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    shape = dict(shape=args.shape, seq=args.seq, batch=args.batch, device=args.device, dtype=args.dtype)
+    print(f"# torch {torch.__version__}, {args.threads} threads, {where}, {shape}")
     if args.trainer:
-        trainer_runs(args.trainer)
+        trainer_runs(args.trainer, args.every, **shape)
+        return
+    if args.compile:
+        compiled_steps(args.compile, shape)
+        return
+    if args.device != "cpu":
+        cuda_step(args.repeats, shape)
         return
     if args.memory:
         for mode in ("off", "on"):
@@ -135,6 +174,63 @@ def main() -> None:
     a, b = statistics.median(off), statistics.median(on)
     print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
+
+
+def compiled_steps(backend: str, shape: dict) -> None:
+    """Per step: wall time and dynamo's graph count, compiled without and with the capture."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    for probe in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        step, capture = build(**shape)
+        if not probe:
+            capture.close()
+        model = capture.root
+        compiled = torch.compile(model, backend=backend)
+        times, graphs = [], []
+        for i in range(5):
+            due = probe and i % 2 == 1
+            if due:
+                capture.arm()
+            t = time.perf_counter()
+            step(compiled)
+            times.append(time.perf_counter() - t)
+            graphs.append(int(counters["stats"]["unique_graphs"]))
+            if due:
+                capture.disarm()
+        if probe:
+            capture.close()
+        print(f"{backend}, {'with the capture (due: steps 2, 4)' if probe else 'no probe'}: step times "
+              + ", ".join(f"{t:.2f}" for t in times) + f" s; graphs after each step {graphs}; "
+              f"graph breaks {sum(counters['graph_break'].values())}")
+
+
+def cuda_step(repeats: int, shape: dict) -> None:
+    """Median step times, not due and due, and the peak allocated memory of each (CUDA)."""
+    import torch
+
+    step, capture = build(**shape)
+    step()
+    off, on, peaks = [], [], {}
+    for _ in range(repeats):
+        for armed in (False, True):
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            if armed:
+                capture.arm()
+            t = time.perf_counter()
+            step()
+            if armed:
+                capture.disarm()
+                capture.collect()
+            (on if armed else off).append(time.perf_counter() - t)
+            peaks[armed] = max(peaks.get(armed, 0), torch.cuda.max_memory_allocated() - base)
+    a, b = statistics.median(off), statistics.median(on)
+    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
+          f"peak memory above the resident state: not due {peaks[False] / 2 ** 20:.0f} MiB, "
+          f"due {peaks[True] / 2 ** 20:.0f} MiB (+{(peaks[True] - peaks[False]) / 2 ** 20:.0f} MiB)")
 
 
 if __name__ == "__main__":

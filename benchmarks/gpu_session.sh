@@ -10,14 +10,39 @@
 # Logs and JSON go to $OUT (default /tmp/attn_probe_gpu). Record the results, with the device
 # name printed first, in docs/performance.md.
 #
-#     bash benchmarks/gpu_session.sh
+#     bash benchmarks/gpu_session.sh [all|weights|attention]     (or SECTION=attention)
+#
+# Sections: "weights" is the above; "attention" (about 5 minutes on an H100) runs the
+# attention-statistics CUDA tests (tests/test_attention_cuda.py: sdpa == eager, bf16 against
+# float64, CUDA == CPU), then bench_attention_stats.py on the Llama-3.2-1B shape at sequence
+# 2,048 in bf16 (due and not-due step time, peak memory) and the Trainer wall-time ratio at
+# every=10 with attention_stats=True; "all" (the default) runs both. DRY_RUN=1 runs the
+# selected sections' logic on the CPU with tiny shapes (no GPU numbers: a check of the script).
 set -o pipefail
+SECTION=${1:-${SECTION:-all}}
+case "$SECTION" in all|weights|attention) ;; *) echo "unknown section '$SECTION': all, weights or attention" >&2; exit 2;; esac
+DRY_RUN=${DRY_RUN:-0}
 OUT=${OUT:-/tmp/attn_probe_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+if [ "$DRY_RUN" = 1 ]; then
+  echo "DRY_RUN: CPU, tiny shapes" | tee "$OUT/device.txt"
+  DEVICE=cpu SHAPE=small DTYPE=float32 SEQ=64 BATCH=2 STEPS=4 REPEATS=1
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+  DEVICE=cuda SHAPE=llama-1b DTYPE=bfloat16 SEQ=2048 BATCH=1 STEPS=40 REPEATS=5
+fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/device.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
-python3 benchmarks/bench_snapshot.py --shapes llama-1b llama-70b-attn --per-head --repeats 10 --kernels \
-  --trainer-steps 60 --trainer-repeats 3 --json "$OUT/bench_snapshot.json" 2>&1 | tee "$OUT/bench_snapshot.log"
+if [ "$SECTION" != attention ] && [ "$DRY_RUN" != 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+  python3 benchmarks/bench_snapshot.py --shapes llama-1b llama-70b-attn --per-head --repeats 10 --kernels \
+    --trainer-steps 60 --trainer-repeats 3 --json "$OUT/bench_snapshot.json" 2>&1 | tee "$OUT/bench_snapshot.log"
+fi
+if [ "$SECTION" != weights ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py 2>&1 | tee "$OUT/test_attention_cuda.log"
+  python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
+    --batch "$BATCH" --repeats "$REPEATS" 2>&1 | tee "$OUT/bench_attention_step.log"
+  python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
+    --batch "$BATCH" --trainer "$STEPS" --every 10 2>&1 | tee "$OUT/bench_attention_trainer.log"
+fi

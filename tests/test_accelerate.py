@@ -18,7 +18,7 @@ def batches(n, size=4):
 
 def snapshot_steps(log_dir):
     with open(os.path.join(log_dir, "attn_probe.jsonl")) as f:
-        return sorted({json.loads(line)["step"] for line in f})
+        return sorted({json.loads(line)["step"] for line in f if '"run_header"' not in line})
 
 
 def expected_steps(schedule, updates):

@@ -48,6 +48,44 @@ def test_nan_weights_fire_an_alert_once_per_layer(tmp_path, capfd):
     assert "attn_probe alert at step 3: spectral_norm = nan in self layer 1, all heads" in err
 
 
+def _train_watched(model, tmp_path, steps, *, nan_at=None, **options):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    fired = []
+    probe = attn_probe.watch(model, optimizer=opt, every=1, log_dir=str(tmp_path / "tb"), attention_stats=True,
+                             metrics=("symmetry", "qk_bound"), alert_callback=fired.append, **options)
+    ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    for step in range(1, steps + 1):
+        if step == nan_at:
+            with torch.no_grad():
+                model.model.layers[1].self_attn.q_proj.weight.fill_(math.nan)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    return probe, fired
+
+
+def test_a_failed_attention_measurement_fires_no_alert_and_stops_nothing(tmp_path, monkeypatch):
+    """A layer whose measurement failed logs NaN max_logit/entropy (nothing measured), which must not
+    fire the NaN default nor stop training: only NaN logits that were measured fire. The control:
+    the same rules fire on NaN query weights, whose logits are measured and NaN."""
+    rules = [AlertRule("max_logit", above=1e6), AlertRule("entropy", above=1e6),
+             AlertRule("logit_bound_ratio", above=10.0)]
+    real = attn_probe.attention_stats.logit_stats
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure in the attention statistics")
+
+    monkeypatch.setattr(attn_probe.attention_stats, "logit_stats", broken)
+    probe, fired = _train_watched(tiny_llama(), tmp_path / "a", 4, alerts=rules, stop_on_alert=True)
+    assert probe.failures >= 1 and fired == [] and not probe.stop_requested
+    monkeypatch.setattr(attn_probe.attention_stats, "logit_stats", real)
+    probe, fired = _train_watched(tiny_llama(), tmp_path / "b", 3, nan_at=3, alerts=rules)
+    assert {(a.step, a.layer, a.metric) for a in fired} == {(3, 1, "max_logit"), (3, 1, "entropy")}
+    assert all(math.isnan(a.value) for a in fired)
+
+
 @pytest.mark.parametrize("options, why", [
     (dict(alerts=[AlertRule("symmetry", above=0.5, heads=True)]),
      "heads=True needs per-head values: pass per_head=True"),

@@ -280,7 +280,8 @@ def test_reads_what_the_live_probe_writes(tmp_path):
     from_events = load_trajectory(tmp_path / "events")
     assert sorted(from_traj["step"].unique()) == [0, 1, 2, 3]
     assert len(from_traj) == 4 * 3 * len(DEFAULT_METRICS)
-    pd.testing.assert_frame_equal(from_traj.drop(columns=["run", "value"]),
+    assert from_traj["run_id"].nunique() == 1 and from_traj["parent_run"].isna().all()  # a run header
+    pd.testing.assert_frame_equal(from_traj.drop(columns=["run", "value", "run_id", "parent_run", "parent_step"]),
                                   from_events.drop(columns=["run", "value"]))
     np.testing.assert_array_equal(from_traj["value"].to_numpy(np.float32), from_events["value"].to_numpy())
 

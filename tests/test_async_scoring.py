@@ -24,6 +24,8 @@ def jsonl(log_dir):
     out = {}
     with open(f"{log_dir}/attn_probe.jsonl") as f:
         for line in f:
+            if '"run_header"' in line:  # a run header, not a row
+                continue
             rec = json.loads(line)
             if "metric" in rec:
                 out[(rec["step"], rec["group"], rec["layer"], rec.get("head"), rec["metric"])] = rec["value"]

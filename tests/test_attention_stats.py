@@ -206,6 +206,8 @@ def _reference(arch, model, ids, mask, rows=slice(None)):
 
 
 def _measure(model, ids, mask, **kwargs):
+    """One no_grad forward measured (``training_only=False``: a reference pass, not training)."""
+    kwargs.setdefault("training_only", False)
     capture = AttentionCapture(model, find_attention(model), **kwargs)
     try:
         capture.arm()
@@ -262,7 +264,7 @@ def test_decode_step_with_cache(impl):
     reference = _reference("llama", _llama("eager"), ids, mask, rows=slice(L, L + 1))
     with torch.no_grad():
         past = model(ids[:, :L], attention_mask=mask[:, :L], use_cache=True).past_key_values
-    capture = AttentionCapture(model, find_attention(model))
+    capture = AttentionCapture(model, find_attention(model), training_only=False)
     capture.arm()
     with torch.no_grad():
         model(ids[:, L:], attention_mask=mask, past_key_values=past, use_cache=True)
@@ -290,19 +292,6 @@ def test_model_outputs_unchanged(impl):
     assert torch.equal(plain, installed) and torch.equal(plain, armed)
 
 
-def test_eager_function_is_the_models_own_default():
-    """The registered "eager" wrapper delegates to the function each model passes as
-    get_interface's default, whatever its name."""
-    from transformers.models.gpt2 import modeling_gpt2
-    from transformers.models.llama import modeling_llama
-    from transformers.models.timesfm import modeling_timesfm
-
-    assert stats_module.eager_function(modeling_llama.LlamaAttention) is modeling_llama.eager_attention_forward
-    assert stats_module.eager_function(modeling_gpt2.GPT2Attention) is modeling_gpt2.eager_attention_forward
-    assert (stats_module.eager_function(modeling_timesfm.TimesFmAttention)
-            is modeling_timesfm.simple_eager_attention_forward)
-
-
 def test_a_failing_measurement_warns_and_training_goes_on():
     """Heads sharded away (here: a layer record claiming 8 heads where the model has 4) skip that
     layer with one warning; the forward's result is unchanged and the other layer is measured."""
@@ -314,7 +303,7 @@ def test_a_failing_measurement_warns_and_training_goes_on():
     layers[1] = dataclasses.replace(layers[1], num_heads=8)
     with torch.no_grad():
         plain = model(ids, attention_mask=mask).last_hidden_state
-    capture = AttentionCapture(model, layers)
+    capture = AttentionCapture(model, layers, training_only=False)
     capture.arm()
     with pytest.warns(RuntimeWarning, match="layers.1.self_attn.*8 query heads|4 query heads"):
         with torch.no_grad():
@@ -361,7 +350,7 @@ def test_gradient_accumulation_equals_one_forward_on_the_concatenated_batch():
     model = _llama("sdpa")
     ids, mask = _batch()
     whole = _measure(model, ids, mask)
-    capture = AttentionCapture(model, find_attention(model))
+    capture = AttentionCapture(model, find_attention(model), training_only=False)
     capture.arm()
     with torch.no_grad():
         model(ids[:1], attention_mask=mask[:1])
@@ -556,10 +545,10 @@ def test_input_norm_and_bound_ratio():
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_not_due_forward_calls_only_the_wrapper(impl):
-    """Unarmed, the only attn_probe code run in a forward is the wrapper's flag check."""
+    """Unarmed, the only attn_probe code run in a forward is the wrapper's flag check (and its creation)."""
     model = _llama(impl)
     ids, mask = _batch()
-    capture = AttentionCapture(model, find_attention(model))
+    capture = AttentionCapture(model, find_attention(model), training_only=False)
     calls = []
 
     def profiler(frame, event, arg):
@@ -571,7 +560,8 @@ def test_not_due_forward_calls_only_the_wrapper(impl):
         with torch.no_grad():
             model(ids, attention_mask=mask)
         sys.setprofile(None)
-        assert calls == ["wrapper"] * 2  # one per layer, nothing else from attn_probe
+        # per layer: the get_interface patch, the closure it makes, the closure's flag check
+        assert calls == ["_get_interface", "_wrap", "wrapper"] * 2  # nothing else from attn_probe
         capture.arm()
         sys.setprofile(profiler)
         with torch.no_grad():
@@ -584,13 +574,17 @@ def test_not_due_forward_calls_only_the_wrapper(impl):
 
 
 def test_registry_is_restored_and_reference_counted(tmp_path):
+    """The registry's mapping is never written; get_interface is wrapped while any capture lives
+    (reference-counted per implementation name) and transformers' own is back after the last."""
     before = dict(AttentionInterface._global_mapping)
+    original = AttentionInterface.__dict__["get_interface"]
     eager_a, sdpa_b = _llama("eager"), _bert("sdpa")
     ids, mask = _batch()
     a = AttentionCapture(eager_a, find_attention(eager_a))
     b = AttentionCapture(sdpa_b, find_attention(sdpa_b))
-    b2 = AttentionCapture(sdpa_b, find_attention(sdpa_b))
+    b2 = AttentionCapture(sdpa_b, find_attention(sdpa_b), training_only=False)
     assert installed_wrappers() == {"eager": 1, "sdpa": 2}
+    assert AttentionInterface.__dict__["get_interface"] is not original
     b.close()
     b2.arm()
     with torch.no_grad():
@@ -598,9 +592,10 @@ def test_registry_is_restored_and_reference_counted(tmp_path):
     b2.disarm()
     assert b2.missing() == []
     b2.close()
-    assert AttentionInterface._global_mapping["sdpa"] is before["sdpa"]
+    assert installed_wrappers() == {"eager": 1}
     a.close()
     assert AttentionInterface._global_mapping == before
+    assert AttentionInterface.__dict__["get_interface"] is original
     assert installed_wrappers() == {}
 
 
@@ -608,7 +603,7 @@ def test_config_json_unchanged(tmp_path):
     model = _llama("sdpa")
     model.save_pretrained(tmp_path / "before")
     ids, mask = _batch()
-    capture = AttentionCapture(model, find_attention(model))
+    capture = AttentionCapture(model, find_attention(model), training_only=False)
     capture.arm()
     with torch.no_grad():
         model(ids, attention_mask=mask)

@@ -48,7 +48,7 @@ def files(root):
 
 def layer0_steps(path):
     with open(path) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f if '"run_header"' not in line]
     return [r["step"] for r in rows if r["metric"] == "symmetry" and r["layer"] == 0 and r["head"] is None]
 
 

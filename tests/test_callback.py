@@ -74,7 +74,7 @@ def test_trainer_run_writes_scores_into_the_trainers_run(tmp_path, monkeypatch):
             got = dict(series[tag])[step]
             assert got == pytest.approx(want, abs=2e-4), (tag, step)
     # the trajectory file beside the event files holds the same numbers
-    rows = [json.loads(line) for line in open(os.path.join(run, "attn_probe.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(run, "attn_probe.jsonl")) if '"run_header"' not in line]
     assert sorted({r["step"] for r in rows}) == [0, 3, 6, 7]
     final = {scalar_tag(r["group"], r["metric"], layer=r["layer"]): r["value"] for r in rows if r["step"] == 7}
     assert final == pytest.approx(dict((t, dict(series[t])[7]) for t in final), abs=1e-6)
@@ -117,7 +117,7 @@ def test_gradient_accumulation_counts_optimizer_updates(tmp_path):
     Trainer(model=tiny_bert(), args=make_args(tmp_path, 4, gradient_accumulation_steps=3, report_to="none"),
             train_dataset=RandomTokens(),
             callbacks=[attn_probe.AttnProbeCallback(every=2, log_dir=str(tmp_path / "tb"))]).train()
-    rows = [json.loads(line) for line in open(tmp_path / "tb" / "attn_probe.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "tb" / "attn_probe.jsonl") if '"run_header"' not in line]
     assert sorted({r["step"] for r in rows}) == [0, 2, 4]
     assert not any(r["value"] is None or math.isnan(r["value"]) for r in rows)
 

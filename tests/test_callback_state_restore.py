@@ -59,7 +59,7 @@ def build(out, how, sink, every=None):
 
 def rows(path):
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if '"run_header"' not in line]
 
 
 def check_resumed(out, trainer, callback, sink):

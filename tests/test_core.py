@@ -55,6 +55,8 @@ def jsonl_at(log_dir, step):
     out = {}
     with open(log_dir / "attn_probe.jsonl") as f:
         for line in f:
+            if '"run_header"' in line:  # a run header, not a row
+                continue
             r = json.loads(line)
             if r["step"] == step:
                 out[(r["group"], r["layer"], r["head"], r["metric"])] = r["value"]
@@ -62,7 +64,10 @@ def jsonl_at(log_dir, step):
 
 
 def close(a, b):
-    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    # float32 weights scored along two paths (stacked live, per layer post hoc): the eigensolver
+    # and the norms round differently with the stack size and the CPU's vector width, a few
+    # ulp, which directionality's thresholds and stable rank's ratio amplify to ~3e-6
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
 @pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))
@@ -113,7 +118,7 @@ def test_rows_carry_one_key_per_metric_spelled_like_the_jsonl(tmp_path):
     probe = attn_probe.watch(model, log_dir=str(tmp_path), every=1, metrics=["directionality"])
     probe.close()
     with open(tmp_path / "attn_probe.jsonl") as f:
-        assert {json.loads(line)["metric"] for line in f} == {"directionality"}
+        assert {json.loads(line)["metric"] for line in f if '"run_header"' not in line} == {"directionality"}
 
 
 def test_misspelled_option_raises_type_error_at_construction_with_valid_names(tmp_path):
@@ -204,7 +209,7 @@ def test_a_new_metric_is_one_registry_entry_and_reaches_every_output(tmp_path, m
     probe = attn_probe.watch(model, log_dir=str(tmp_path / "run"), every=1, metrics=["frob_ratio"])
     probe.close()
     with open(tmp_path / "run" / "attn_probe.jsonl") as f:
-        assert {json.loads(line)["metric"] for line in f} == {"frob_ratio"}
+        assert {json.loads(line)["metric"] for line in f if '"run_header"' not in line} == {"frob_ratio"}
     df = attn_probe.load_trajectory(tmp_path / "run")
     assert set(df["metric"]) == {"frob_ratio"}
 

@@ -126,6 +126,8 @@ def _llama():
 def _jsonl(path):
     out = {}
     for line in open(path):
+        if '"run_header"' in line:  # a run header, not a row
+            continue
         rec = json.loads(line)
         if "metric" in rec:
             out[(rec["step"], rec["layer"], rec.get("head"), rec["metric"])] = rec["value"]

@@ -19,7 +19,7 @@ from attn_probe.probe import LogDirError, Probe, QKPair
 
 def jsonl(log_dir):
     with open(os.path.join(log_dir, "attn_probe.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if '"run_header"' not in line]
 
 
 def probe_warnings(record):

@@ -1,7 +1,8 @@
-"""Cutting ``attn_probe.jsonl`` back to a resume step in constant memory (``logdir.cut_trajectory``).
+"""Cutting ``attn_probe.jsonl`` back to a resume step in constant memory (``trajectory_format.cut_run``).
 
 The large case writes a real 1 GB trajectory and cuts it in a child process that loads
-``attn_probe/logdir.py`` by path (stdlib only, no torch), under an address-space limit, with
+``attn_probe/trajectory_format.py`` (and ``logdir.py``) without the package's ``__init__``
+(stdlib only, no torch), under an address-space limit, with
 its peak resident memory and its time measured; the file is deleted afterwards. Small cases
 compare the result with an independent reference (every line parsed with ``json``).
 """
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from attn_probe import logdir
-from attn_probe.logdir import LogDirError, LogDirLock, check_log_dir, cut_trajectory
+from attn_probe import trajectory_format
+from attn_probe.logdir import LogDirError, LogDirLock, check_log_dir
+from attn_probe.trajectory_format import cut_trajectory
 
-LOGDIR_PY = Path(logdir.__file__).resolve()
+PACKAGE_DIR = Path(trajectory_format.__file__).resolve().parent
 
 
 def line(step: int, layer: int = 0, head: int | None = None, metric: str = "symmetry") -> bytes:
@@ -53,7 +55,7 @@ def snapshot(step: int) -> bytes:
 @pytest.mark.parametrize("case", ["prefix", "torn_tail", "reused_log_dir", "corrupt_lines", "nothing_to_cut",
                                   "all_dropped", "overlong_line"])
 def test_cut_matches_a_json_reference(tmp_path, monkeypatch, chunk, case):
-    monkeypatch.setattr(logdir, "_SCAN_CHUNK", chunk)
+    monkeypatch.setattr(trajectory_format, "_SCAN_CHUNK", chunk)
     data = b"".join(snapshot(s) for s in range(0, 50, 5))
     if case == "torn_tail":
         data += line(50)[:30]
@@ -63,7 +65,7 @@ def test_cut_matches_a_json_reference(tmp_path, monkeypatch, chunk, case):
         data = snapshot(0) + b"garbage\n" + snapshot(5) + b'{"wall_time": 1, "step": 7}\n' + line(8)[:40] + \
             b"\n" + b"\n" + snapshot(30) + b'{"step": "x"}\n' + snapshot(10)
     elif case == "overlong_line":
-        monkeypatch.setattr(logdir, "_MAX_LINE", 1000)
+        monkeypatch.setattr(trajectory_format, "_MAX_LINE", 1000)
         data = snapshot(0) + b'{"step": 1, "pad": "' + b"x" * 5000 + b'"}\n' + snapshot(5) + snapshot(40)
     path = tmp_path / "attn_probe.jsonl"
     path.write_bytes(data)
@@ -91,10 +93,11 @@ def test_failures_are_log_dir_errors(tmp_path):
 
 
 CHILD = textwrap.dedent("""
-    import importlib.util, json, resource, signal, sys, time
-    spec = importlib.util.spec_from_file_location("logdir", sys.argv[1])
-    logdir = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(logdir)
+    import importlib, json, resource, signal, sys, time, types
+    package = types.ModuleType("attn_probe")  # the package without its __init__ (no torch)
+    package.__path__ = [sys.argv[1]]
+    sys.modules["attn_probe"] = package
+    fmt = importlib.import_module("attn_probe.trajectory_format")
     mode, path, resume = sys.argv[2], sys.argv[3], int(sys.argv[4])
 
     def status(key):
@@ -113,7 +116,7 @@ CHILD = textwrap.dedent("""
     start_rss = status("VmRSS")
     t0 = time.monotonic()
     try:
-        dropped = logdir.cut_trajectory(path, resume)
+        dropped = fmt.cut_trajectory(path, resume)
         error = None
     except Exception as exc:
         dropped, error = None, f"{type(exc).__name__}: {exc}"
@@ -123,7 +126,7 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(mode: str, path: Path, resume: int, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(LOGDIR_PY), mode, str(path), str(resume)],
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(PACKAGE_DIR), mode, str(path), str(resume)],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])

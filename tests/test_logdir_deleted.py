@@ -27,7 +27,7 @@ from attn_probe.trajectory_format import TRAJECTORY_FILENAME
 
 def layer0_steps(path):
     with open(path) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f if '"run_header"' not in line]
     return [r["step"] for r in rows if r["metric"] == "symmetry" and r["layer"] == 0 and r["head"] is None]
 
 
@@ -96,7 +96,7 @@ def test_log_dir_deleted_mid_run_is_recreated_and_the_rows_after_it_kept(tmp_pat
 
     assert main(["export", str(run), "-o", str(tmp_path / "out.jsonl")]) == 0
     with open(tmp_path / "out.jsonl") as f:
-        assert sorted({json.loads(line)["step"] for line in f}) == [4, 5, 6, 7]
+        assert sorted({json.loads(line)["step"] for line in f if '"run_header"' not in line}) == [4, 5, 6, 7]
     # the recreated event file has the run's layout and configuration text again, and the scores
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -122,7 +122,7 @@ def test_trajectory_file_replaced_mid_run_gets_the_later_rows(tmp_path):
     def restore_a_backup(d):  # e.g. a copy taken earlier, moved back over the file
         path = d / TRAJECTORY_FILENAME
         with open(path) as f:
-            first = f.readline()
+            first = f.readline() + f.readline()  # the run header and the first row
         (d / "backup").write_text(first)
         os.replace(d / "backup", path)
 

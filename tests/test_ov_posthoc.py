@@ -108,7 +108,10 @@ def near_reference(metric, got, want):
 
 
 def close(a, b):
-    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    # float32 weights scored along two paths (stacked live, per layer post hoc): the eigensolver
+    # and the norms round differently with the stack size and the CPU's vector width, a few
+    # ulp, which directionality's thresholds and stable rank's ratio amplify to ~3e-6
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
 @pytest.mark.parametrize("name", list(MODELS), ids=list(MODELS))
@@ -129,6 +132,8 @@ def jsonl_at(run_dir, step):
     out = {}
     with open(run_dir / "attn_probe.jsonl") as f:
         for line in f:
+            if '"run_header"' in line:  # a run header, not a row
+                continue
             r = json.loads(line)
             if r.get("step") == step and "metric" in r:
                 out[(r["group"], r["layer"], r["head"], r["metric"])] = r["value"]

@@ -75,6 +75,8 @@ def live(run_dir: Path, step: int) -> dict[tuple[int, int | None], dict[str, flo
     values: dict[tuple[int, int | None], dict[str, float]] = {}
     with open(run_dir / "attn_probe.jsonl") as f:
         for line in f:
+            if '"run_header"' in line:  # a run header, not a row
+                continue
             r = json.loads(line)
             if r.get("step") == step and "metric" in r:
                 values.setdefault((r["layer"], r["head"]), {})[r["metric"]] = r["value"]

@@ -389,6 +389,8 @@ def test_nan_layers_and_steps_are_left_out_of_the_lines(tmp_path):
     lines = (tmp_path / "gaps" / TRAJECTORY_FILENAME).read_text().splitlines()
     out = []
     for line in lines:
+        if '"run_header"' in line:  # a run header, not a row
+            continue
         row = json.loads(line)
         if row["head"] is None and row["layer"] == 1 and row["step"] != 20:
             row["value"] = None

@@ -49,7 +49,7 @@ def reference_rows(model, per_head=False):
 
 def read_jsonl(log_dir):
     with open(os.path.join(log_dir, "attn_probe.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if '"run_header"' not in line]
 
 
 def rows_at(rows, step):

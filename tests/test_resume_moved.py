@@ -31,7 +31,7 @@ def trajectories(root):
 def layer0_steps(path):
     """Steps of layer 0's symmetry rows, in file order (a duplicate step shows twice)."""
     with open(path) as f:
-        rows = [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f if '"run_header"' not in line]
     return [r["step"] for r in rows if r["metric"] == "symmetry" and r["layer"] == 0 and r["head"] is None]
 
 

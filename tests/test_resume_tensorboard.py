@@ -26,7 +26,7 @@ def batch(i):
 
 def trajectory(log_dir):
     with open(os.path.join(log_dir, "attn_probe.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if '"run_header"' not in line]
 
 
 def check_each_step_once_with_resumed_values(log_dir, want_steps, resume_step):

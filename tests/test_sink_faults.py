@@ -131,7 +131,7 @@ def read_rows(path):
     with open(path, "rb") as f:
         data = f.read()
     assert data.endswith(b"\n"), "a partial last line"
-    return [json.loads(line) for line in data.decode().splitlines()]
+    return [json.loads(line) for line in data.decode().splitlines() if '"run_header"' not in line]
 
 
 @pytest.mark.parametrize("mode,background,borrowed", [
@@ -223,7 +223,7 @@ for leave, limit in ((0, 1), (4096, 400)):  # full; a little room (the trajector
     free()
     outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
                       "before": names}})
-from attn_probe.logdir import cut_trajectory
+from attn_probe.trajectory_format import cut_trajectory
 fill(limit=400)
 try:  # the rewrite (the kept rows are not a prefix) fails: no temporary file, the file untouched
     cut_trajectory(path, 30)
@@ -237,7 +237,7 @@ probe = attn_probe.Probe(model, log_dir=log_dir, every=None, start_step=30,  # r
                          metrics=("symmetry", "directionality"))
 probe.snapshot(30)
 probe.close(final_snapshot=False)
-rows = [json.loads(line) for line in open(path)]
+rows = [json.loads(line) for line in open(path) if '"run_header"' not in line]
 print("RESULT=" + json.dumps({{"outcomes": outcomes, "steps": [r["step"] for r in rows]}}))
 """
 
@@ -301,7 +301,7 @@ def test_two_processes_with_one_log_dir(tmp_path):
             first.kill()
     third = subprocess.run(cmd, input="go\n", capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert third.returncode == 0 and "CLOSED" in third.stdout, third.stderr[-3000:]  # free after the first ended
-    rows = [json.loads(line) for line in open(os.path.join(log_dir, "attn_probe.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(log_dir, "attn_probe.jsonl")) if '"run_header"' not in line]
     assert [r["step"] for r in rows] == [0, 0, 0, 0]  # first and third wrote; the refused one did not
 
 

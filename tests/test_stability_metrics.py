@@ -204,7 +204,7 @@ def test_two_metric_runs_still_load_plot_and_summarise(tmp_path, capsys):
             probe.snapshot(step)
         probe.close(final_snapshot=False)
     with open(tmp_path / "old" / "attn_probe.jsonl") as f:
-        assert {json.loads(line).get("metric") for line in f} - {None} == {"symmetry", "directionality"}
+        assert {json.loads(line).get("metric") for line in f if '"run_header"' not in line} - {None} == {"symmetry", "directionality"}
     df = attn_probe.load_trajectory([tmp_path / "old", tmp_path / "new"])
     table = summarize(df)
     assert set(table[table["run"] == "old"]["metric"]) == {"symmetry", "directionality"}

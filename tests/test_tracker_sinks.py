@@ -215,9 +215,12 @@ def test_wandb_sink_creates_and_finishes_its_run_with_its_own_step_axis(tmp_path
 @pytest.mark.parametrize("style", ["step=", "step_metric", "silent"])
 def test_wandb_sink_never_drops_the_users_logs(tmp_path, wandb_offline, style):
     """The user logs under their own counter, far below the probe's step, on both sides of its snapshot:
-    each snapshot joins the user's open row and nothing of the user's is dropped. A user who logs
-    nothing gets the last snapshot (a row holds one value per key). Inline delivery
-    (``background=False``) fixes which row is open when the snapshot arrives."""
+    nothing of the user's is dropped. Without ``step=`` (a custom axis, or nothing logged) every
+    snapshot reaches W&B, in rows of its own. With ``step=`` a snapshot joins the user's open row:
+    the attach snapshot and the first update's land in the user's first row, so the earlier is lost,
+    and a warning says so at once. Inline delivery (``background=False``) fixes which row is open."""
+    import warnings
+
     import wandb
 
     from attn_probe.sinks.wandb import WandbSink
@@ -239,8 +242,10 @@ def test_wandb_sink_never_drops_the_users_logs(tmp_path, wandb_offline, style):
         log(i, "loss", loss)  # before opt.step(): before the probe's snapshot of this step
         return lambda: log(i, "lr", 0.5 / (i + 1))  # after it, same user step
 
-    want = train_with(WandbSink(run), tmp_path / "run", on_step=None if style == "silent" else user_logs,
-                      start_step=1000, background=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = train_with(WandbSink(run), tmp_path / "run", on_step=None if style == "silent" else user_logs,
+                          start_step=1000, background=False)
     assert wandb.run is run  # still open
     if style != "silent":
         log(STEPS, "loss", -1.0)
@@ -248,12 +253,14 @@ def test_wandb_sink_never_drops_the_users_logs(tmp_path, wandb_offline, style):
 
     history = wandb_history(wandb_offline)
     rows = probe_rows(history)
-    if style == "silent":  # one open row all along: the last snapshot
-        want = {max(want): want[max(want)]}
-    else:  # the attach snapshot shares the user's first row with the first update's, which replaces it
+    said = [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+    if style == "step=":
         first = min(want)
+        assert len(said) == 1 and f"snapshot at step {first} did not reach" in said[0] and "(1 lost so far)" in said[0]
+        assert "separate_run=True" in said[0]
         want = {step: values for step, values in want.items() if step != first}
-        rows = {step: values for step, values in rows.items() if step != first}
+    else:
+        assert not said
     assert_same_series(rows, want)
     got = []
     for row in history:

@@ -234,7 +234,7 @@ def test_exported_tables_with_hostile_rows_skip_them_with_a_count(tmp_path, clea
 
 def test_normalize_drops_rows_that_would_wrap_around(clean):
     df = clean.astype({"step": "float64"}).copy()
-    df.loc[len(df)] = ["run", "self", 1e30, 0, None, "symmetry", 0.5]  # astype(int64) gives -2**63
+    df.loc[len(df)] = ["run", "self", 1e30, 0, None, "symmetry", 0.5] + [None] * (len(df.columns) - 7)  # astype(int64) gives -2**63
     with pytest.warns(TrajectoryWarning, match="skipped 1 row"):
         got = normalize(df)
     pd.testing.assert_frame_equal(got, clean)

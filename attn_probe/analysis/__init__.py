@@ -50,6 +50,9 @@ def cli_errors(command: str) -> Iterator[None]:
             yield
         except (TrajectoryError, MissingExtraError, OSError, ValueError) as exc:
             raise CommandError(error_message(exc)) from exc
+        except (MemoryError, RecursionError) as exc:  # a hostile input's size: one line, no traceback
+            what = "out of memory" if isinstance(exc, MemoryError) else "input nested too deeply"
+            raise CommandError(f"{what} while reading the runs; point at fewer or smaller runs") from exc
         finally:
             seen: set[str] = set()
             for w in caught:

@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..event_files import has_event_files, is_event_file
 from ..tags import parse_tag
-from ..trajectory_format import TRAJECTORY_FILENAME, decode_value, encode_value
+from ..trajectory_format import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, encode_value, parse_header
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = [
     "COLUMNS",
+    "LINEAGE",
     "FORMATS",
     "MissingExtraError",
     "TrajectoryError",
@@ -55,6 +56,8 @@ PathLike = str | os.PathLike
 RunsLike = PathLike | Sequence[PathLike] | Mapping[str, PathLike]
 
 COLUMNS = ("run", "group", "step", "layer", "head", "metric", "value")
+#: lineage columns, present when a loaded run has a run header: its id, its parent's id and step
+LINEAGE = ("run_id", "parent_run", "parent_step")
 #: export format -> file name suffixes that select it
 FORMATS: dict[str, tuple[str, ...]] = {
     "csv": (".csv",),
@@ -101,29 +104,54 @@ def _pandas() -> Any:
 
 
 
+#: how deep below a given path run directories are looked for (a Trainer's output_dir/runs/<run>
+#: is 2 deep; a sweep of sweeps a few more)
+MAX_DEPTH = 64
+
+
 def _run_dirs_below(root: Path) -> list[Path]:
-    """Run directories at or below ``root``, sorted.
+    """Run directories at or below ``root``, in sorted depth-first order.
 
     A directory holding ``attn_probe.jsonl`` is one run, and event files below it (a
     logging sub-directory) belong to it; directories below it with their own trajectory
-    file are separate runs.
+    file are separate runs. The walk is iterative, follows symbolic links to directories
+    but enters each directory once (a link loop is skipped), and raises
+    :class:`TrajectoryError` (one line) below :data:`MAX_DEPTH` levels.
     """
     found: list[Path] = []
-
-    def walk(d: Path, covered: bool) -> None:
+    seen: set[tuple[int, int]] = set()
+    stack: list[tuple[Path, bool, int]] = [(root, False, 0)]
+    while stack:
+        d, covered, depth = stack.pop()
         try:
+            st = d.stat()
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue  # entered already: a symbolic link loop, or a second link to it
+            seen.add(key)
             entries = sorted(d.iterdir())
-        except OSError:
-            return
+        except (OSError, RuntimeError):
+            continue
         has_traj = (d / TRAJECTORY_FILENAME).is_file()
         if has_traj or (not covered and any(is_event_file(e.name) and e.is_file() for e in entries)):
             found.append(d)
-        for e in entries:
-            if e.is_dir() and not e.is_symlink():
-                walk(e, covered or has_traj)
+        subdirs = [e for e in entries if _is_dir(e)]
+        if subdirs and depth >= MAX_DEPTH:
+            from ..logdir import printable
 
-    walk(root, False)
+            raise TrajectoryError(
+                f"{printable(root)}: directories nested more than {MAX_DEPTH} levels deep below it "
+                f"(at {printable(subdirs[0].relative_to(root).parts[0])}/...); point at the run "
+                "directories themselves, or at a parent nearer them")
+        stack.extend((e, covered or has_traj, depth + 1) for e in reversed(subdirs))
     return found
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 #: a Trainer's default TensorBoard run directory: ``<Mon DD_HH-MM-SS>_<host>`` (SummaryWriter's
@@ -383,57 +411,300 @@ def _lines(fh: Any) -> Iterator[str | None]:
 
 
 class _RunSplitter:
-    """Tells apart the runs that one trajectory file holds, row by row, in file order.
+    """Tells apart the unidentified runs of rows written before run headers existed, row by row.
 
     A probe's steps only increase, and a resumed run first cuts the file before its resume step
-    (:func:`attn_probe.logdir.cut_trajectory`), so a value (``group, layer, head,
+    (:func:`attn_probe.trajectory_format.cut_run`), so a value (``group, layer, head,
     metric``) is written again at a step at or before its last one only where a fresh run was
     started in a ``log_dir`` that already held one (its sink warns and appends), and such a run
     counts from step 0. A value written again at a step ``s`` starts a new run when ``s`` is at or
     before the first step of the current run, and otherwise continues it: a resume appended
     without the cut, whose rows from ``s`` on replace the earlier ones (the value written last
     counts, :func:`normalize`). Values are compared one by one, so rows in any order within a
-    run (a file written by hand metric by metric) stay one run.
+    run (a file written by hand metric by metric) stay one run. Files with run headers need no
+    guess: every row belongs to the run of the header before it.
     """
 
     def __init__(self) -> None:
-        self.runs: list[list[tuple]] = []
         self._first = 0  # the current run's first step
         self._last: dict[tuple, int] = {}  # (group, layer, head, metric) -> its last step in the current run
 
-    def add(self, row: tuple) -> None:
+    def starts_run(self, row: tuple, fresh: bool) -> bool:
+        """Whether ``row`` starts a new run (``fresh``: no unidentified run is open yet)."""
         group, step, layer, head, metric, _ = row
         key = (group, layer, head, metric)
         last = self._last.get(key)
-        if not self.runs or (last is not None and step <= last and step <= self._first):
-            self.runs.append([])  # the first run, or one that starts again
+        new = fresh or (last is not None and step <= last and step <= self._first)
+        if new:
             self._last.clear()
             self._first = step
         self._first = min(self._first, step)
         self._last[key] = step
-        self.runs[-1].append(row)
+        return new
 
 
-def _read_trajectory_file(path: Path) -> list[list[tuple]]:
-    """The valid rows of a trajectory file, one list per run it holds (:class:`_RunSplitter`)."""
-    runs = _RunSplitter()
-    bad = 0
-    with open(path, "rb") as fh:
-        for line in _lines(fh):
-            if line is not None and not line.strip():
+class _FileRuns:
+    """The valid rows of one trajectory file as column arrays, each row tagged with its run's index.
+
+    Run ``i`` is ``ids[i]`` (``None`` for a run written before run headers), ``parents[i]``,
+    ``parent_steps[i]``. Rows are kept in numpy arrays per block (8 bytes a value; group and
+    metric names as codes into :attr:`names`): one table for the whole file, whatever the
+    number of runs, so memory and time are linear in the file with small constants.
+    """
+
+    def __init__(self) -> None:
+        self.ids: list[str | None] = []
+        self.parents: list[str | None] = []
+        self.parent_steps: list[int | None] = []
+        self.names: dict[str, int] = {}  # group and metric names -> code
+        self._blocks: list[tuple[Any, ...]] = []  # (run, group, step, layer, head, head_missing, metric, value)
+        self._pending: tuple[list, ...] = ([], [], [], [], [], [], [], [])
+
+    def new_run(self, run_id: str | None = None, parent: str | None = None, parent_step: int | None = None) -> int:
+        self.ids.append(run_id)
+        self.parents.append(parent)
+        self.parent_steps.append(parent_step)
+        return len(self.ids) - 1
+
+    def code(self, name: str) -> int:
+        return self.names.setdefault(name, len(self.names))
+
+    def add(self, run: int, row: tuple) -> None:
+        """One row ``(group, step, layer, head, metric, value)`` (kept until :meth:`flush`)."""
+        group, step, layer, head, metric, value = row
+        for column, v in zip(self._pending, (run, self.code(group), step, layer, 0 if head is None else head,
+                                             head is None, self.code(metric), value), strict=True):
+            column.append(v)
+
+    def add_block(self, *columns: Any) -> None:
+        """Rows as arrays ``(run, group code, step, layer, head, head missing, metric code, value)``."""
+        self.flush()
+        self._blocks.append(columns)
+
+    def flush(self) -> None:
+        import numpy as np
+
+        pending = self._pending
+        if pending[0]:
+            self._blocks.append(tuple(np.array(c, dtype=t) for c, t in zip(
+                pending, (np.int64, np.int64, np.int64, np.int64, np.int64, bool, np.int64, np.float64), strict=True)))
+            self._pending = ([], [], [], [], [], [], [], [])
+
+    def columns(self) -> tuple[Any, ...]:
+        """``(run, group, step, layer, head, head missing, metric, value)`` arrays of every row."""
+        import numpy as np
+
+        self.flush()
+        if not self._blocks:
+            return tuple(np.array([], dtype=t) for t in (np.int64, np.int64, np.int64, np.int64, np.int64, bool,
+                                                          np.int64, np.float64))
+        out = tuple(np.concatenate(c) if len(self._blocks) > 1 else c[0] for c in zip(*self._blocks, strict=True))
+        self._blocks = [out]
+        return out
+
+    @property
+    def identified(self) -> bool:
+        return any(r is not None for r in self.ids)
+
+    def counts(self) -> Any:
+        """Rows per run (a numpy array)."""
+        import numpy as np
+
+        return np.bincount(self.columns()[0], minlength=len(self.ids))
+
+    def step_range(self, run: int) -> tuple[int, int]:
+        """First and last step of run ``run`` (which has rows)."""
+        cols = self.columns()
+        steps = cols[2][cols[0] == run]
+        return int(steps.min()), int(steps.max())
+
+
+_NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+#: a row exactly as the sink writes it (``json.dumps`` of :data:`FIELDS`): read without json;
+#: 18 digits at most, so the integers fit int64; anything else goes through json and validation
+_ROW = (r'\{"step": (-?\d{1,18}), "wall_time": ' + _NUMBER + r', "group": "([A-Za-z0-9_]{1,128})", '
+        r'"layer": (-?\d{1,18}), "head": (null|-?\d{1,18}), "metric": "([A-Za-z0-9_]{1,128})", '
+        r'"value": (null|' + _NUMBER + r')\}')
+_CANONICAL = re.compile(_ROW + r"\n?")
+#: the same, for every line of a block at once
+_CANONICAL_LINES = re.compile(r"^" + _ROW + r"$", re.MULTILINE)
+#: bytes read at once
+_READ_BLOCK = 4 << 20
+
+
+def _text_blocks(fh: Any) -> Iterator[str | None]:
+    """Blocks of complete lines of a binary file as text (bad UTF-8 replaced); ``None`` for a
+    line over :data:`_MAX_LINE` without a newline in reach (skipped through)."""
+    buf = b""
+    skipping = False
+    while True:
+        chunk = fh.read(_READ_BLOCK)
+        if not chunk:
+            break
+        if skipping:
+            nl = chunk.find(b"\n")
+            if nl < 0:
                 continue
-            parsed = None if line is None else _parse_line(line)
-            if parsed is None:
+            chunk, skipping = chunk[nl + 1:], False
+        buf += chunk
+        end = buf.rfind(b"\n") + 1
+        if end == 0:
+            if len(buf) > _MAX_LINE:
+                yield None
+                buf, skipping = b"", True
+            continue
+        yield buf[:end].decode("utf-8", errors="replace")
+        buf = buf[end:]
+    if buf.strip() and not skipping:
+        yield buf.decode("utf-8", errors="replace")  # a torn last line: read (and refused) as a line
+
+
+def _canonical_block(block: str, out: _FileRuns) -> tuple[Any, ...] | None:
+    """``(group, step, layer, head, head missing, metric, value)`` arrays of a block whose every
+    line is a row as the sink writes it, else ``None``. Parsed by numpy, names as codes."""
+    import numpy as np
+
+    rows = _CANONICAL_LINES.findall(block)
+    if not rows or len(rows) != block.count("\n"):
+        return None
+    table = np.array(rows)  # (rows, 6) strings, built in C
+    del rows
+    step, group, layer, head, metric, value = (table[:, i] for i in range(6))
+    values = np.where(value == "null", "nan", value).astype(np.float64)
+    if np.isinf(values).any():  # 1e400: not a finite number
+        return None
+    missing = head == "null"
+    heads = np.where(missing, "0", head).astype(np.int64)
+
+    def codes(names: Any) -> Any:
+        uniq, inverse = np.unique(names, return_inverse=True)
+        return np.array([out.code(str(u)) for u in uniq], dtype=np.int64)[inverse.ravel()]
+
+    return (codes(group), step.astype(np.int64), layer.astype(np.int64), heads, missing, codes(metric), values)
+
+
+def _read_trajectory_file(path: Path) -> _FileRuns:
+    """The valid rows of a trajectory file, tagged by run.
+
+    A header record (:mod:`attn_probe.trajectory_format`) starts the rows of its run (the run
+    it names when that id came before: a resumption; a resumed header of a new id continues
+    the unidentified run before it: a resume from a checkpoint written before run ids).
+    Rows before any header are split into runs by :class:`_RunSplitter`. Blocks of rows as the
+    sink writes them are parsed at once (a regular expression and numpy); other lines are parsed
+    and validated one by one.
+    """
+    import numpy as np
+
+    out = _FileRuns()
+    splitter = _RunSplitter()
+    by_id: dict[str, int] = {}
+    current: int | None = None  # the run the next row belongs to
+    identified = False  # inside a header's rows
+    bad = 0
+    nan = float("nan")
+    isfinite = math.isfinite
+    match = _CANONICAL.fullmatch
+
+    def runs_of(group: Any, step: Any, layer: Any, head: Any, missing: Any, metric: Any) -> Any:
+        """The run index of each row of a block (before any header: the steps starting again start a run)."""
+        nonlocal current
+        if identified:
+            return np.full(len(step), current, dtype=np.int64)
+        first, last = splitter._first, splitter._last
+        ids, parents, parent_steps = out.ids, out.parents, out.parent_steps
+        # each row's value (group, layer, head, metric) as one small int, found by numpy
+        pd = _pandas()
+        combined = np.zeros(len(step), dtype=np.int64)
+        for column in (group, layer, np.where(missing, np.iinfo(np.int64).min, head), metric):
+            codes, uniq = pd.factorize(column)  # hashing, linear; each count <= the block's rows (< 2**15.2)
+            combined = combined * len(uniq) + codes
+        inverse, _ = pd.factorize(combined)
+        at = np.unique(inverse, return_index=True)[1]  # a row of each value, in the order of ``inverse``'s codes
+        # the same key as rows read one by one get (global group/metric codes), so runs continue across blocks
+        keys = [(g, la, None if hm else h, m) for g, la, h, hm, m in zip(
+            group[at].tolist(), layer[at].tolist(), head[at].tolist(), missing[at].tolist(), metric[at].tolist(),
+            strict=True)]
+        runs = []
+        for k, s in zip(inverse.tolist(), step.tolist(), strict=True):
+            key = keys[k]
+            prev = last.get(key)
+            if current is None or (prev is not None and s <= prev and s <= first):
+                ids.append(None)
+                parents.append(None)
+                parent_steps.append(None)
+                current = len(ids) - 1
+                last.clear()
+                first = s
+            elif s < first:
+                first = s
+            last[key] = s
+            runs.append(current)
+        splitter._first = first
+        return np.array(runs, dtype=np.int64)
+
+    with open(path, "rb") as fh:
+        for block in _text_blocks(fh):
+            if block is None:
                 bad += 1
-            else:
-                runs.add(parsed)
+                continue
+            fast = _canonical_block(block, out)
+            if fast is not None:
+                out.add_block(runs_of(*fast[:6]), *fast)
+                continue
+            lines = block.split("\n")
+            if lines[-1] == "":
+                lines.pop()
+            for line in lines:
+                if len(line) > _MAX_LINE:
+                    bad += 1
+                    continue
+                m = match(line)
+                parsed = None
+                if m is not None:
+                    step, group, layer, head, metric, value = m.groups()
+                    v = nan if value == "null" else float(value)
+                    if v != v or isfinite(v):  # a finite value or null (NaN)
+                        parsed = (group, int(step), int(layer), None if head == "null" else int(head), metric, v)
+                if parsed is None:
+                    if not line.strip():
+                        continue
+                    rec = _loads(line)
+                    if isinstance(rec, dict) and HEADER_KEY in rec:
+                        header = parse_header(rec)
+                        if header is None:
+                            bad += 1
+                            continue
+                        if header.run_id in by_id:
+                            current = by_id[header.run_id]
+                        elif header.resumed and current is not None and out.ids[current] is None:
+                            out.ids[current] = header.run_id
+                        else:
+                            current = out.new_run(header.run_id, header.parent_run, header.parent_step)
+                        by_id[header.run_id] = current
+                        identified = True
+                        continue
+                    parsed = _parse_record(rec)
+                    if parsed is None:
+                        bad += 1
+                        continue
+                group, step, layer, head, metric, _ = parsed
+                if not identified:
+                    key = (out.code(group), layer, head, out.code(metric))
+                    prev = splitter._last.get(key)
+                    if current is None or (prev is not None and step <= prev and step <= splitter._first):
+                        current = out.new_run()
+                        splitter._last.clear()
+                        splitter._first = step
+                    splitter._first = min(splitter._first, step)
+                    splitter._last[key] = step
+                out.add(current, parsed)
     if bad:
         warnings.warn(
             f"{path}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
             TrajectoryWarning,
             stacklevel=4,
         )
-    return runs.runs
+    return out
 
 
 # TFRecord framing of event files: u64 length, masked crc32c of the length, data, masked crc32c
@@ -638,18 +909,23 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     return rows
 
 
-def _read_run(run_dir: Path) -> list[list[tuple]]:
-    """The rows of the run(s) in ``run_dir``: one list per run its trajectory file holds, or one
-    list from its event files (empty lists when there is nothing)."""
+def _read_run(run_dir: Path) -> _FileRuns:
+    """The rows of the run(s) in ``run_dir``: those of its trajectory file, or one run from its
+    event files (no runs when there is nothing)."""
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
-        runs = _read_trajectory_file(traj)
-        if runs or not has_event_files(str(run_dir)):
-            return runs
+        found = _read_trajectory_file(traj)
+        if found.ids or not has_event_files(str(run_dir)):
+            return found
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
+    out = _FileRuns()
     rows = _read_event_files(run_dir)
-    return [rows] if rows else []
+    if rows:
+        run = out.new_run()
+        for row in rows:
+            out.add(run, row)
+    return out
 
 
 def _is_na(v: Any) -> bool:
@@ -746,13 +1022,42 @@ def _str_column(s: pd.Series) -> tuple[Any, Any]:
     import numpy as np
 
     out = s.astype(str)
-    wrong = [v for v in out.unique() if not _is_text(v)]  # few distinct names: check those
+    unique = out.unique().tolist()
+    try:  # all of them at once: one encode (a lone surrogate fails it)
+        "".join(unique).encode("utf-8")
+        wrong: list[str] = []
+    except UnicodeEncodeError:
+        wrong = [v for v in unique if not _is_text(v)]
     return out, (out.isin(wrong).to_numpy() if wrong else np.zeros(len(s), dtype=bool))
+
+
+def _optional_text_column(s: pd.Series) -> tuple[Any, Any]:
+    """``(object values, bad-row mask)`` of a nullable text column: missing is ``None``; text
+    that cannot be written as UTF-8, or a non-text value, is bad."""
+    import numpy as np
+
+    values = s.to_numpy(dtype=object, na_value=None)
+    out = np.empty(len(values), dtype=object)
+    bad = np.zeros(len(values), dtype=bool)
+    cache: dict[Any, bool] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            ok = cache.get(v)
+            if ok is None:
+                ok = cache[v] = _is_text(v)
+            if ok:
+                out[i] = v
+                continue
+        elif v is None or _is_na(v):
+            continue
+        bad[i] = True
+    return out, bad
 
 
 def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
     """Coerce a long table to the canonical dtypes, drop duplicate steps (keep last), sort.
 
+    The lineage columns (:data:`LINEAGE`) are kept when present (missing ones added empty).
     Metric names of earlier versions are renamed (:data:`RENAMED_METRICS`: ``ov_qk_bound`` is
     ``ov_gain_bound``). Rows whose ``step`` is not an integer within int64 (missing, fractional, ``1e30``,
     text), whose ``layer``/``head`` is not such an integer or missing, or whose ``value`` is
@@ -785,6 +1090,18 @@ def normalize(df: pd.DataFrame, source: str | None = None) -> pd.DataFrame:
         "metric": metric,
         "value": pd.Series(value, index=df.index, dtype="float64"),
     })
+    if any(c in df.columns for c in LINEAGE):  # lineage: text ids or missing, an int64 step or missing
+        for c in ("run_id", "parent_run"):
+            text, bad_text = _optional_text_column(df[c]) if c in df.columns else (None, None)
+            out[c] = text if text is not None else None
+            if bad_text is not None:
+                bad |= bad_text
+        if "parent_step" in df.columns:
+            parent_step, bad_parent = _int_column(df["parent_step"], nullable=True)
+            out["parent_step"] = parent_step
+            bad |= bad_parent
+        else:
+            out["parent_step"] = pd.array([pd.NA] * len(out), dtype="Int64")
     if bad.any():
         n = int(bad.sum())
         warnings.warn(
@@ -815,36 +1132,70 @@ def unescape_formulas(values: pd.Series) -> pd.Series:
     return text.where(~escaped, text.str[1:])
 
 
-def _rows_frame(run: str, rows: list[tuple]) -> pd.DataFrame:
-    """Validated reader rows as a table with exact dtypes (no float round trip for the ints)."""
+def _file_frame(names: list[str], found: _FileRuns) -> pd.DataFrame:
+    """One table of a file's rows (``names[i]`` is run ``i``'s name), with exact dtypes (no float
+    round trip for the ints) and the lineage columns; the run columns share one string per run."""
     import numpy as np
 
     pd = _pandas()
-    group, step, layer, head, metric, value = zip(*rows, strict=True)
+    run, group, step, layer, head, missing, metric, value = found.columns()
+    labels = np.empty(len(found.names), dtype=object)
+    labels[:] = list(found.names)
+
+    def objects(values: list) -> Any:
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = values
+        return arr[run]
+
+    parent_steps = np.array([0 if p is None else p for p in found.parent_steps], dtype=np.int64)
+    no_parent = np.array([p is None for p in found.parent_steps], dtype=bool)
     return pd.DataFrame({
-        "run": [run] * len(rows),
-        "group": list(group),
-        "step": np.array(step, dtype=np.int64),
-        "layer": pd.array(layer, dtype="Int64"),
-        "head": pd.array(head, dtype="Int64"),
-        "metric": list(metric),
-        "value": np.array(value, dtype=np.float64),
+        "run": objects(names),
+        "group": labels[group],
+        "step": step,
+        "layer": pd.arrays.IntegerArray(layer, np.zeros(len(layer), dtype=bool)),
+        "head": pd.arrays.IntegerArray(head, missing),
+        "metric": labels[metric],
+        "value": value,
+        "run_id": objects(found.ids),
+        "parent_run": objects(found.parents),
+        "parent_step": pd.arrays.IntegerArray(parent_steps[run], no_parent[run]),
     })
 
 
+#: how many runs a warning names before it only counts the rest
+_NAMED_IN_WARNING = 5
+#: the longest run name a warning prints (a hostile path can be long)
+_NAME_IN_WARNING = 80
+
+
+def _short(name: str) -> str:
+    from ..logdir import printable
+
+    text = printable(name)
+    return text if len(text) <= _NAME_IN_WARNING else text[:_NAME_IN_WARNING - 3] + "..."
+
+
 def load_trajectory(runs: RunsLike) -> pd.DataFrame:
-    """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``.
+    """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``
+    (and ``run_id, parent_run, parent_step`` when a run carries a run header).
 
     ``runs`` is a run directory, a parent of run directories (``encoder/`` and ``decoder/``
     give two runs), a table written by :func:`export_trajectory`, a list of those, or
-    ``{name: directory}``. Duplicate steps of a resumed
-    run keep the value written last. A trajectory file that holds several runs (a fresh run
-    started in a ``log_dir`` that already held one appends to it: its steps start again) loads
-    as separate runs, named ``NAME``, ``NAME#2``, ``NAME#3``... in the order they were written,
-    with one :class:`TrajectoryWarning` saying so; a resumed run stays one run
-    (:class:`_RunSplitter` says how they are told apart). Corrupt or truncated trajectory lines
-    are skipped with one :class:`TrajectoryWarning` per file; directories without probe data are
-    skipped with a warning, and :class:`TrajectoryError` is raised when nothing usable is left.
+    ``{name: directory}``. Duplicate steps of a resumed run keep the value written last.
+
+    Lineage: a trajectory file written since run headers exist names each run's random
+    ``run_id`` and, for a run branched from another run's checkpoint, that run's id and step
+    (``parent_run``, ``parent_step``; ``<NA>`` otherwise); these three columns are present when
+    any loaded run (or table) has them. A trajectory file that holds several runs (a fresh run
+    started in a ``log_dir`` that already held one appends to it) loads as separate runs,
+    named ``NAME``, ``NAME#2``, ``NAME#3``... in the order they were written, with one
+    :class:`TrajectoryWarning` that counts them and names the first few; runs are told apart
+    by their run headers, or, in files written before them, by their steps starting again
+    (:class:`_RunSplitter`); a resumed run stays one run. Time and memory are linear in the
+    files, whatever the number of runs. Corrupt or truncated trajectory lines are skipped with
+    one :class:`TrajectoryWarning` per file; directories without probe data are skipped with a
+    warning, and :class:`TrajectoryError` is raised when nothing usable is left.
 
     Example:
         >>> df = load_trajectory("runs/encoder")                      # doctest: +SKIP
@@ -853,46 +1204,86 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     pd = _pandas()
     tables, dirs = _split_tables(runs)
     frames = [read_table(t) for t in tables]
+    lineage = any("run_id" in f.columns for f in frames)
     found = find_runs(dirs) if dirs or not tables else []
     taken = {n for n, _ in found}.union(*(set(f["run"]) for f in frames))
-    empty, several = [], []
+    empty: list[str] = []
+    several: list[str] = []  # one text per file holding several runs (the first few only)
+    files_several = runs_several = 0
     for name, run_dir in found:
-        runs = _read_run(run_dir)
-        if not runs:
+        got = _read_run(run_dir)
+        live = got.counts().nonzero()[0].tolist()  # runs with rows
+        if not live:
             empty.append(str(run_dir))
             continue
-        names, k = [name], 1
-        for _ in runs[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
-            k += 1
-            while f"{name}#{k}" in taken:
+        names = [""] * len(got.ids)
+        names[live[0]], k = name, 1
+        prefix = f"{name}#"
+        if len(live) > 1 and not any(t.startswith(prefix) for t in taken):  # no number is taken: in one go
+            numbered = [f"{prefix}{k}" for k in range(2, len(live) + 1)]
+            for i, n in zip(live[1:], numbered, strict=True):
+                names[i] = n
+            taken.update(numbered)
+        else:
+            for i in live[1:]:  # NAME#2, NAME#3...; a number a run is named with already is skipped
                 k += 1
-            names.append(f"{name}#{k}")
-            taken.add(names[-1])
-        for run_name, rows in zip(names, runs, strict=True):
-            frames.append(_rows_frame(run_name, rows))
-        if len(runs) > 1:
-            several.append(_runs_text(run_dir / TRAJECTORY_FILENAME, names, runs))
+                while f"{prefix}{k}" in taken:
+                    k += 1
+                names[i] = f"{prefix}{k}"
+                taken.add(names[i])
+        frames.append(_file_frame(names, got))
+        lineage = lineage or got.identified
+        if len(live) > 1:
+            files_several += 1
+            runs_several += len(live)
+            if len(several) < 3:
+                several.append(_runs_text(run_dir / TRAJECTORY_FILENAME, names, got, live))
     if several:
-        warnings.warn("; ".join(several) + ". A fresh run started in a log_dir that already holds a trajectory "
-                      "appends to it: give each run a log_dir of its own (resuming keeps one run)",
+        more = (f"; and {files_several - len(several)} more file{'s' if files_several - len(several) != 1 else ''}"
+                f" ({runs_several} runs in all)" if files_several > len(several) else "")
+        warnings.warn("; ".join(several) + more + ". A fresh run started in a log_dir that already holds a "
+                      "trajectory appends to it: give each run a log_dir of its own (resuming keeps one run)",
                       TrajectoryWarning, stacklevel=2)
     if not frames:
         raise TrajectoryError(
-            f"no probe data in {', '.join(empty)}: no valid {TRAJECTORY_FILENAME} line and no "
-            "attn_probe/... scalar in the event files"
+            f"no probe data in {', '.join(_short(d) for d in empty[:_NAMED_IN_WARNING])}"
+            f"{f' and {len(empty) - _NAMED_IN_WARNING} more' if len(empty) > _NAMED_IN_WARNING else ''}: no valid "
+            f"{TRAJECTORY_FILENAME} line and no attn_probe/... scalar in the event files"
         )
-    for d in empty:
-        warnings.warn(f"{d}: no probe data, skipped", TrajectoryWarning, stacklevel=2)
+    if empty:
+        extra = f" and {len(empty) - _NAMED_IN_WARNING} more" if len(empty) > _NAMED_IN_WARNING else ""
+        warnings.warn(f"{', '.join(_short(d) for d in empty[:_NAMED_IN_WARNING])}{extra}: no probe data, skipped",
+                      TrajectoryWarning, stacklevel=2)
+    if not lineage:
+        frames = [f.drop(columns=[c for c in LINEAGE if c in f.columns]) for f in frames]
+    if not tables:  # rows validated while read: only the dtypes, the renames, duplicates and order
+        df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        del frames
+        return _finish(df)
     return normalize(pd.concat(frames, ignore_index=True))
 
 
-def _runs_text(path: Path, names: list[str], runs: list[list[tuple]]) -> str:
-    """``PATH holds N runs, loaded as separate runs: NAME (steps a to b), NAME#2 (...)``."""
+def _finish(df: pd.DataFrame) -> pd.DataFrame:
+    """The last steps of :func:`normalize` for rows the readers validated already."""
+    for column in ("run", "group", "metric"):
+        df[column] = df[column].astype(str)
+    if df["metric"].isin(list(RENAMED_METRICS)).any():  # runs written before a metric was renamed
+        df["metric"] = df["metric"].replace(RENAMED_METRICS)
+    df = df.drop_duplicates(subset=_KEY, keep="last")
+    return df.sort_values(_KEY, na_position="first", kind="stable").reset_index(drop=True)
+
+
+def _runs_text(path: Path, names: list[str], found: _FileRuns, live: list[int]) -> str:
+    """``PATH holds N runs (...), loaded as separate runs: NAME (steps a to b), ...`` naming the
+    first :data:`_NAMED_IN_WARNING` of the runs ``live`` (those with rows) only."""
     parts = []
-    for name, rows in zip(names, runs, strict=True):
-        first, last = min(r[1] for r in rows), max(r[1] for r in rows)
-        parts.append(f"{name} (step {first})" if first == last else f"{name} (steps {first} to {last})")
-    return f"{path} holds {len(runs)} runs (the steps start again), loaded as separate runs: {', '.join(parts)}"
+    for i in live[:_NAMED_IN_WARNING]:
+        first, last = found.step_range(i)
+        parts.append(f"{_short(names[i])} ({f'step {first}' if first == last else f'steps {first} to {last}'})")
+    if len(live) > _NAMED_IN_WARNING:
+        parts.append(f"... and {len(live) - _NAMED_IN_WARNING} more")
+    how = "told apart by their run headers" if found.identified else "the steps start again"
+    return f"{_short(str(path))} holds {len(live)} runs ({how}), loaded as separate runs: {', '.join(parts)}"
 
 
 def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
@@ -940,8 +1331,10 @@ def resolve_format(path: PathLike, format: str | None = None) -> str:
 
 def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
     pd = _pandas()
-    for run, group, step, layer, head, metric, value in df[list(COLUMNS)].itertuples(index=False):
-        yield {
+    lineage = [c for c in LINEAGE if c in df.columns]
+    for row in df[list(COLUMNS) + lineage].itertuples(index=False):
+        run, group, step, layer, head, metric, value = row[:7]
+        rec = {
             "run": run,
             "group": group,
             "step": int(step),
@@ -950,6 +1343,9 @@ def _records(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
             "metric": metric,
             "value": encode_value(value),
         }
+        for c, v in zip(lineage, row[7:], strict=True):
+            rec[c] = None if _is_na(v) else int(v) if c == "parent_step" else v
+        yield rec
 
 
 def export_trajectory(df_or_runs: Any, path: PathLike, format: str | None = None) -> Path:
@@ -974,8 +1370,10 @@ def export_trajectory(df_or_runs: Any, path: PathLike, format: str | None = None
         out.parent.mkdir(parents=True, exist_ok=True)
         if fmt == "csv":
             escaped = df.copy()
-            for column in ("run", "group", "metric"):
-                escaped[column] = escape_formulas(escaped[column])
+            for column in ("run", "group", "metric", "run_id", "parent_run"):
+                if column in escaped.columns:
+                    text = escaped[column]
+                    escaped[column] = escape_formulas(text).where(text.notna(), None)
             escaped.to_csv(out, index=False, lineterminator="\r\n")  # RFC 4180: a name's \r is quoted too
         elif fmt == "parquet":
             df.to_parquet(out, index=False, engine="pyarrow")
@@ -1012,11 +1410,13 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
         # pandas < 3 parses floats inexactly unless asked; pandas 3 is exact and deprecates the flag
         exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
         df = pd.read_csv(p, keep_default_na=False,
-                         na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"]},
-                         dtype={"run": str, "group": str, "metric": str}, **exact)
-        for column in ("run", "group", "metric"):
+                         na_values={"layer": [""], "head": [""], "value": ["", "nan", "NaN"], "run_id": [""],
+                                    "parent_run": [""], "parent_step": [""]},
+                         dtype={"run": str, "group": str, "metric": str, "run_id": str, "parent_run": str}, **exact)
+        for column in ("run", "group", "metric", "run_id", "parent_run"):
             if column in df.columns:
-                df[column] = unescape_formulas(df[column])
+                text = df[column]
+                df[column] = unescape_formulas(text).where(text.notna(), None)
     elif fmt == "parquet":
         require("pyarrow", "pandas")
         try:
@@ -1028,7 +1428,7 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
             raise TrajectoryError(f"{p}: pandas/pyarrow refused this Parquet table "
                                   f"({type(exc).__name__}: {first})") from exc
     else:
-        recs, bad = [], 0
+        recs, bad, lineage = [], 0, False
         with open(p, "rb") as fh:
             for line in _lines(fh):
                 if line is not None and not line.strip():
@@ -1037,19 +1437,27 @@ def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:
                 if parsed is None:
                     bad += 1
                 else:
-                    recs.append(parsed)
+                    recs.append(parsed[0])
+                    lineage = lineage or parsed[1]
         if bad:
             warnings.warn(f"{p}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
                           TrajectoryWarning, stacklevel=2)
-        df = pd.DataFrame.from_records(recs, columns=list(COLUMNS))
+        df = pd.DataFrame.from_records(recs, columns=list(COLUMNS) + list(LINEAGE))
         df["head"] = df["head"].astype("object").where(df["head"].notna(), None)
+        df["parent_step"] = df["parent_step"].astype("object").where(df["parent_step"].notna(), None)
+        if not lineage:
+            df = df.drop(columns=list(LINEAGE))
     return normalize(df, source=str(p))
 
 
-def _parse_table_line(line: str) -> tuple | None:
-    """One line of an exported JSONL table as a row of :data:`COLUMNS`, or ``None``."""
+def _parse_table_line(line: str) -> tuple[tuple, bool] | None:
+    """One line of an exported JSONL table as a row of :data:`COLUMNS` + :data:`LINEAGE` (and
+    whether it had lineage keys), or ``None``."""
     rec = _loads(line)
     if not isinstance(rec, dict) or not _is_text(rec.get("run")):
         return None
     parsed = _parse_record(rec, names=_is_text)  # a table may hold any names a DataFrame had
-    return None if parsed is None else (rec["run"], *parsed)
+    if parsed is None:
+        return None
+    lineage = tuple(rec.get(c) for c in LINEAGE)
+    return (rec["run"], *parsed, *lineage), any(c in rec for c in LINEAGE)

@@ -154,6 +154,11 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self._early_choice: tuple[int, tuple[str, bool]] | None = None
         #: ``(parent run directory, step)`` of a run branched from another output_dir's checkpoint
         self.parent_run: tuple[str, int] | None = None
+        #: this run's id (:func:`attn_probe.trajectory_format.new_run_id`; saved with checkpoints):
+        #: a resume continues the run of the checkpoint's id, whatever the directories are named
+        self.run_id: str | None = None
+        #: the run headers' identity fields of this run (run_id, parent_run_id, parent_step, ...)
+        self._identity: dict[str, Any] = {}
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
                                              trackers_per_head=trackers_per_head,
                                              **{k: v for k, v in options.items() if k not in _WRITING_OPTIONS})
@@ -165,12 +170,14 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         ``run_log_dir`` is the path as used; ``run_log_dir_relative`` the same relative to the
         Trainer's ``output_dir`` (``None`` when outside it), which a resumed run resolves against
         its own ``output_dir``, so the run is found after the output directory was moved or copied;
-        ``run_output_dir`` that ``output_dir``: a resume under another one branches (a new run).
+        ``run_output_dir`` that ``output_dir``: a resume under another one branches (a new run);
+        ``run_id`` the run's id, by which a resume recognises its run in a trajectory file (two
+        runs whose directories have the same name stay two runs).
         The args carry :data:`RESTORE_KEY`, by which the attached instance is kept on restore.
         """
         return {"args": {**(self._json_args or {}), RESTORE_KEY: True},
                 "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative,
-                               "run_output_dir": self.run_output_dir}}
+                               "run_output_dir": self.run_output_dir, "run_id": self.run_id}}
 
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
@@ -194,22 +201,32 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 
         Returns ``(directory, from_checkpoint)``; ``from_checkpoint`` says it is the run saved with
         the checkpoint (which :meth:`on_train_begin` gives up for a fresh one if it cannot be written).
+        Also sets the run's identity (:meth:`_set_identity`): the checkpoint's run id when its run
+        is continued (found by that id in the directory's trajectory), else a new id, with the
+        checkpoint's run as parent when there is one.
         """
+        step = int(state.global_step)
+        saved = _saved_run(state) if step > 0 else None
+        self.parent_run = None
+        self._set_identity(None)
         if self.log_dir is not None:
             chosen = os.path.expanduser(self.log_dir)
             if os.getenv("TENSORBOARD_LOGGING_DIR") is None:
                 # with attach() this runs before the TensorBoardCallback opens its writer: make the
                 # Trainer's loss go to the same run (no public setter exists)
                 _point_tensorboard(handler, chosen)
+            if saved is not None and saved[3] is not None and not _holds_run(chosen, saved[3]):
+                self._set_identity(None, parent=saved[3], step=step)  # the checkpoint's run is elsewhere
+            elif saved is not None:
+                self._set_identity(saved[3], legacy=saved[3] is None)
             return chosen, False
-        self.parent_run = None
-        saved = _saved_run(state) if state.global_step > 0 else None
         if saved is not None and os.getenv("TENSORBOARD_LOGGING_DIR") is None:
             found, problem, foreign = _resolve_saved_run(saved, args.output_dir)
             if found is None and foreign:
-                return self._branched_log_dir(args, handler, int(state.global_step), saved[0]), False
+                return self._branched_log_dir(args, handler, step, saved[0], saved[3]), False
             if found is None:
-                return self._fresh_log_dir(args, handler, state.global_step, saved[0], problem), False
+                return self._fresh_log_dir(args, handler, step, saved[0], problem, saved[3]), False
+            self._set_identity(saved[3], legacy=saved[3] is None)
             # continue the run of the checkpoint: the trajectory stays one run; tell a
             # TensorBoardCallback that has not opened its writer yet to write there too
             _point_tensorboard(handler, found)
@@ -229,22 +246,47 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                       "Give log_dir= to continue a run.")
         return log_dir, False
 
-    def _branched_log_dir(self, args: Any, handler: Any, step: int, parent: str) -> str:
+    def _set_identity(self, run_id: str | None, *, parent: str | None = None, step: int | None = None,
+                      legacy: bool = False) -> None:
+        """This run's id (``run_id``, continued, or a new one) and its run-header fields.
+
+        ``parent``/``step``: the run this one branched from (its id) and where; ``legacy``: a
+        resume from a checkpoint written before run ids, whose rows in the trajectory carry no
+        header (the new id continues them: ``continues_unidentified``).
+        """
+        from ..trajectory_format import new_run_id
+
+        self.run_id = run_id or new_run_id()
+        self._identity = {"run_id": self.run_id}
+        if parent is not None:
+            self._identity.update(parent_run_id=parent, parent_step=step)
+        if legacy:
+            self._identity["continues_unidentified"] = True
+
+    def _branched_log_dir(self, args: Any, handler: Any, step: int, parent: str, parent_id: str | None = None) -> str:
         """A new run under this ``output_dir`` for a checkpoint of another run; one line names the parent.
 
         The parent's run directory belongs to another ``output_dir``: it is neither continued nor
-        modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`).
+        modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`), and the
+        parent's run id into its trajectory header. A directory of that name that already holds
+        another run (two runs started in the same second: the same default name) is not
+        written: a unique sibling is taken.
         """
-        log_dir = trainer_log_dir(args, handler)
+        log_dir = _unused_dir(trainer_log_dir(args, handler), handler)
         self.parent_run = (parent, step)
+        self._set_identity(None, parent=parent_id, step=step)
         _warn(f"attn_probe: branched from the probe's run {parent} at step {step}: a checkpoint of another "
               f"output_dir, whose run this run cannot continue or modify; logging continues from step {step} "
               f"in a new run directory {log_dir}.")
         return log_dir
 
-    @staticmethod
-    def _fresh_log_dir(args: Any, handler: Any, step: int, saved: str, problem: str) -> str:
-        """A new run directory for a resumed run whose saved one is unusable; warns once, naming both."""
+    def _fresh_log_dir(self, args: Any, handler: Any, step: int, saved: str, problem: str,
+                       saved_id: str | None = None) -> str:
+        """A new run directory for a resumed run whose saved one is unusable; warns once, naming both.
+
+        The run gets a new id, with the checkpoint's run as its parent.
+        """
+        self._set_identity(None, parent=saved_id, step=step)
         opened = [str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
                   if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)]
         if opened:  # the Trainer's TensorBoard run of this session (callbacks=[...]): join it
@@ -268,6 +310,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         # the training loop entered again without ending (auto_find_batch_size after an out-of-memory
         # error) or a second train() call: start over at this step, dropping the rows written from it on
         restart = self.probe is not None
+        previous_id = self.run_id
         if restart:
             self.probe.close(final_snapshot=False)
             self.probe = None
@@ -298,7 +341,9 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                                            per_head=self.trackers_per_head))
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
-        header = {"integration": "transformers.Trainer", "output_dir": str(args.output_dir)}
+        if restart and previous_id is not None:  # the same run, started over at this step
+            self._set_identity(previous_id)
+        header = {"integration": "transformers.Trainer", "output_dir": str(args.output_dir), **self._identity}
         if main and self.parent_run is not None:  # lineage of a branched run, in its run header
             header.update(parent_run=self.parent_run[0], parent_step=self.parent_run[1])
 
@@ -324,7 +369,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 raise
             # the saved run exists but cannot be written (permissions, a read-only mount, a file
             # in the way): a resumed run must not fail for that; continue in a fresh directory
-            log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc))
+            log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc), self._identity.get("run_id"))
             self.probe = build(log_dir)
         self.run_log_dir = log_dir
         self.run_log_dir_relative = _relative_to(log_dir, args.output_dir) if log_dir is not None else None
@@ -476,11 +521,12 @@ def _attached_instance_being_restored(cls: type, *, marked: bool) -> Any:
     return callback
 
 
-def _saved_run(state: Any) -> tuple[str, str | None, str | None] | None:
-    """The probe's run directory recorded in the checkpoint's ``trainer_state.json``, if any.
+def _saved_run(state: Any) -> tuple[str, str | None, str | None, str | None] | None:
+    """The probe's run recorded in the checkpoint's ``trainer_state.json``, if any.
 
-    ``(path as used, path relative to that run's output_dir or None, that output_dir or None)``;
-    checkpoints written before the relative path or the output_dir were recorded give ``None``.
+    ``(path as used, path relative to that run's output_dir or None, that output_dir or None,
+    run id or None)``; checkpoints written before the relative path, the output_dir or the run
+    id were recorded give ``None`` there.
     """
     saved = (getattr(state, "stateful_callbacks", None) or {}).get("AttnProbeCallback")
     if isinstance(saved, list):
@@ -493,7 +539,9 @@ def _saved_run(state: Any) -> tuple[str, str | None, str | None] | None:
         return None
     relative = relative if isinstance(relative, str) and relative and not os.path.isabs(relative) else None
     output_dir = attributes.get("run_output_dir")
-    return value, relative, output_dir if isinstance(output_dir, str) and output_dir else None
+    run_id = attributes.get("run_id")
+    return (value, relative, output_dir if isinstance(output_dir, str) and output_dir else None,
+            run_id if isinstance(run_id, str) and run_id else None)
 
 
 def _relative_to(path: str, root: Any) -> str | None:
@@ -507,7 +555,7 @@ def _relative_to(path: str, root: Any) -> str | None:
     return rel
 
 
-def _resolve_saved_run(saved: tuple[str, str | None, str | None],
+def _resolve_saved_run(saved: tuple[str, str | None, str | None, str | None],
                        output_dir: Any) -> tuple[str | None, str, bool]:
     """Where the saved run is now: ``(directory, "", False)``, or ``(None, why not, foreign)``.
 
@@ -519,16 +567,20 @@ def _resolve_saved_run(saved: tuple[str, str | None, str | None],
     recreated where a moved or deleted one was. A directory outside the current ``output_dir``
     is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
     explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
-    (a run branched from another run's checkpoint), which is never written.
+    (a run branched from another run's checkpoint), which is never written. When the checkpoint
+    records a run id, a directory whose trajectory does not hold that run is never taken, whatever
+    its name: two runs whose directories have the same name (started in the same second) stay two.
     """
     from ..logdir import LogDirError, check_log_dir
     from ..trajectory_format import TRAJECTORY_FILENAME
 
-    path, relative, saved_output_dir = saved
+    path, relative, saved_output_dir, run_id = saved
     output_dir = str(output_dir)
     same_output_dir = saved_output_dir is not None and _same_path(saved_output_dir, output_dir)
 
     def ours(candidate: str) -> bool:
+        if run_id is not None and not _holds_run(candidate, run_id):
+            return False
         return same_output_dir or _relative_to(os.path.realpath(candidate), os.path.realpath(output_dir)) is not None
 
     candidates = []
@@ -556,6 +608,37 @@ def _resolve_saved_run(saved: tuple[str, str | None, str | None],
                   f"continuing the run found at the same place under output_dir, {candidate}.")
         return candidate, "", False
     return None, problem, not ours(path)
+
+
+def _holds_run(directory: str, run_id: str) -> bool:
+    """Whether ``directory``'s trajectory holds the run ``run_id`` (a directory without a
+    trajectory file, or one that cannot be read, holds no run)."""
+    from ..trajectory_format import TRAJECTORY_FILENAME, file_runs
+
+    try:
+        return any(h.run_id == run_id for h in file_runs(os.path.join(directory, TRAJECTORY_FILENAME)))
+    except (OSError, MemoryError):
+        return False
+
+
+def _unused_dir(log_dir: str, handler: Any) -> str:
+    """``log_dir``, or a unique sibling when it already holds another run's files (and the
+    Trainer's TensorBoard writer is not open there): a new run never writes another run's files."""
+    from ..event_files import has_event_files
+    from ..logdir import LogDirError, unique_log_dir
+    from ..trajectory_format import TRAJECTORY_FILENAME
+
+    opened = {os.path.realpath(str(cb.logging_dir)) for cb in _tensorboard_callbacks(handler)
+              if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)}
+    if os.path.realpath(log_dir) in opened or not (
+            os.path.isfile(os.path.join(log_dir, TRAJECTORY_FILENAME)) or has_event_files(log_dir)):
+        return log_dir
+    try:
+        chosen = unique_log_dir(log_dir)
+    except LogDirError:
+        return log_dir  # the probe's own check names the problem
+    _point_tensorboard(handler, chosen)
+    return chosen
 
 
 def _same_path(a: str, b: str) -> bool:

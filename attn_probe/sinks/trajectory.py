@@ -19,22 +19,28 @@ The file only ever holds complete lines:
   too, and the directory's lock, :func:`attn_probe.logdir.restore_lock`); a snapshot that went
   into the deleted file is written again into the new one. One warning per incident says what
   the file held that went with it and from which step the new file holds the trajectory;
-* on resume, rows with ``step >= resume_step`` (and unreadable lines) are dropped first, so
-  steps stay unique and ordered (:func:`attn_probe.logdir.cut_trajectory`: one chunked scan in
-  constant memory; when the kept rows are a prefix of the file, the usual case, it is cut in
-  place at the first dropped line's byte offset, which needs no free space; otherwise the kept
-  rows are streamed into a temporary file that is removed again if the write fails; every
-  failure a :class:`~attn_probe.logdir.LogDirError`).
+* each run begins its rows with a run header record (:func:`attn_probe.trajectory_format.encode_header`):
+  its run id (``run_id`` of the run's configuration, as the Trainer callback passes it from the
+  checkpoint, else a fresh random id; a resume without one continues the file's last run), the
+  start step and time, the configuration and model summary, and a branched run's parent; a file
+  recreated after a deletion gets one again;
+* on resume, that run's rows with ``step >= resume_step`` (and its unreadable lines) are
+  dropped first, so its steps stay unique and ordered; every other run in the file is kept byte
+  for byte (:func:`attn_probe.trajectory_format.cut_run`: one chunked scan in constant memory;
+  when the kept rows are a prefix of the file, the usual case, it is cut in place at the first
+  dropped line's byte offset, which needs no free space; otherwise the kept rows are streamed
+  into a temporary file that is removed again if the write fails; every failure a
+  :class:`~attn_probe.logdir.LogDirError`). One warning line says what was cut from which run.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import time
+from typing import Any
 
 from ..isolation import safe_warn
-from ..logdir import cut_trajectory
-from ..trajectory_format import FIELDS, TRAJECTORY_FILENAME, encode_value
+from ..trajectory_format import TRAJECTORY_FILENAME, cut_run, encode_header, encode_rows, new_run_id
 from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TrajectorySink", "last_complete_line_end"]
@@ -87,21 +93,62 @@ class TrajectorySink(Sink):
         self._written: tuple[int, int, int] | None = None  # (first step, last step, snapshots)
         #: how many times the file was found deleted or replaced and recreated
         self.recreated = 0
+        #: the id of the run this sink writes (set at start; recorded in its header records)
+        self.run_id: str | None = None
+        self._header: dict[str, Any] = {}
+        self._start_step = 0
 
     def directory(self) -> str:
         return os.path.dirname(self.path) or "."
 
     def start(self, run: RunInfo) -> None:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        if run.resume_step is not None:
-            cut_trajectory(self.path, run.resume_step)
-        elif os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            safe_warn(
-                f"attn_probe: {self.path} already holds a trajectory; this run starts again at step 0 "
-                "and its rows are appended after the old ones. Use a fresh log_dir for a new run.",
-                stacklevel=2,
-            )
+        config = dict(run.config or {})
+        given = config.get("run_id") if isinstance(config.get("run_id"), str) and config.get("run_id") else None
+        resumed = run.resume_step is not None
+        if resumed:
+            # a run id given but not in the file: a new (branched) run, or one resumed from a checkpoint
+            # written before run ids (``continues_unidentified``), whose rows have no header
+            otherwise = "last" if given is None else "unidentified" if config.get("continues_unidentified") \
+                else "none"
+            cut = cut_run(self.path, run.resume_step, given, otherwise=otherwise)
+            self.run_id = given or cut.run_id or new_run_id()
+            if cut.dropped:
+                which = (f"run {cut.run_id}" if cut.run_id is not None
+                         else "the rows written before run ids were recorded")
+                kept = f"; the {cut.other_runs} other run{'s' if cut.other_runs != 1 else ''} in it kept as they were" \
+                    if cut.other_runs else ""
+                safe_warn(f"attn_probe: resuming at step {run.resume_step}: dropped {cut.dropped} line"
+                          f"{'s' if cut.dropped != 1 else ''} at steps >= {run.resume_step} of {which} from "
+                          f"{self.path}{kept}.", RuntimeWarning, stacklevel=2)
+        else:
+            self.run_id = given or new_run_id()
+            if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+                safe_warn(
+                    f"attn_probe: {self.path} already holds a trajectory; this run (id {self.run_id}) starts "
+                    "again at step 0 and its rows are appended after the old ones, after a run header of its "
+                    "own. Use a fresh log_dir for a new run.",
+                    stacklevel=2,
+                )
+        parent_step = config.get("parent_step")
+        self._header = {
+            "resumed": resumed,
+            "parent_run": config.get("parent_run_id") if isinstance(config.get("parent_run_id"), str) else None,
+            "parent_step": parent_step if isinstance(parent_step, int) else None,
+            "parent_dir": config.get("parent_run") if isinstance(config.get("parent_run"), str) else None,
+            "config": config, "model": dict(run.model or {}),
+        }
+        self._start_step = run.resume_step or 0
         self._open()
+        self._append(self._header_line(self._start_step))
+
+    def _header_line(self, step: int, *, resumed: bool | None = None) -> bytes:
+        """This run's header record, starting its rows at ``step``."""
+        assert self.run_id is not None
+        fields = dict(self._header)
+        if resumed is not None:
+            fields["resumed"] = resumed
+        return encode_header(self.run_id, step, wall_time=time.time(), **fields)
 
     def _open(self) -> None:
         """Open for appending and cut a torn last line, so the next row starts on a line of its own."""
@@ -136,13 +183,7 @@ class TrajectorySink(Sink):
         """Append the snapshots' rows in one write and one fsync (all of them, or none)."""
         if self._fd is None:
             raise RuntimeError("TrajectorySink.log() before start() or after a failure it could not undo")
-        lines = []
-        for snapshot in snapshots:
-            for r in snapshot.records:
-                row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
-                                        r.metric, encode_value(r.value)), strict=True))
-                lines.append(json.dumps(row, allow_nan=False) + "\n")
-        data = "".join(lines).encode("utf-8")
+        data = encode_rows(snapshots)
         step, last = snapshots[0].step, snapshots[-1].step
         self._reopen_if_detached(step)
         self._append(data)
@@ -197,6 +238,7 @@ class TrajectorySink(Sink):
             made_dir = not os.path.isdir(directory)
             os.makedirs(directory, exist_ok=True)
             self._open()
+            self._append(self._header_line(step, resumed=True))  # the rows that follow are this run's
         except OSError as exc:
             raise OSError(exc.errno, f"{self.path} {how} while written; the rows it held ({held}) {fate}; "
                           f"recreating it failed: {exc.strerror or exc}") from exc
@@ -244,8 +286,11 @@ class TrajectorySink(Sink):
     def recover(self) -> None:
         """Reopen the file after a failure (its directory too, if it went), cutting any torn line."""
         self._close_fd()
+        step = self._written[1] if self._written else self._start_step
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._open()
+        if self._size == 0 and self.run_id is not None:  # a new file: its rows need this run's header
+            self._append(self._header_line(step, resumed=True))
 
     def finish(self) -> None:
         self._close_fd()

@@ -35,6 +35,8 @@ __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_aler
 
 #: metrics whose values are combined over ranks before they are logged: identical on every rank
 EVERY_RANK = ("max_logit", "entropy")
+#: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound)
+DERIVED = ("logit_bound_ratio",)
 
 
 def print_line(line: str) -> None:
@@ -92,6 +94,8 @@ class Alerting:
             return []
         rows: dict[tuple, dict[str, Any]] = {}
         for r in snapshot.records:
+            if r.metric in DERIVED and r.value != r.value:
+                continue  # a NaN ratio only says an input is missing; NaN logits or weights fire their own rules
             key = (r.group, r.layer, r.head)
             rows.setdefault(key, {"group": r.group, "layer": r.layer, "head": r.head})[r.metric] = r.value
         fired = self.main.evaluate(snapshot.step, rows.values())
@@ -182,12 +186,17 @@ def agree_stop(alerting: Alerting | None, step: int, disable: Callable[[str], No
         alerting.failures.report("the stop decision between ranks", exc)
 
 
-def attention_rows(layers: Sequence[Any], tables: Sequence[Any], *, per_head: bool) -> list[dict[str, Any]]:
+def attention_rows(layers: Sequence[Any], tables: Sequence[Any], *, per_head: bool,
+                   counted: Sequence[Any] | None = None) -> list[dict[str, Any]]:
     """Rows ``{group, layer, head, max_logit, entropy}`` of the combined attention ``tables`` (per
-    layer a ``(2, 1 + H)`` table, rows :data:`EVERY_RANK`, column 0 the layer), heads with ``per_head``."""
+    layer a ``(2, 1 + H)`` table, rows :data:`EVERY_RANK`, column 0 the layer), heads with ``per_head``.
+    ``counted`` (per layer, per column): columns where nothing was measured (no forward reached the
+    layer, or its measurement failed) give no row, so their NaN never fires a rule."""
     rows = []
-    for layer, table in zip(layers, tables, strict=True):
+    for i, (layer, table) in enumerate(zip(layers, tables, strict=True)):
         for col in range(table.shape[1] if per_head else 1):
+            if counted is not None and not counted[i][col]:
+                continue
             rows.append({"group": layer.group, "layer": layer.layer, "head": None if col == 0 else col - 1,
                          **{name: float(table[k, col]) for k, name in enumerate(EVERY_RANK)}})
     return rows

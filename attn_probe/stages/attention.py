@@ -1,7 +1,8 @@
 """A stage beside the measurement: ``max_logit`` and ``entropy`` measured in the attention path.
 
 :class:`AttentionStage` owns one :class:`~attn_probe.attention_stats.AttentionCapture` (the
-registry wrappers, a flag check on steps that are not due) and the arming policy: it arms
+``get_interface`` wrapper, a flag check on steps that are not due; only forwards entered
+with gradients enabled count, ``docs/scores.md``) and the arming policy: it arms
 for a step that ``due(step)`` says will be measured (plain loops right after the previous
 update, :meth:`AttentionStage.after_update`; the Trainer at ``on_step_begin``,
 :meth:`AttentionStage.arm_if_due`), never under forward counting
@@ -15,7 +16,7 @@ not logged (the snapshot at attach, the final one at close).
 :func:`bound_ratio_table` puts the measured logit beside its weight-only bound:
 ``logit_bound_ratio = max_logit / (qk_bound * ||x||_max^2 * s)`` (``docs/scores.md``).
 :func:`metric_names` and :func:`build_stage` are the probe's set-up: the metric names it
-logs and alerts on, then the stage (built last: it registers the wrappers).
+logs and alerts on, then the stage (built last: it wraps transformers' get_interface).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class AttentionTables:
 
     def __init__(self, stats: StepStats) -> None:
         self.tables = [t.cpu().numpy() for t in stats.tables()]
+        self.counted = [c.cpu().numpy() for c in stats.counted()]  # False: not measured (NaN, no alert)
         self.norms = stats.input_norms().cpu().numpy()
         self.scaling = stats.scaling
 
@@ -87,7 +89,7 @@ class AttentionStage:
         self.per_head = per_head
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
-        self.capture = AttentionCapture(model, self.layers) if self.reason is None else None
+        self.capture = AttentionCapture(model, self.layers, failures=self.failures) if self.reason is None else None
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
