@@ -2,7 +2,9 @@
 
 Built on the public :class:`~attn_probe.probe.Probe` API, as :mod:`attn_probe.integrations.accelerate`:
 
-* **Model**: the ``LightningModule`` itself, or its submodule named by ``module="..."``.
+* **Model**: the submodule named by ``module="..."``; by default the one child of the
+  ``LightningModule`` holding every attention layer, else the ``LightningModule`` itself
+  (:meth:`AttnProbeCallback.watched_model`).
 * **Steps**: Lightning's optimizer steps, ``trainer.global_step`` (gradient accumulation
   counted as Lightning counts it), read at ``on_train_batch_end`` after each batch that
   stepped; a snapshot when the schedule fires, and a final one at ``on_train_end``.
@@ -57,8 +59,8 @@ class AttnProbeCallback(Callback):
     """Log W_qk symmetry/directionality of a ``LightningModule`` into the run's TensorBoard logger.
 
     ``every`` is an int or a callable ``step -> bool`` over Lightning's optimizer steps
-    (``trainer.global_step``); ``module`` names the submodule to watch (default the
-    ``LightningModule``); ``log_dir`` overrides the logger's directory; ``sinks`` adds sinks;
+    (``trainer.global_step``); ``module`` names the submodule to watch (default: the child holding
+    every attention layer, else the ``LightningModule``); ``log_dir`` overrides the logger's directory; ``sinks`` adds sinks;
     ``trackers`` (default ``True``) also sends the values to the Trainer's other loggers (a
     list of logger class names, e.g. ``["WandbLogger"]``, narrows them, ``False`` turns it
     off), ``trackers_per_head`` adds per-head values there. Every other option is a field of
@@ -117,9 +119,19 @@ class AttnProbeCallback(Callback):
 
     # -- the model -----------------------------------------------------------------------------
     def watched_model(self, pl_module: Any) -> Any:
-        """The module the probe watches: ``pl_module`` or its submodule named by ``module=``."""
+        """The module the probe watches: the submodule named by ``module=``; by default the one child of
+        ``pl_module`` holding every attention layer (``self.model``), else ``pl_module`` itself.
+
+        Lightning calls ``training_step``, not the ``LightningModule``'s ``forward``, and the attention
+        statistics count the forwards of the watched module entered with gradients enabled: the child
+        is the module whose forward ``training_step`` calls in the usual layout.
+        """
         if self.module is None:
-            return pl_module
+            layers = find_attention(pl_module, groups=self.config.groups, layers=self.config.layers,
+                                    **self.config.find_kwargs)
+            wanted = {id(layer.module) for layer in layers}
+            holders = [child for child in pl_module.children() if wanted <= {id(m) for m in child.modules()}]
+            return holders[0] if len(holders) == 1 else pl_module
         try:
             return pl_module.get_submodule(self.module)
         except AttributeError as exc:
