@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     # attn_probe.watch
     ("watching",),
     # what users run: the package's names, the CLI, reading runs back, the demo
-    ("attn_probe", "__main__", "cli", "commands", "analysis", "demo", "op_count"),
+    ("attn_probe", "__main__", "cli", "commands", "analysis", "demo", "op_count", "lightning"),
     # deprecated import paths (issue 30): nothing in the package may import them
     ("metrics", "scores"),
 ]
