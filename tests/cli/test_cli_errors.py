@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("pandas")
 
 from attn_probe.analysis.trajectory import load_trajectory, read_table  # noqa: E402
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
