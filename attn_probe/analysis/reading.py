@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.events import has_event_files, is_event_file, scan_event_file
-from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, parse_header
+from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from ..tags import parse_tag
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas
 
@@ -224,29 +224,10 @@ _READ_BLOCK = 4 << 20
 
 def _text_blocks(fh: Any) -> Iterator[str | None]:
     """Blocks of complete lines of a binary file as text (bad UTF-8 replaced); ``None`` for a
-    line over :data:`_MAX_LINE` without a newline in reach (skipped through)."""
-    buf = b""
-    skipping = False
-    while True:
-        chunk = fh.read(_READ_BLOCK)
-        if not chunk:
-            break
-        if skipping:
-            nl = chunk.find(b"\n")
-            if nl < 0:
-                continue
-            chunk, skipping = chunk[nl + 1:], False
-        buf += chunk
-        end = buf.rfind(b"\n") + 1
-        if end == 0:
-            if len(buf) > _MAX_LINE:
-                yield None
-                buf, skipping = b"", True
-            continue
-        yield buf[:end].decode("utf-8", errors="replace")
-        buf = buf[end:]
-    if buf.strip() and not skipping:
-        yield buf.decode("utf-8", errors="replace")  # a torn last line: read (and refused) as a line
+    line over :data:`_MAX_LINE` without a newline in reach (skipped through); a torn last line
+    is read (and refused) as a line."""
+    for _offset, block in line_blocks(fh, _READ_BLOCK, _MAX_LINE, keep_torn=True):
+        yield None if block is None else block.decode("utf-8", errors="replace")
 
 
 def _canonical_block(block: str, out: FileRuns) -> tuple[Any, ...] | None:

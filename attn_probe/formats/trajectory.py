@@ -59,6 +59,7 @@ __all__ = [
     "encode_rows",
     "encode_value",
     "file_runs",
+    "line_blocks",
     "new_run_id",
     "parse_header",
 ]
@@ -184,9 +185,12 @@ def _header_in(line: bytes) -> RunHeader | None:
     return parse_header(_loads(line))
 
 
-def _blocks(fh: Any, chunk_size: int, max_line: int) -> Iterator[tuple[int, bytes | None]]:
-    """``(offset, block)`` of complete lines, in order; ``(offset, None)`` for an unreadable part
-    (a line over ``max_line`` bytes, skipped through without holding it, or a torn last line)."""
+def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE, *,
+                keep_torn: bool = False) -> Iterator[tuple[int, bytes | None]]:
+    """``(offset, block)`` of complete lines of a binary file, in order, reading ``chunk_size``
+    bytes at once; ``(offset, None)`` for an unreadable part: a line over ``max_line`` bytes
+    (skipped through without holding it) or a torn last line. With ``keep_torn`` a torn last
+    line that is not blank is yielded as it is (the readers count it as a corrupt line)."""
     offset = 0  # file offset of ``buf[0]``
     buf = b""
     skipping = False  # inside an overlong line, already reported
@@ -213,7 +217,10 @@ def _blocks(fh: Any, chunk_size: int, max_line: int) -> Iterator[tuple[int, byte
         offset += end
         buf = buf[end:]
     if buf and not skipping:  # a torn last line
-        yield offset, None
+        if not keep_torn:
+            yield offset, None
+        elif buf.strip():
+            yield offset, buf
 
 
 def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None]]:
@@ -250,7 +257,7 @@ def file_runs(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
     except FileNotFoundError:
         return out
     with fh:
-        for _offset, block in _blocks(fh, chunk_size, max_line):
+        for _offset, block in line_blocks(fh, chunk_size, max_line):
             if block is not None and _HEADER_MARK in block:
                 out.extend(h for _, _, h in _split_at_headers(block) if h is not None)
     return out
@@ -266,7 +273,7 @@ def _scan(fh: Any, resume_step: int, target: str | None, chunk_size: int,
     dropped. Whole chunks of canonical rows are decided at once from their steps' range.
     """
     current: str | None = None  # the run of the rows being read
-    for offset, block in _blocks(fh, chunk_size, max_line):
+    for offset, block in line_blocks(fh, chunk_size, max_line):
         if block is None:
             yield offset, b"", False, 1
             continue
