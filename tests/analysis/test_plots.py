@@ -25,7 +25,7 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 
 from attn_probe import plot_dynamics, plot_heatmap  # noqa: E402
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError  # noqa: E402
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 STEPS = [0, 100, 200, 400]
 LAYERS = 4

@@ -23,7 +23,7 @@ pytest.importorskip("pandas")
 from helpers import tiny_model  # noqa: E402
 
 from attn_probe.analysis.trajectory import load_trajectory, read_table  # noqa: E402
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -15,7 +15,7 @@ from attn_probe.resume_policy import (
     resolve_saved_run,
     saved_run,
 )
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME, encode_header
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_header
 
 
 def _run_dir(path, *run_ids: str):

@@ -142,7 +142,7 @@ def read_rows(path):
 def test_disk_full_then_freed_both_sinks_resume(tmp_path, request, mode, background, borrowed):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from attn_probe.event_files import truncate_torn_record
+    from attn_probe.formats.events import truncate_torn_record
 
     if mode == "tmpfs":
         disk = request.getfixturevalue("tmpfs")
@@ -223,7 +223,7 @@ for leave, limit in ((0, 1), (4096, 400)):  # full; a little room (the trajector
     free()
     outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
                       "before": names}})
-from attn_probe.trajectory_format import cut_trajectory
+from attn_probe.formats.trajectory import cut_trajectory
 fill(limit=400)
 try:  # the rewrite (the kept rows are not a prefix) fails: no temporary file, the file untouched
     cut_trajectory(path, 30)

@@ -35,9 +35,9 @@ from transformers import Trainer  # noqa: E402
 import attn_probe  # noqa: E402
 from attn_probe import load_trajectory  # noqa: E402
 from attn_probe.analysis.trajectory import TrajectoryWarning, export_trajectory, read_table  # noqa: E402
-from attn_probe.trajectory_format import HEADER_KEY, cut_run, encode_header  # noqa: E402
+from attn_probe.formats.trajectory import HEADER_KEY, cut_run, encode_header  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EVERY = 5
 
 
@@ -144,10 +144,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("chunk", [64, 1 << 22], ids=["tiny_chunks", "default_chunks"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cut_run_drops_only_the_resumed_runs_rows(tmp_path, monkeypatch, chunk, layout):
-    from attn_probe import trajectory_format
-
-    monkeypatch.setattr(trajectory_format, "_SCAN_CHUNK", chunk)
+def test_cut_run_drops_only_the_resumed_runs_rows(tmp_path, chunk, layout):
     legacy, runs, target = LAYOUTS[layout]
     data = legacy
     for name in runs:
@@ -157,7 +154,7 @@ def test_cut_run_drops_only_the_resumed_runs_rows(tmp_path, monkeypatch, chunk, 
             row(s, la) for s in range(start, 45, 5) for la in range(2))
     path = tmp_path / "attn_probe.jsonl"
     path.write_bytes(data)
-    cut = cut_run(path, 20, target, otherwise="none")
+    cut = cut_run(path, 20, target, otherwise="none", chunk_size=chunk)
     want = reference_cut(data, target, 20)
     assert path.read_bytes() == want
     assert cut.run_id == target and cut.found

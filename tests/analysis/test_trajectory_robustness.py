@@ -27,7 +27,7 @@ from attn_probe.analysis.trajectory import (  # noqa: E402
     read_table,
     scan_event_file,
 )
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 HOSTILE = {
     "huge_int_step": '{"step": 1000000000000000000000000000000, "wall_time": 1.0, "group": "self", '
@@ -336,14 +336,14 @@ def test_zero_filled_tail_is_not_corruption_but_junk_is(real_run, tmp_path):
 def test_numpy_checksums_match_tensorboards(tmp_path):
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    from attn_probe.analysis.trajectory import _crc_tools, _masked_crc32c_many
+    from attn_probe.formats.events import crc_tools, masked_crc32c_many
 
-    _, table = _crc_tools()
+    _, table = crc_tools()
     rng = np.random.default_rng(0)
     for length in (0, 1, 8, 13, 200):
         buf = rng.integers(0, 256, size=40 * (length + 5), dtype=np.uint8)
         starts = np.arange(0, len(buf) - length, length + 5)
-        got = _masked_crc32c_many(buf, starts, length, table)
+        got = masked_crc32c_many(buf, starts, length, table)
         assert [int(c) for c in got] == [masked_crc32c(buf[s:s + length].tobytes()) for s in starts]
 
 

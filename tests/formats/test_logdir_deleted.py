@@ -19,10 +19,10 @@ import torch
 from helpers import RandomTokens, tiny_bert
 
 import attn_probe
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME
 from attn_probe.logdir import LOCK_FILENAME, LogDirInUseError, LogDirLock
 from attn_probe.sinks import Record, Snapshot
 from attn_probe.sinks.trajectory import TrajectorySink
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME
 
 
 def layer0_steps(path):

@@ -2,7 +2,7 @@
 
 The one home of the format: record encoding, the run header, reading records back, scanning
 for run headers and the resume cut. The sink (:mod:`attn_probe.sinks.trajectory`), the resume
-(:func:`cut_run`) and the readers (:mod:`attn_probe.analysis.trajectory`) all use it. Only the
+(:func:`cut_run`) and the readers (:mod:`attn_probe.analysis.reading`) all use it. Only the
 standard library is imported here (and :mod:`attn_probe.logdir` for its errors).
 
 One JSON object per line and per value::
@@ -47,6 +47,8 @@ from typing import Any
 __all__ = [
     "FIELDS",
     "HEADER_KEY",
+    "MAX_LINE",
+    "SCAN_CHUNK",
     "TRAJECTORY_FILENAME",
     "Cut",
     "RunHeader",
@@ -57,6 +59,7 @@ __all__ = [
     "encode_rows",
     "encode_value",
     "file_runs",
+    "line_blocks",
     "new_run_id",
     "parse_header",
 ]
@@ -154,10 +157,11 @@ def _loads(line: bytes) -> Any:
 # Scanning and cutting, in constant memory
 # --------------------------------------------------------------------------------------------
 
-#: bytes read at once while scanning the trajectory file
-_SCAN_CHUNK = 4 << 20
-#: a line longer than this is unreadable (dropped, skipped through without holding it)
-_MAX_LINE = 16 << 20
+#: bytes read at once while scanning the trajectory file (default of ``chunk_size=``)
+SCAN_CHUNK = 4 << 20
+#: a line longer than this is unreadable (dropped, skipped through without holding it); default
+#: of ``max_line=``
+MAX_LINE = 16 << 20
 #: the step of a line as the trajectory sink writes it (``{"step": 12, "wall_time": ...``)
 _STEP_AT_START = re.compile(rb'\{"step": (-?\d{1,19})[,}]')
 #: the same after a newline: found in a whole chunk with a fast literal search
@@ -181,14 +185,17 @@ def _header_in(line: bytes) -> RunHeader | None:
     return parse_header(_loads(line))
 
 
-def _blocks(fh: Any) -> Iterator[tuple[int, bytes | None]]:
-    """``(offset, block)`` of complete lines, in order; ``(offset, None)`` for an unreadable part
-    (a line over :data:`_MAX_LINE`, skipped through without holding it, or a torn last line)."""
+def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE, *,
+                keep_torn: bool = False) -> Iterator[tuple[int, bytes | None]]:
+    """``(offset, block)`` of complete lines of a binary file, in order, reading ``chunk_size``
+    bytes at once; ``(offset, None)`` for an unreadable part: a line over ``max_line`` bytes
+    (skipped through without holding it) or a torn last line. With ``keep_torn`` a torn last
+    line that is not blank is yielded as it is (the readers count it as a corrupt line)."""
     offset = 0  # file offset of ``buf[0]``
     buf = b""
     skipping = False  # inside an overlong line, already reported
     while True:
-        chunk = fh.read(_SCAN_CHUNK)
+        chunk = fh.read(chunk_size)
         if not chunk:
             break
         if skipping:
@@ -201,7 +208,7 @@ def _blocks(fh: Any) -> Iterator[tuple[int, bytes | None]]:
         buf += chunk
         end = buf.rfind(b"\n") + 1
         if end == 0:
-            if len(buf) > _MAX_LINE:
+            if len(buf) > max_line:
                 yield offset, None
                 offset += len(buf)
                 buf, skipping = b"", True
@@ -210,7 +217,10 @@ def _blocks(fh: Any) -> Iterator[tuple[int, bytes | None]]:
         offset += end
         buf = buf[end:]
     if buf and not skipping:  # a torn last line
-        yield offset, None
+        if not keep_torn:
+            yield offset, None
+        elif buf.strip():
+            yield offset, buf
 
 
 def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None]]:
@@ -232,10 +242,14 @@ def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None
         yield start, len(block), None
 
 
-def file_runs(path: str | os.PathLike) -> list[RunHeader]:
+def file_runs(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
+              max_line: int = MAX_LINE) -> list[RunHeader]:
     """The header records of a trajectory file, in file order (``[]`` for a missing file).
 
     One chunked pass with a substring search per chunk; memory does not grow with the file.
+    ``chunk_size`` is the bytes read at once and ``max_line`` the longest readable line (a
+    longer one is skipped unread); both bound the memory used, neither changes the result for
+    lines shorter than ``max_line``.
     """
     out: list[RunHeader] = []
     try:
@@ -243,22 +257,23 @@ def file_runs(path: str | os.PathLike) -> list[RunHeader]:
     except FileNotFoundError:
         return out
     with fh:
-        for _offset, block in _blocks(fh):
+        for _offset, block in line_blocks(fh, chunk_size, max_line):
             if block is not None and _HEADER_MARK in block:
                 out.extend(h for _, _, h in _split_at_headers(block) if h is not None)
     return out
 
 
-def _scan(fh: Any, resume_step: int, target: str | None) -> Iterator[tuple[int, bytes, bool, int]]:
+def _scan(fh: Any, resume_step: int, target: str | None, chunk_size: int,
+          max_line: int) -> Iterator[tuple[int, bytes, bool, int]]:
     """``(offset, data, keep, lines)`` pieces covering the file in order (``data`` empty when dropped).
 
     Rows of the run ``target`` (``None``: the rows before the first header) are dropped from
     ``resume_step`` on, with that run's unreadable lines and its headers at or past it; every
-    line of other runs is kept as it is. A torn last line and lines over :data:`_MAX_LINE` are
+    line of other runs is kept as it is. A torn last line and lines over ``max_line`` bytes are
     dropped. Whole chunks of canonical rows are decided at once from their steps' range.
     """
     current: str | None = None  # the run of the rows being read
-    for offset, block in _blocks(fh):
+    for offset, block in line_blocks(fh, chunk_size, max_line):
         if block is None:
             yield offset, b"", False, 1
             continue
@@ -285,7 +300,7 @@ def _scan(fh: Any, resume_step: int, target: str | None) -> Iterator[tuple[int, 
             while at < len(piece):
                 nl = piece.index(b"\n", at) + 1
                 line = piece[at:nl]
-                step = _line_step(line) if nl - at <= _MAX_LINE else None
+                step = _line_step(line) if nl - at <= max_line else None
                 keep = step is not None and step < resume_step
                 yield offset + start + at, line if keep else b"", keep, 1
                 at = nl
@@ -303,7 +318,7 @@ class Cut:
 
 
 def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None, *,
-            otherwise: str = "last") -> Cut:
+            otherwise: str = "last", chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE) -> Cut:
     """Drop one run's lines at ``step >= resume_step`` from a trajectory file, in constant memory.
 
     The run cut is ``run_id`` when the file holds a header of it; else, by ``otherwise``:
@@ -311,21 +326,23 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
     every row: a file written before run headers), ``"unidentified"`` the rows before the first
     header (a run resumed from a checkpoint written before run ids), ``"none"`` no run (a new
     run: nothing of it is in the file). Every line of every other run is kept byte for byte. Also dropped: that run's
-    lines without a readable step, a torn last line, lines over 16 MiB. When every kept line
+    lines without a readable step, a torn last line, lines over ``max_line`` bytes (16 MiB). When every kept line
     comes before the first dropped one the file is cut at that line's byte offset in place
     (no free space needed); otherwise the kept lines are streamed into a temporary file beside
     it, which replaces it (and is removed if that fails). A missing file cuts nothing. Every
     failure is a :class:`~attn_probe.logdir.LogDirError` naming the file and the cause.
+    ``chunk_size`` (bytes read at once) and ``max_line`` bound the memory used, as in
+    :func:`file_runs`.
     """
-    from .logdir import LogDirError, _error, _reason, check_log_dir
+    from ..logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
 
     path = os.fspath(path)
     resume_step = int(resume_step)
 
     def failed(exc: BaseException) -> LogDirError:
-        reason = "out of memory" if isinstance(exc, MemoryError) else _reason(exc) \
+        reason = "out of memory" if isinstance(exc, MemoryError) else os_error_reason(exc) \
             if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        return _error(f"attn_probe cannot cut its trajectory file {path!r} back to the resume step "
+        return log_dir_error(f"attn_probe cannot cut its trajectory file {path!r} back to the resume step "
                       f"{resume_step}: {reason}. The run's earlier steps are untouched; free the cause "
                       "or resume with a fresh log_dir=", getattr(exc, "errno", None))
 
@@ -333,7 +350,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
     try:
         if not os.path.lexists(path):
             return Cut(0, run_id, False, 0)
-        headers = file_runs(path)
+        headers = file_runs(path, chunk_size=chunk_size, max_line=max_line)
         ids = {h.run_id for h in headers}
         found = run_id is not None and run_id in ids
         if otherwise not in ("last", "unidentified", "none"):
@@ -354,7 +371,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
         rewrite = False
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            for offset, _data, keep, lines in _scan(fh, resume_step, target):
+            for offset, _data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
                 if not keep:
                     cut = offset if cut is None else cut
                     dropped += lines
@@ -377,7 +394,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             with open(path, "rb") as fh:
-                for _offset, data, keep, lines in _scan(fh, resume_step, target):
+                for _offset, data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
                     if keep:
                         view = memoryview(data)
                         while view:
@@ -409,6 +426,7 @@ def _has_rows_before_first_header(path: str) -> bool:
     return bool(first.strip()) and _HEADER_MARK not in first
 
 
-def cut_trajectory(path: str | os.PathLike, resume_step: int) -> int:
+def cut_trajectory(path: str | os.PathLike, resume_step: int, *, chunk_size: int = SCAN_CHUNK,
+                   max_line: int = MAX_LINE) -> int:
     """:func:`cut_run` of the file's last run; returns the number of lines dropped."""
-    return cut_run(path, resume_step).dropped
+    return cut_run(path, resume_step, chunk_size=chunk_size, max_line=max_line).dropped

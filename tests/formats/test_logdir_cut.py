@@ -1,10 +1,11 @@
-"""Cutting ``attn_probe.jsonl`` back to a resume step in constant memory (``trajectory_format.cut_run``).
+"""Cutting ``attn_probe.jsonl`` back to a resume step in constant memory (``formats.trajectory.cut_run``).
 
 The large case writes a real 1 GB trajectory and cuts it in a child process that loads
-``attn_probe/trajectory_format.py`` (and ``logdir.py``) without the package's ``__init__``
+``attn_probe/formats/trajectory.py`` (and ``logdir.py``) without the package's ``__init__``
 (stdlib only, no torch), under an address-space limit, with
 its peak resident memory and its time measured; the file is deleted afterwards. Small cases
-compare the result with an independent reference (every line parsed with ``json``).
+compare the result with an independent reference (every line parsed with ``json``), at the
+default chunk size and at tiny ones (the documented ``chunk_size=``/``max_line=`` parameters).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from attn_probe import trajectory_format
+import attn_probe
+from attn_probe.formats.trajectory import MAX_LINE, cut_trajectory
 from attn_probe.logdir import LogDirError, LogDirLock, check_log_dir
-from attn_probe.trajectory_format import cut_trajectory
 
-PACKAGE_DIR = Path(trajectory_format.__file__).resolve().parent
+PACKAGE_DIR = Path(attn_probe.__file__).resolve().parent
 
 
 def line(step: int, layer: int = 0, head: int | None = None, metric: str = "symmetry") -> bytes:
@@ -54,8 +55,8 @@ def snapshot(step: int) -> bytes:
 @pytest.mark.parametrize("chunk", [64, 1 << 22], ids=["tiny_chunks", "default_chunks"])
 @pytest.mark.parametrize("case", ["prefix", "torn_tail", "reused_log_dir", "corrupt_lines", "nothing_to_cut",
                                   "all_dropped", "overlong_line"])
-def test_cut_matches_a_json_reference(tmp_path, monkeypatch, chunk, case):
-    monkeypatch.setattr(trajectory_format, "_SCAN_CHUNK", chunk)
+def test_cut_matches_a_json_reference(tmp_path, chunk, case):
+    max_line = MAX_LINE
     data = b"".join(snapshot(s) for s in range(0, 50, 5))
     if case == "torn_tail":
         data += line(50)[:30]
@@ -65,16 +66,16 @@ def test_cut_matches_a_json_reference(tmp_path, monkeypatch, chunk, case):
         data = snapshot(0) + b"garbage\n" + snapshot(5) + b'{"wall_time": 1, "step": 7}\n' + line(8)[:40] + \
             b"\n" + b"\n" + snapshot(30) + b'{"step": "x"}\n' + snapshot(10)
     elif case == "overlong_line":
-        monkeypatch.setattr(trajectory_format, "_MAX_LINE", 1000)
+        max_line = 1000
         data = snapshot(0) + b'{"step": 1, "pad": "' + b"x" * 5000 + b'"}\n' + snapshot(5) + snapshot(40)
     path = tmp_path / "attn_probe.jsonl"
     path.write_bytes(data)
     resume = {"nothing_to_cut": 1000, "all_dropped": 0}.get(case, 20)
     inode = path.stat().st_ino
     want, want_dropped = reference(data, resume)
-    if case == "overlong_line":  # json reads the long line; the cut drops it unread (over _MAX_LINE)
+    if case == "overlong_line":  # json reads the long line; the cut drops it unread (over max_line)
         want, want_dropped = snapshot(0) + snapshot(5), 1 + snapshot(40).count(b"\n")
-    assert cut_trajectory(path, resume) == want_dropped
+    assert cut_trajectory(path, resume, chunk_size=chunk, max_line=max_line) == want_dropped
     assert path.read_bytes() == want
     if case in ("prefix", "torn_tail", "nothing_to_cut", "all_dropped"):
         assert path.stat().st_ino == inode  # cut in place: no second copy, no free space needed
@@ -97,7 +98,7 @@ CHILD = textwrap.dedent("""
     package = types.ModuleType("attn_probe")  # the package without its __init__ (no torch)
     package.__path__ = [sys.argv[1]]
     sys.modules["attn_probe"] = package
-    fmt = importlib.import_module("attn_probe.trajectory_format")
+    fmt = importlib.import_module("attn_probe.formats.trajectory")
     mode, path, resume = sys.argv[2], sys.argv[3], int(sys.argv[4])
 
     def status(key):

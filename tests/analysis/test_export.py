@@ -11,7 +11,7 @@ import pytest
 
 from attn_probe import export_trajectory, load_trajectory
 from attn_probe.analysis.trajectory import read_table, resolve_format
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME, encode_value
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
 
 
 def write_run(run_dir, rows):

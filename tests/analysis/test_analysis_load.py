@@ -1,7 +1,7 @@
 """Reading runs back: trajectory file vs event files, no down-sampling, resumed runs, bad input.
 
 Fixture runs are written with the real writers (torch's SummaryWriter with the tag grammar's
-``scalar_tag``, and JSONL lines following ``trajectory_format``) from known values.
+``scalar_tag``, and JSONL lines following ``formats.trajectory``) from known values.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import pytest
 from attn_probe import load_trajectory, summarize
 from attn_probe.analysis.summary import layer_quantiles
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError, TrajectoryWarning, find_runs
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
 from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.tags import scalar_tag
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME, encode_value
 
 pytest.importorskip("tensorboard")
 
@@ -300,7 +300,7 @@ def test_reads_what_the_live_probe_writes(tmp_path):
 
 def test_writer_and_reader_agree_on_what_an_event_file_is(tmp_path):
     """The sink's resume check (has_event_files) and the reader's run discovery share one rule."""
-    from attn_probe.event_files import has_event_files
+    from attn_probe.formats.events import has_event_files
 
     events = tmp_path / "events"
     write_events(events, make_records([0], layers=1))
