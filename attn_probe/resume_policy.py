@@ -140,8 +140,8 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     records a run id, a directory whose trajectory does not hold that run is never taken, whatever
     its name: two runs whose directories have the same name (started in the same second) stay two.
     """
-    from .logdir import LogDirError, check_log_dir
     from .formats.trajectory import TRAJECTORY_FILENAME
+    from .logdir import LogDirError, check_log_dir
 
     path, relative, saved_output_dir, run_id = saved
     output_dir = str(output_dir)
