@@ -223,12 +223,13 @@ for leave, limit in ((0, 1), (4096, 400)):  # full; a little room (the trajector
     free()
     outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
                       "before": names}})
-from attn_probe.formats.trajectory import cut_trajectory
+from attn_probe.formats.trajectory import cut_run, file_runs
+first_run = file_runs(path)[0].run_id
 fill(limit=400)
-try:  # the rewrite (the kept rows are not a prefix) fails: no temporary file, the file untouched
-    cut_trajectory(path, 30)
-    outcomes.append("truncated")
-except OSError as exc:
+try:  # cutting the first of the two runs rewrites the file (the kept rows are not a prefix): that
+    cut_run(path, 30, first_run)  # fails on the full disk, leaving no temporary file and the file untouched
+    outcomes.append("rewritten")
+except (OSError, attn_probe.LogDirError) as exc:
     outcomes.append("LogDirError: attn_probe cannot write its log directory (full) " + repr(exc))
 free()
 outcomes.append({{"unchanged": open(path, "rb").read() == before, "files": sorted(os.listdir(log_dir)),
@@ -256,9 +257,11 @@ def test_nearly_full_disk_at_resume_is_a_log_dir_error_and_leaves_no_temporary_f
         assert "full" in result or "File too large" in result, result
         assert after["unchanged"], "the trajectory was modified by a resume that failed"
         assert after["files"] == after["before"], after  # no temporary file, no new event file, no lock file
-    # the rows of the two earlier runs before step 30 are kept (0..29 twice), then the resumed step
-    steps = res["steps"]
-    assert steps[-4:] == [30] * 4 and sorted(set(steps[:-4])) == list(range(30)) and len(steps) == 2 * 30 * 4 + 4
+    # the resume (no run id: the file's last run) cuts only the second run at step 30; the first
+    # run's rows are all kept (0..39), then the second run's before 30, then the resumed step
+    per_step = 4  # 2 layers x 2 metrics
+    assert res["steps"] == ([s for s in range(40) for _ in range(per_step)]
+                            + [s for s in range(30) for _ in range(per_step)] + [30] * per_step)
 
 
 HOLDER = """
