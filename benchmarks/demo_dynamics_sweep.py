@@ -223,7 +223,7 @@ def run_trainer(a: argparse.Namespace) -> int:
         "final_loss": round(result.final_loss, 4),
         "final_symmetry": [round(final_sym[k], 4) for k in ("median", "q25", "q75")],
         "final_directionality": [round(final_dir[k], 4) for k in ("median", "q25", "q75")],
-        "per_layer_symmetry": [round(r["symmetry"], 4) for r in final_rows],
+        "per_layer_symmetry": [round(r["symmetry"], 6) for r in final_rows],
         "explicit_symmetry": explicit,
         "plateau_exit": demo.plateau_exit(result.losses, entropy),
         "takeoff_0.15": first_crossing(sym, 0.15),
@@ -282,8 +282,7 @@ def csv_row(name: str, enc: dict[str, Any], dec: dict[str, Any]) -> dict[str, An
     diffs = []
     for r in (enc, dec):
         if r.get("explicit_symmetry"):
-            diffs += [abs(x - y) for x, y in zip(sorted(r["explicit_symmetry"]), sorted(r["per_layer_symmetry"]),
-                                                 strict=True)]
+            diffs += [abs(x - y) for x, y in zip(r["explicit_symmetry"], r["per_layer_symmetry"], strict=True)]
     return {
         "name": name, "tokens": enc["tokens"], "layers": layers, "hidden": hidden, "heads": heads, "ffn": ffn,
         "seq_len": enc["seq_len"], "batch_size": enc["batch_size"], "lr": enc["lr"], "warmup": enc["warmup"],
