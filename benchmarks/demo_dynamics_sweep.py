@@ -80,6 +80,9 @@ SWEEP: dict[str, dict[str, Any]] = {
                              "lr": 2e-3, "warmup": 100, "steps": 1500},
     "ch128-s32-b32-lr2e-3-seed1": {"tokens": "chars", "hidden": 128, "ffn": 512, "seq_len": 32, "batch_size": 32,
                                    "lr": 2e-3, "warmup": 100, "steps": 1500, "seed": 1},
+    # the paper's released-code tokenisation: characters without whitespace (word boundaries lost)
+    "chns128-s32-b32-lr2e-3": {"tokens": "chars-nospace", "hidden": 128, "ffn": 512, "seq_len": 32, "batch_size": 32,
+                               "lr": 2e-3, "warmup": 100, "steps": 1500},
     # the control: the same shape and schedule, word level (the demo's 4,096-entry WordPiece)
     "wp128-s32-b32-lr2e-3": {"hidden": 128, "ffn": 512, "seq_len": 32, "batch_size": 32, "lr": 2e-3, "warmup": 100,
                              "steps": 1500},
