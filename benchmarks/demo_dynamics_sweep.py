@@ -350,6 +350,23 @@ def run_sweep(names: list[str], out: Path, csv_path: Path, extra: list[str], kin
     return 0
 
 
+def export_trajectories(out_csv: Path, runs: list[str]) -> int:
+    """Median/q25/q75 across layers per probe step of ``NAME=RUN_DIR`` runs (finished or stopped) as one CSV."""
+    from attn_probe.analysis.summary import layer_quantiles
+
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_csv, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["run", "metric", "step", "median", "q25", "q75"])
+        for spec in runs:
+            name, _, run_dir = spec.partition("=")
+            q = layer_quantiles(run_dir)
+            q = q[q["metric"].isin(["symmetry", "directionality"])].sort_values(["metric", "step"])
+            for r in q.itertuples():
+                w.writerow([name, r.metric, int(r.step), f"{r.median:.4f}", f"{r.q25:.4f}", f"{r.q75:.4f}"])
+    return 0
+
+
 # --------------------------------------------------------------------------- diagnose (plain loop)
 def diagnose(a: argparse.Namespace) -> int:
     torch.set_num_threads(a.threads)
@@ -483,7 +500,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the sweep's models (a screen: encoder only)")
     p.add_argument("--collect", nargs=3, metavar=("NAME", "ENC_JSON", "DEC_JSON"),
                    help="append the CSV row of two --trainer JSON files")
+    p.add_argument("--export-trajectories", nargs="+", metavar="OUT.csv NAME=RUN_DIR",
+                   help="write the probe trajectories of runs (finished or stopped) to one CSV")
     a, extra = p.parse_known_args(argv)
+    if a.export_trajectories:
+        out_csv, *runs = a.export_trajectories
+        return export_trajectories(Path(out_csv), runs)
     if a.sweep:
         return run_sweep(a.sweep, Path(a.out), Path(a.csv), extra, a.models)
     if a.collect:
