@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("attn_probe.commands.summary", "first and last median [q25, q75] per run"),
     "heatmap": ("attn_probe.commands.heatmap", "heatmap of one layer's W_qk from a checkpoint"),
     "demo": ("attn_probe.commands.demo", "train an encoder and a decoder and compare their W_qk"),
+    "models": ("attn_probe.commands.models", "list the attention layouts attn_probe reads and how to add one"),
 }
 
 

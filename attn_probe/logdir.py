@@ -43,6 +43,8 @@ __all__ = [
     "acquire_default",
     "check_log_dir",
     "default_log_dir",
+    "log_dir_error",
+    "os_error_reason",
     "printable",
     "restore_lock",
     "unique_log_dir",
@@ -82,7 +84,8 @@ def default_log_dir(root: str = "runs") -> str:
     return os.path.join(root, datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname())
 
 
-def _reason(exc: OSError) -> str:
+def os_error_reason(exc: OSError) -> str:
+    """One clause saying why an operation on a log directory or its files failed (disk full, ...)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"the disk is full ({exc.strerror})"
     if exc.errno in (errno.EACCES, errno.EPERM):
@@ -92,14 +95,15 @@ def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc) or type(exc).__name__
 
 
-def _error(message: str, code: int | None) -> LogDirError:
+def log_dir_error(message: str, code: int | None) -> LogDirError:
+    """A :class:`LogDirError` whose ``str`` is ``message`` alone and whose ``errno`` is ``code``."""
     err = LogDirError(message)  # one argument: str(err) is the message alone
     err.errno = code
     return err
 
 
 def _cannot_write(path: str, exc: OSError) -> LogDirError:
-    return _error(f"attn_probe cannot write its log directory {path!r}: {_reason(exc)}. "
+    return log_dir_error(f"attn_probe cannot write its log directory {path!r}: {os_error_reason(exc)}. "
                   "Pass a writable log_dir=", exc.errno)
 
 
@@ -126,7 +130,7 @@ def printable(text: object) -> str:
 def _check_local(path: str) -> None:
     """Refuse a URL (``s3://bucket/x``): the log directory lives on the local file system."""
     if "://" in path:
-        raise _error(
+        raise log_dir_error(
             f"attn_probe cannot use {path!r} as its log directory: it looks like a URL "
             "(it contains '://'), and the probe writes to the local file system. Pass a local path "
             "(mount the remote storage, or copy the run there afterwards)", errno.EINVAL)
@@ -148,7 +152,7 @@ def check_log_dir(path: str | os.PathLike, *, need_bytes: int = 0) -> str:
         if not (os.path.exists(path) and not os.path.isdir(path)):
             raise _cannot_write(path, exc) from exc
     if not os.path.isdir(path):
-        raise _error(f"attn_probe cannot use {path!r} as its log directory: it is not a directory",
+        raise log_dir_error(f"attn_probe cannot use {path!r} as its log directory: it is not a directory",
                      errno.ENOTDIR)
     test: str | None = None
     try:
@@ -173,7 +177,7 @@ def check_log_dir(path: str | os.PathLike, *, need_bytes: int = 0) -> str:
             return path
         free = st.f_bavail * st.f_frsize
         if free < need_bytes:
-            raise _error(f"attn_probe cannot write its log directory {path!r}: the disk is nearly full "
+            raise log_dir_error(f"attn_probe cannot write its log directory {path!r}: the disk is nearly full "
                          f"({free} bytes free, {need_bytes} needed). Free some space or pass another log_dir=",
                          errno.ENOSPC)
     return path
@@ -513,7 +517,7 @@ def unique_log_dir(base: str | os.PathLike | None = None) -> str:
             return cand
     except OSError as exc:
         raise _cannot_write(parent or base, exc) from exc
-    raise _error(f"attn_probe: no free log directory name like {base!r} (tried {_MAX_SUFFIX})", errno.EEXIST)
+    raise log_dir_error(f"attn_probe: no free log directory name like {base!r} (tried {_MAX_SUFFIX})", errno.EEXIST)
 
 
 def acquire_default(base: str | os.PathLike | None = None, *, fresh: bool = True) -> LogDirLock:
@@ -540,4 +544,4 @@ def acquire_default(base: str | os.PathLike | None = None, *, fresh: bool = True
             lock.release()
             raise
         return lock
-    raise _error(f"attn_probe: every log directory name like {base!r} is in use", errno.EEXIST)
+    raise log_dir_error(f"attn_probe: every log directory name like {base!r} is in use", errno.EEXIST)

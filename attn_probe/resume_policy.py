@@ -117,7 +117,7 @@ def same_path(a: str, b: str) -> bool:
 def holds_run(directory: str, run_id: str) -> bool:
     """Whether ``directory``'s trajectory holds the run ``run_id`` (a directory without a
     trajectory file, or one that cannot be read, holds no run)."""
-    from .trajectory_format import TRAJECTORY_FILENAME, file_runs
+    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
 
     try:
         return any(h.run_id == run_id for h in file_runs(os.path.join(directory, TRAJECTORY_FILENAME)))
@@ -140,8 +140,8 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     records a run id, a directory whose trajectory does not hold that run is never taken, whatever
     its name: two runs whose directories have the same name (started in the same second) stay two.
     """
+    from .formats.trajectory import TRAJECTORY_FILENAME
     from .logdir import LogDirError, check_log_dir
-    from .trajectory_format import TRAJECTORY_FILENAME
 
     path, relative, saved_output_dir, run_id = saved
     output_dir = str(output_dir)
@@ -207,7 +207,7 @@ def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output
 
 def previous_runs(output_dir: str, current: str) -> list[str]:
     """Earlier probe runs under ``output_dir/runs`` (those holding a trajectory), oldest first."""
-    from .trajectory_format import TRAJECTORY_FILENAME
+    from .formats.trajectory import TRAJECTORY_FILENAME
 
     root = os.path.join(str(output_dir), "runs")
     try:

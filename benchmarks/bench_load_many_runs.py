@@ -44,7 +44,7 @@ def main() -> None:
                        "metric": "symmetry", "value": 0.4123456789}) + "\n").encode()
     repo = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(repo))
-    from attn_probe.trajectory_format import encode_header
+    from attn_probe.formats.trajectory import encode_header
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "attn_probe.jsonl"

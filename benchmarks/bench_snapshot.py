@@ -52,7 +52,7 @@ def llama_config(layers: int, d: int, heads: int, kv_heads: int, inter: int, voc
 #: name -> (config builder, attention-only?) ; attention-only keeps the MLPs tiny (a q/k benchmark)
 SHAPES: dict[str, Any] = {
     "cpu-32x256": lambda: llama_config(32, 256, 4, 4, 512),
-    # the op-count shape of issue 21 and tests/test_gpu_algorithm.py: 8 query / 2 KV heads of 32
+    # the op-count shape of issue 21 and tests/core/test_gpu_algorithm.py: 8 query / 2 KV heads of 32
     "cpu-gqa-32x256": lambda: llama_config(32, 256, 8, 2, 512),
     "llama-1b": lambda: llama_config(16, 2048, 32, 8, 8192, vocab=128256),
     "llama-70b-attn": lambda: llama_config(80, 8192, 64, 8, 16),

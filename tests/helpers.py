@@ -1,9 +1,9 @@
 """Shared test helpers: tiny models from config classes, random tokens, Trainer arguments,
 ``torchrun`` launches, and the explicit float64 reference of every metric.
 
-One place for what several test files use (``from helpers import tiny_bert, ...``); test
-modules do not import from each other. Nothing downloads: every model is built from its
-config class with a seed.
+One place for what several test files use (``from helpers import tiny_model, ...``); test
+modules import each other only within one folder. Nothing downloads: every model is built by
+:func:`tiny_model` from its config class with a seed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import BertForMaskedLM, LlamaForCausalLM, TrainingArguments
 
 from attn_probe.core import is_magnitude
 from attn_probe.reference import directionality_score, symmetry_score
@@ -26,26 +26,57 @@ from attn_probe.reference import directionality_score, symmetry_score
 VOCAB, SEQ = 50, 12
 
 
-def tiny_bert(seed: int | None = 0, layers: int = 2, hidden: int = 32, heads: int = 4, *, vocab: int = VOCAB,
-              seq: int = SEQ, intermediate: int | None = None, cls: type = BertForMaskedLM) -> Any:
-    """A BERT of ``layers`` layers, ``hidden`` wide with ``heads`` heads (``cls``: the head class).
+# --------------------------------------------------------------------------- tiny models
+#: per architecture: the config class, the default model class (names in ``transformers``) and the
+#: tiny shape :func:`tiny_model` gives unless told otherwise; ``seq`` is the position count
+TINY: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "bert": ("BertConfig", "BertForMaskedLM",
+             dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=SEQ)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=48, max_position_embeddings=16)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+}
 
-    ``seed`` seeds torch's global generator first (``None``: leave it as it is);
-    ``intermediate`` defaults to ``2 * hidden``.
+
+def tiny_model(arch: str, seed: int | None = 0, *, cls: Any = None, impl: str | None = None,
+               model_kwargs: dict[str, Any] | None = None, **config: Any) -> Any:
+    """The one builder of the tests' tiny models: ``arch``'s config class with :data:`TINY`'s shape,
+    updated by ``config`` (config-class keyword arguments), random weights from ``seed``.
+
+    ``seed`` seeds torch's global generator first (``None``: leave it as it is); ``cls`` is the
+    model class (a class, a ``transformers`` class name, or any callable taking the config; default:
+    :data:`TINY`'s), called as ``cls(config, **model_kwargs)``; ``impl`` is set with
+    ``set_attn_implementation``. Nothing downloads.
     """
+    import transformers
+
+    config_name, default_cls, shape = TINY[arch]
     if seed is not None:
         torch.manual_seed(seed)
-    return cls(BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                          intermediate_size=intermediate or 2 * hidden, max_position_embeddings=seq))
+    model_cls = getattr(transformers, cls or default_cls) if cls is None or isinstance(cls, str) else cls
+    model = model_cls(getattr(transformers, config_name)(**{**shape, **config}), **(model_kwargs or {}))
+    if impl is not None:
+        model.set_attn_implementation(impl)
+    return model
+
+
+def tiny_bert(seed: int | None = 0, layers: int = 2, hidden: int = 32, heads: int = 4, *, vocab: int = VOCAB,
+              seq: int = SEQ, intermediate: int | None = None, cls: type = BertForMaskedLM) -> Any:
+    """A BERT of ``layers`` layers, ``hidden`` wide with ``heads`` heads (``cls``: the head class);
+    :func:`tiny_model` with ``intermediate`` defaulting to ``2 * hidden``."""
+    return tiny_model("bert", seed, cls=cls, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, intermediate_size=intermediate or 2 * hidden,
+                      max_position_embeddings=seq)
 
 
 def tiny_llama(seed: int | None = 0, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, *,
                vocab: int = 40, seq: int = 16, intermediate: int = 48, cls: type = LlamaForCausalLM) -> Any:
     """A Llama with grouped-query heads (``kv_heads`` key/value heads), like :func:`tiny_bert`."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return cls(LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=seq))
+    return tiny_model("llama", seed, cls=cls, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                      max_position_embeddings=seq)
 
 
 class RandomTokens(torch.utils.data.Dataset):

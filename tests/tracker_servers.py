@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import BertConfig, BertForMaskedLM
+from helpers import tiny_model
+from transformers import BertForMaskedLM
 
 VOCAB, SEQ = 40, 10
 
 
 # --------------------------------------------------------------------------- training
 def tiny_bert(seed: int = 0, layers: int = 3, hidden: int = 32, heads: int = 4) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     intermediate_size=2 * hidden, max_position_embeddings=SEQ)
-    return BertForMaskedLM(cfg)
+    return tiny_model("bert", seed, vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=SEQ)
 
 
 def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, on_step: Any = None) -> None:

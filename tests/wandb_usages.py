@@ -5,7 +5,7 @@ for ``STEPS`` updates with ``watch(every=EVERY)`` and a ``WandbSink`` in an offl
 user logging every ``USER_EVERY`` updates in one of the ways below, reads each run back from its
 ``.wandb`` file and prints one ``RESULT {json}`` line per usage: the probe steps that reached W&B
 (and their values compared with ``attn_probe.jsonl``), the user's logs found, the warnings.
-``tests/test_wandb_rows.py`` runs it in a subprocess (bounded, and W&B's process-wide state
+``tests/sinks/test_wandb_rows.py`` runs it in a subprocess (bounded, and W&B's process-wide state
 stays out of pytest); run against another checkout it measures that code.
 """
 

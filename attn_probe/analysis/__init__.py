@@ -21,7 +21,7 @@ def add_runs_argument(parser: argparse.ArgumentParser) -> None:
     Each argument is a path or ``NAME=PATH`` (the runs at or below ``PATH`` are named ``NAME``),
     parsed into a :class:`~attn_probe.analysis.trajectory.NamedRun`.
     """
-    from .trajectory import parse_run_argument
+    from .runs import parse_run_argument
 
     parser.add_argument("runs", nargs="+", metavar="[NAME=]RUN_DIR", type=parse_run_argument,
                         help="run directories (attn_probe.jsonl or TensorBoard event files), parents of them, "
@@ -42,7 +42,7 @@ def cli_errors(command: str) -> Iterator[None]:
     """
     from ..cli import CommandError
     from ..logdir import printable
-    from .trajectory import MissingExtraError, TrajectoryError
+    from .table import MissingExtraError, TrajectoryError
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

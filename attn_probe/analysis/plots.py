@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..tags import METRICS
+from .loading import as_frame
 from .summary import is_magnitude, layer_quantiles, warn_missing
-from .trajectory import TrajectoryError, as_frame, require
+from .table import TrajectoryError, require
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

@@ -12,10 +12,12 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ..tags import STAT_QUANTILES, STATS
-from .trajectory import TrajectoryError, TrajectoryWarning, _pandas, as_frame
+from .loading import as_frame
+from .table import TrajectoryError, TrajectoryWarning, require_pandas
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
 
 __all__ = ["layer_quantiles", "summarize", "format_summary", "warn_missing", "is_magnitude"]
 
@@ -26,7 +28,7 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
     Only layer-level rows (``head`` is ``<NA>``) count. Columns: ``run, group, metric, step,
     median, q25, q75, layers`` (``layers`` = number of finite layer values at that step).
     """
-    pd = _pandas()
+    pd = require_pandas()
     df = as_frame(df_or_runs)
     layer_rows = df[df["head"].isna() & df["value"].notna()]
     keys = ["run", "group", "metric", "step"]
@@ -74,7 +76,7 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
     names it. Raises :class:`~attn_probe.analysis.trajectory.TrajectoryError` when there is no
     finite layer-level value.
     """
-    pd = _pandas()
+    pd = require_pandas()
     df = as_frame(df_or_runs)
     layer_rows = df[df["head"].isna()]
     q = layer_quantiles(layer_rows)
@@ -112,7 +114,7 @@ def is_magnitude(metric: str) -> bool:
     """:func:`attn_probe.core.is_magnitude`, also for a metric known by a new name
     (:data:`~attn_probe.analysis.trajectory.RENAMED_METRICS`: ``ov_gain_bound`` as ``ov_qk_bound``)."""
     from ..core import is_magnitude as core
-    from .trajectory import RENAMED_METRICS
+    from .table import RENAMED_METRICS
 
     old = {new: old for old, new in RENAMED_METRICS.items()}
     return core(metric) or core(old.get(metric, metric))

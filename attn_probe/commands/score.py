@@ -94,7 +94,7 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import summarize_rows
-    from ..trajectory_format import encode_value
+    from ..formats.trajectory import encode_value
 
     gguf = [p for p in args.paths if str(p).lower().endswith(".gguf")]
     if gguf:

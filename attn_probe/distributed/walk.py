@@ -33,7 +33,6 @@ from .backends import (
     fsdp_owners,
     plan_gathers,
     plan_signature,
-    reserve_gather_memory,
     sharding_kind,
     waited,
     zero3_params,
@@ -158,7 +157,7 @@ def _prepare(gather: Gather, kind: str, receive: bool,
              check: Callable[[AttentionLayer, ParamGetter], Any] | None) -> bool:
     """The local work before a gather that can fail: reserve its memory, dry-run the extraction."""
     try:
-        views = reserve_gather_memory(gather, kind)
+        views = backends.reserve_gather_memory(gather, kind)  # looked up at each call: a documented seam
         if check is not None and receive:
             for i, plan in enumerate(gather.plans):
                 keyed = {n: views.get((i, n)) for n in plan.refs}

@@ -48,9 +48,24 @@ def _linear_children(module: nn.Module) -> list[str]:
     return [n for n, c in module.named_children() if architectures.projection(c, n) is not None]
 
 
+def _fused_width(module: nn.Module, name: str) -> str | None:
+    """``"32 -> 96 = 3 x 32"`` when child ``name`` is a projection whose output could hold q, k and v
+    for its input width ``d``: ``3 d``, or ``d + 2 kv`` with ``kv`` a proper divisor of ``d`` (GQA)."""
+    proj = architectures.projection(getattr(module, name), name)
+    if proj is None:
+        return None
+    d, out = proj.in_features, proj.out_features
+    if out == 3 * d:
+        return f"{d} -> {out} = 3 x {d}"
+    kv, odd = divmod(out - d, 2)
+    if not odd and 0 < kv < d and d % kv == 0:
+        return f"{d} -> {out} = {d} + 2 x {kv}"
+    return None
+
+
 def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str] | None, str | None]:
     """Attention-looking modules with linear children, a guessed ``(query, key)`` child pair,
-    and the name of a child that looks like a fused q/k/v projection."""
+    and a description of a child that looks like a fused q/k/v projection (by name or by width)."""
     seen: list[str] = []
     guess: tuple[str, str] | None = None
     fused: str | None = None
@@ -64,10 +79,54 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
         if guess is None and qs and ks:
             guess = (qs[0], ks[0])
         if fused is None:
-            fused = next((n for n in kids if "q" in n.lower() and "k" in n.lower()), None)
+            prefix = f"{path}." if path else ""
+            widths = [(n, _fused_width(module, n)) for n in kids]
+            fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n}: {w})" for n, w in widths if w),
+                         None)
+            if fused is None:
+                fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n})"
+                              for n in kids if "q" in n.lower() and "k" in n.lower()), None)
         if len(seen) < limit:
             seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids)})")
     return seen, guess, fused
+
+
+#: how the user's call takes ``qk_names``, by the public entry point found on the call stack
+#: (function or class name -> call form; ``{}`` is the pairs)
+_CALL_FORMS = {
+    "watch": 'attn_probe.watch(model, ..., find_kwargs={{"qk_names": {}}})',
+    "attach": 'attn_probe.attach(trainer, ..., find_kwargs={{"qk_names": {}}})',
+    "AttnProbeCallback": 'AttnProbeCallback(..., find_kwargs={{"qk_names": {}}})',
+    "Probe": 'attn_probe.Probe(model, ..., find_kwargs={{"qk_names": {}}})',
+    "score_model": "attn_probe.score_model(model, qk_names={})",
+    "find_attention": "attn_probe.find_attention(model, qk_names={})",
+}
+
+
+def _entry_point() -> str:
+    """The public attn_probe function the user called (the outermost attn_probe frame on the
+    stack that is a known entry point), for the form of the fix: only on the error path."""
+    import sys
+
+    entry = "find_attention"
+    frame = sys._getframe(1)
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith("attn_probe"):
+            code = frame.f_code
+            qualname = getattr(code, "co_qualname", None)  # Python >= 3.11: "AttnProbeCallback.on_init_end"
+            if qualname is not None:
+                names = [qualname.split(".")[0], code.co_name]
+            else:  # 3.10: a method's class from its self
+                this = frame.f_locals.get("self")
+                names = [code.co_name] + ([c.__name__ for c in type(this).__mro__] if this is not None else [])
+            entry = next((n for n in names if n in _CALL_FORMS), entry)
+        frame = frame.f_back
+    return entry
+
+
+def call_form(entry: str, pairs: str) -> str:
+    """How ``entry`` (``"watch"``, ``"attach"``, ``"AttnProbeCallback"``, ...) takes ``qk_names=pairs``."""
+    return _CALL_FORMS.get(entry, _CALL_FORMS["find_attention"]).format(pairs)
 
 
 #: model types without softmax attention (no query-key product): state-space and recurrent models
@@ -134,7 +193,7 @@ def find_attention(
     ``adapter`` is tried first on every module (see :func:`register_adapter`).
     ``groups``/``layers`` filter the result. Raises :class:`UnsupportedModelError`, naming
     the model class, candidate modules and a call that fixes it, when nothing is recognised.
-    Supported architectures: ``docs/supported-models.md``.
+    Supported layouts: ``attn-probe models`` (and ``docs/supported-models.md``).
 
     Example:
         >>> from transformers import LlamaConfig, LlamaModel
@@ -211,7 +270,7 @@ def find_attention(
         cands, guess, fused = _candidates(root)
         q_guess, k_guess = guess or ("my_q", "my_k")
         hint = (
-            f" '{fused}' looks like a fused q/k/v projection: describe its layout with "
+            f" {fused}: describe its layout with "
             "attn_probe.register_adapter(fn)."
             if fused and guess is None
             else ""
@@ -220,9 +279,9 @@ def find_attention(
             f"attn_probe found no attention layer it can read in {type(root).__name__}. "
             f"Candidate modules: {'; '.join(cands) if cands else 'none'}.{hint} "
             "Name the query/key projection children, e.g. "
-            f"attn_probe.find_attention(model, qk_names=[({q_guess!r}, {k_guess!r})]), "
-            "or teach a fused layout with attn_probe.register_adapter(fn) "
-            "(see docs/supported-models.md)."
+            f"{call_form(_entry_point(), repr([(q_guess, k_guess)]))}, "
+            "or teach a fused layout with attn_probe.register_adapter(fn); "
+            "run `attn-probe models` for the supported layouts and the adapter recipe."
         )
     if groups is not None:
         wanted = set(groups)

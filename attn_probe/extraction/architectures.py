@@ -10,7 +10,8 @@ An attention module is recognised, in this order, by
   ModernBERT, multi-query GPTBigCode/Falcon), per-head ``(H, 3, dh)`` interleave
   (:func:`interleaved_qkv`: GPT-NeoX, BLOOM, Persimmon, Falcon, GPTBigCode, DeBERTa v1),
   per-KV-group rows (:func:`grouped_qkv`: Falcon ``new_decoder_architecture``), CodeGen's
-  four ``[q, v, k]`` blocks, and ``torch.nn.MultiheadAttention``.
+  four ``[q, v, k]`` blocks, ``torch.nn.MultiheadAttention``, timm's ``Attention`` (``qkv``),
+  LitGPT's ``CausalSelfAttention`` (``qkv``, GQA) and nanoGPT-style ``c_attn`` with ``n_head``.
 
 A projection may be an ``nn.Linear``, a transformers ``Conv1D`` (weight stored ``in x out``,
 transposed here) or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` in the
@@ -220,7 +221,7 @@ def check_head_counts(attn: nn.Module, path: str, layout: QKLayout) -> QKLayout:
         f"{layout.num_kv_heads} KV heads of size {layout.head_dim} from its projections, but the module "
         f"states num_attention_heads={heads}, num_key_value_heads={kv}; the projections hold something "
         "else besides the per-head queries/keys (e.g. a gate) in a layout attn_probe does not know. "
-        "Describe it with attn_probe.register_adapter(fn) (see docs/supported-models.md)."
+        "Describe it with attn_probe.register_adapter(fn) (`attn-probe models` prints the recipe)."
     )
 
 
@@ -577,6 +578,57 @@ def _xlnet_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     return QKLayout((q_name, k_name), num_heads, num_heads, head_dim, d, split)
 
 
+def _nanogpt_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """nanoGPT-style ``CausalSelfAttention`` (Karpathy's nanoGPT and the research code built on it):
+    a ``c_attn`` ``nn.Linear(n_embd, 3 * n_embd)`` split as ``c_attn(x).split(n_embd, dim=2)`` into
+    ``[q | k | v]``, each viewed ``(n_head, n_embd // n_head)``. Keyed on the structure (any class
+    name): an ``nn.Linear`` child ``c_attn`` (not GPT-2's Conv1D) and int ``n_head`` and ``n_embd``
+    with ``c_attn`` of width ``n_embd -> 3 * n_embd``."""
+    c_attn = getattr(attn, "c_attn", None)
+    num_heads, d = _int(getattr(attn, "n_head", None)), _int(getattr(attn, "n_embd", None))
+    if not isinstance(c_attn, nn.Module) or num_heads is None or d is None or d % num_heads:
+        return None
+    if not isinstance(getattr(c_attn, "base_layer", c_attn), nn.Linear):  # (a LoRA wrapper reads its base)
+        return None
+    proj = child_projection(attn, path, "c_attn")
+    if proj is None or proj.in_features != d or proj.out_features != 3 * d:
+        return None
+    return contiguous_qkv(proj, num_heads, num_heads, d // num_heads)
+
+
+def _timm_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """timm's ``Attention`` (ViT, DeiT and the ViTs built on them: ``timm.layers.attention`` and the older
+    ``timm.models.vision_transformer``): ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``, so rows
+    ``[q | k | v]``, each head-major; ``head_dim`` from the module (timm >= 1.0) or
+    ``qkv.out_features / (3 * num_heads)``."""
+    if not any(c.__name__ == "Attention" and c.__module__.startswith("timm.") for c in type(attn).__mro__):
+        return None
+    proj = child_projection(attn, path, "qkv")
+    num_heads = _int(getattr(attn, "num_heads", None))
+    if proj is None or num_heads is None or proj.out_features % (3 * num_heads):
+        return None
+    head_dim = _int(getattr(attn, "head_dim", None)) or proj.out_features // (3 * num_heads)
+    return contiguous_qkv(proj, num_heads, num_heads, head_dim)
+
+
+def _litgpt_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
+    """LitGPT ``CausalSelfAttention`` (``litgpt.model``, read from litgpt 0.5.13): ``qkv`` is
+    ``nn.Linear(n_embd, (n_head + 2 * n_query_groups) * head_size)`` split as
+    ``(n_head * head_size, n_query_groups * head_size, n_query_groups * head_size)`` into ``[q | k | v]``,
+    each head-major; keys are ``repeat_interleave``-d, so query head ``h`` meets KV head
+    ``h // (n_head / n_query_groups)``. Counts come from the module's ``config``. (Versions before
+    the ``qkv`` rename stored ``attn`` grouped per query group; those are not recognised.)"""
+    if not any(c.__name__ == "CausalSelfAttention" and c.__module__.startswith("litgpt.")
+               for c in type(attn).__mro__):
+        return None
+    cfg = getattr(attn, "config", None)
+    num_heads, num_kv, head_dim = (_int(getattr(cfg, a, None)) for a in ("n_head", "n_query_groups", "head_size"))
+    proj = child_projection(attn, path, "qkv")
+    if proj is None or num_heads is None or num_kv is None or head_dim is None:
+        return None
+    return contiguous_qkv(proj, num_heads, num_kv, head_dim)
+
+
 #: Fused layouts, tried in order on every module: ``(module, path, config) -> QKLayout | None``.
 #: Each one is keyed narrowly (attention class name) so it never misfires on another model.
 FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
@@ -588,7 +640,32 @@ FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
     _codegen_layout,
     _torch_mha_layout,
     _xlnet_layout,
+    _timm_layout,
+    _litgpt_layout,
+    _nanogpt_layout,
 ]
+
+
+#: class tables behind some fused layouts (listed by :func:`describe_layouts`)
+_LAYOUT_CLASSES: dict[str, dict[str, tuple[str, str | None]]] = {
+    "_interleaved_layout": _INTERLEAVED,
+    "_contiguous_layout": _CONTIGUOUS,
+}
+
+
+def describe_layouts() -> list[tuple[str, str]]:
+    """``(name, description)`` of every built-in layout, read from the registry itself
+    (:data:`SEPARATE_QK_NAMES`, :data:`FUSED_LAYOUTS` and their docstrings and class tables):
+    what ``attn-probe models`` prints, so it never drifts from the code."""
+    pairs = ", ".join(f"({q}, {k})" for q, k in SEPARATE_QK_NAMES)
+    rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config")]
+    for fn in FUSED_LAYOUTS:
+        text = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+        table = _LAYOUT_CLASSES.get(fn.__name__)
+        if table:
+            text += " Classes: " + ", ".join(f"{c}.{child}" for c, (child, _) in table.items()) + "."
+        rows.append((fn.__name__.strip("_").removesuffix("_layout"), text))
+    return rows
 
 
 #: Layouts registered with :func:`attn_probe.register_adapter`; tried before everything else.
@@ -661,4 +738,6 @@ __all__ = [
     "check_head_counts",
     "group_of",
     "unwrap",
+    "describe_layouts",
+    "child_projection",
 ]

@@ -170,7 +170,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self._early_choice: tuple[int, tuple[str, bool]] | None = None
         #: ``(parent run directory, step)`` of a run branched from another output_dir's checkpoint
         self.parent_run: tuple[str, int] | None = None
-        #: this run's id (:func:`attn_probe.trajectory_format.new_run_id`; saved with checkpoints):
+        #: this run's id (:func:`attn_probe.formats.trajectory.new_run_id`; saved with checkpoints):
         #: a resume continues the run of the checkpoint's id, whatever the directories are named
         self.run_id: str | None = None
         #: the run headers' identity fields of this run (run_id, parent_run_id, parent_step, ...)
@@ -270,7 +270,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         resume from a checkpoint written before run ids, whose rows in the trajectory carry no
         header (the new id continues them: ``continues_unidentified``).
         """
-        from ..trajectory_format import new_run_id
+        from ..formats.trajectory import new_run_id
 
         self.run_id = run_id or new_run_id()
         self._identity = {"run_id": self.run_id}
@@ -403,7 +403,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         created before ours, so the marker must go into *its* file: placed in ours, it would
         also drop the Trainer's fresh losses. Returns whether the marker was written.
         """
-        from ..event_files import has_event_files
+        from ..formats.events import has_event_files
         from ..sinks.tensorboard import emit_session_start, writer_log_dir
 
         if not has_event_files(log_dir):
@@ -540,9 +540,9 @@ def _attached_instance_being_restored(cls: type, *, marked: bool) -> Any:
 def _unused_dir(log_dir: str, handler: Any) -> str:
     """``log_dir``, or a unique sibling when it already holds another run's files (and the
     Trainer's TensorBoard writer is not open there): a new run never writes another run's files."""
-    from ..event_files import has_event_files
+    from ..formats.events import has_event_files
+    from ..formats.trajectory import TRAJECTORY_FILENAME
     from ..logdir import LogDirError, unique_log_dir
-    from ..trajectory_format import TRAJECTORY_FILENAME
 
     opened = {os.path.realpath(str(cb.logging_dir)) for cb in _tensorboard_callbacks(handler)
               if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)}

@@ -25,7 +25,7 @@ import re
 import threading
 from typing import Any
 
-from ..event_files import event_files, file_identities, truncate_torn_record, wait_for_a_later_name
+from ..formats.events import event_files, file_identities, truncate_torn_record, wait_for_a_later_name
 from ..isolation import safe_warn
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot

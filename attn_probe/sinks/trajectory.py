@@ -1,6 +1,6 @@
 """The lossless trajectory sink: ``attn_probe.jsonl`` beside the event files.
 
-Schema: :mod:`attn_probe.trajectory_format` (one JSON object per value). Snapshots are
+Schema: :mod:`attn_probe.formats.trajectory` (one JSON object per value). Snapshots are
 appended with ``os.write`` and fsync'd; the snapshots waiting in the sink's lane go out in one
 write and one fsync (:meth:`TrajectorySink.log_batch`), so a crash loses at most the
 snapshots being written. It is a ``lossless`` sink: when its lane is full the training thread
@@ -19,14 +19,14 @@ The file only ever holds complete lines:
   too, and the directory's lock, :func:`attn_probe.logdir.restore_lock`); a snapshot that went
   into the deleted file is written again into the new one. One warning per incident says what
   the file held that went with it and from which step the new file holds the trajectory;
-* each run begins its rows with a run header record (:func:`attn_probe.trajectory_format.encode_header`):
+* each run begins its rows with a run header record (:func:`attn_probe.formats.trajectory.encode_header`):
   its run id (``run_id`` of the run's configuration, as the Trainer callback passes it from the
   checkpoint, else a fresh random id; a resume without one continues the file's last run), the
   start step and time, the configuration and model summary, and a branched run's parent; a file
   recreated after a deletion gets one again;
 * on resume, that run's rows with ``step >= resume_step`` (and its unreadable lines) are
   dropped first, so its steps stay unique and ordered; every other run in the file is kept byte
-  for byte (:func:`attn_probe.trajectory_format.cut_run`: one chunked scan in constant memory;
+  for byte (:func:`attn_probe.formats.trajectory.cut_run`: one chunked scan in constant memory;
   when the kept rows are a prefix of the file, the usual case, it is cut in place at the first
   dropped line's byte offset, which needs no free space; otherwise the kept rows are streamed
   into a temporary file that is removed again if the write fails; every failure a
@@ -39,8 +39,8 @@ import os
 import time
 from typing import Any
 
+from ..formats.trajectory import TRAJECTORY_FILENAME, cut_run, encode_header, encode_rows, new_run_id
 from ..isolation import safe_warn
-from ..trajectory_format import TRAJECTORY_FILENAME, cut_run, encode_header, encode_rows, new_run_id
 from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TrajectorySink", "last_complete_line_end"]

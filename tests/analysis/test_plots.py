@@ -20,11 +20,12 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from helpers import tiny_model  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 
 from attn_probe import plot_dynamics, plot_heatmap  # noqa: E402
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError  # noqa: E402
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 STEPS = [0, 100, 200, 400]
 LAYERS = 4
@@ -143,11 +144,9 @@ def reference_directionality(m: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def bert_checkpoint(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=37, max_position_embeddings=16)
-    model = transformers.BertForMaskedLM(cfg)
+    model = tiny_model("bert", None, intermediate_size=37, max_position_embeddings=16)
     with torch.no_grad():  # a recognisable structure: one dominant key column in layer 1
         model.bert.encoder.layer[1].attention.self.key.weight[:, 5] += 1.0
     path = tmp_path_factory.mktemp("ckpt") / "bert"
@@ -230,15 +229,14 @@ def test_heatmap_of_an_encoder_decoder_needs_a_group():
 
 def test_heatmap_from_a_checkpoint_reads_only_that_layers_tensors(tmp_path):
     """The other tensors sit in a shard that is unreadable: only layer 1's q/k may be read."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import json
 
     from safetensors.torch import save_file
 
     torch.manual_seed(1)
-    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=20, max_position_embeddings=8)
-    model = transformers.BertModel(cfg)
+    model = tiny_model("bert", None, cls="BertModel", vocab_size=40, hidden_size=16, num_attention_heads=2,
+                       intermediate_size=20, max_position_embeddings=8)
     path = tmp_path / "sharded"
     model.save_pretrained(path)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -20,8 +20,10 @@ import pytest
 
 pytest.importorskip("pandas")
 
+from helpers import tiny_model  # noqa: E402
+
 from attn_probe.analysis.trajectory import load_trajectory, read_table  # noqa: E402
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -264,26 +266,26 @@ def test_errors_and_warnings_escape_names(tmp_path):
 
 
 def test_a_url_log_dir_is_a_log_dir_error(tmp_path, monkeypatch):
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     import attn_probe
     from attn_probe.logdir import LogDirError
 
     monkeypatch.chdir(tmp_path)
-    model = BertModel(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=20, max_position_embeddings=8))
+    model = tiny_model("bert", None, cls=BertModel, vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=20, max_position_embeddings=8)
     with pytest.raises(LogDirError, match=r"'s3://bucket/runs/x' as its log directory: it looks like a URL"):
         attn_probe.watch(model, log_dir="s3://bucket/runs/x", every=10)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_attach_announcement_escapes_control_characters(tmp_path, capsys):
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     import attn_probe
 
-    model = BertModel(BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 intermediate_size=20, max_position_embeddings=8))
+    model = tiny_model("bert", None, cls=BertModel, vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=20, max_position_embeddings=8)
     probe = attn_probe.watch(model, log_dir=str(tmp_path / "run\nattn_probe: forged\x1b[2J"), every=10)
     probe.close(final_snapshot=False)
     err = capsys.readouterr().err

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from attn_probe import score_model
 from attn_probe.cli import main
@@ -19,9 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                  intermediate_size=37, max_position_embeddings=32, vocab_size=64)
-    model = transformers.BertForMaskedLM(cfg).eval()
+    model = tiny_model("bert", None, num_hidden_layers=3, intermediate_size=37, max_position_embeddings=32,
+                       vocab_size=64).eval()
     path = tmp_path_factory.mktemp("bert")
     model.save_pretrained(path)
     return model, path
@@ -102,9 +102,8 @@ def test_subprocess_smoke(bert_dir, tmp_path):
 
 
 def test_json_writes_undefined_scores_as_null(tmp_path, capsys):
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=37, max_position_embeddings=32, vocab_size=64)
-    model = transformers.BertModel(cfg).eval()
+    model = tiny_model("bert", None, cls="BertModel", intermediate_size=37, max_position_embeddings=32,
+                       vocab_size=64).eval()
     with torch.no_grad():
         model.encoder.layer[0].attention.self.query.weight.zero_()  # M = 0: both scores undefined
     model.save_pretrained(tmp_path / "zero")

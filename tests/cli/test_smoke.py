@@ -27,12 +27,13 @@ def test_python_dash_m_runs_the_cli():
 
 def test_the_announcement_names_the_schedule_unit_in_the_singular(tmp_path, capsys):
     import torch
-    from transformers import BertConfig, BertModel
+    from helpers import tiny_model
+    from transformers import BertModel
 
     import attn_probe
 
-    cfg = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
-    model = BertModel(cfg)
+    model = tiny_model("bert", None, cls=BertModel, vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=16, max_position_embeddings=512)
     with attn_probe.watch(model, log_dir=tmp_path / "a", every=1):
         pass
     with attn_probe.watch(model, log_dir=tmp_path / "b", every=1, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):

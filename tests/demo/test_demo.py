@@ -34,12 +34,12 @@ TINY = [
     "--max-chars",
     "20000",
     "--no-progress",
-    "--sequential",  # in this process; tests/test_demo_processes.py trains the models at the same time
+    "--sequential",  # in this process; tests/demo/test_demo_processes.py trains the models at the same time
 ]
 
 
 def _trajectory(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip() and '"run_header"' not in line]
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def _run(tmp_path: Path, kind: str, tokenizer, blocks, keep_freed: bool) -> tupl
         p.join()
         pytest.fail("the training process did not finish in 600 s")
     assert p.exitcode == 0
-    rows = [json.loads(line) for line in (run_dir / "attn_probe.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "attn_probe.jsonl").read_text().splitlines() if line.strip() and '"run_header"' not in line]
     return json.loads(out.read_text()), rows
 
 

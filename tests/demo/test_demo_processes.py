@@ -24,7 +24,7 @@ TINY = ["--size", "tiny", "--steps", "6", "--batch-size", "4", "--seq-len", "16"
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "attn_probe.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in (run_dir / "attn_probe.jsonl").read_text().splitlines() if line.strip() and '"run_header"' not in line]
 
 
 def _values(run_dir: Path) -> dict[tuple, float]:

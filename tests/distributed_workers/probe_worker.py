@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: a Probe on an FSDP2 model whose image schedule raises.
+"""Worker for tests/distributed/test_distributed.py: a Probe on an FSDP2 model whose image schedule raises.
 
 ``torchrun --standalone --nproc_per_node 2 probe_worker.py ROOT``. ``images_every`` raises at
 step 0 and is evaluated on rank 0 only; the probe must still take part in the gathers there,

@@ -1,4 +1,4 @@
-"""Worker for tests/test_collective_protocol.py: rank-local events must not break the collectives.
+"""Worker for tests/distributed/test_collective_protocol.py: rank-local events must not break the collectives.
 
 ``torchrun --standalone --nproc_per_node 2 protocol_worker.py SETUP:CASE[,SETUP:CASE...] ROOT``
 with SETUP ``fsdp1``, ``fsdp2`` or ``ddp``. Each case trains a fresh tiny BERT for ``STEPS`` optimizer
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from shard_worker import batch, bert  # noqa: E402
 
 import attn_probe  # noqa: E402
-import attn_probe.distributed as distributed  # noqa: E402
+from attn_probe.distributed import backends  # noqa: E402
 from attn_probe.probe import Probe  # noqa: E402
 
 STEPS = 5
@@ -155,14 +155,14 @@ def inject_gather_oom(rank: int, state: dict) -> list:
         if rank == 1 and state["step"] == 2 and ".1." in f".{layer_name.replace(' ', '.')}.":
             raise torch.OutOfMemoryError("injected: out of memory for layer 1's gather on rank 1")
 
-    original = distributed.reserve_gather_memory
+    original = backends.reserve_gather_memory  # the documented seam: the walk looks it up at every call
 
     def reserve(gather, *args, **kwargs):
         fail(" ".join(plan.layer.name for plan in gather.plans))
         return original(gather, *args, **kwargs)
 
-    distributed.reserve_gather_memory = reserve
-    return [(distributed, "reserve_gather_memory", original)]
+    backends.reserve_gather_memory = reserve
+    return [(backends, "reserve_gather_memory", original)]
 
 
 def replace_attention(model) -> None:

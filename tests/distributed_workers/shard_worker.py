@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: train a tiny sharded model, snapshot scores on rank 0.
+"""Worker for tests/distributed/test_distributed.py: train a tiny sharded model, snapshot scores on rank 0.
 
 Launched with ``torchrun --standalone --nproc_per_node N shard_worker.py SETUP[,SETUP...] ROOT``;
 setups run one after the other in the same process group. Writes into ``ROOT/SETUP``:

@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: a real ``Trainer`` with :class:`AttnProbeCallback`.
+"""Worker for tests/distributed/test_distributed.py: a real ``Trainer`` with :class:`AttnProbeCallback`.
 
 ``torchrun --standalone --nproc_per_node 2 trainer_worker.py SETUP OUT [inject]`` with SETUP
 ``ddp`` or ``zero3`` (DeepSpeed, ``DS_ACCELERATOR=cpu``). The probe logs to ``OUT/probe``; a

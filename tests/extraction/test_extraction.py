@@ -763,7 +763,7 @@ def supported_table() -> str:
 def test_docs_list_every_tested_model_type() -> None:
     text = DOC.read_text()
     missing = [c.id for c in CASES if f"| `{c.id}` |" not in text]
-    assert not missing, f"regenerate the table with `python tests/test_extraction.py`: {missing}"
+    assert not missing, f"regenerate the table with `python tests/extraction/test_extraction.py`: {missing}"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_header
 from attn_probe.resume_policy import (
     SavedRun,
     choose_run,
@@ -15,7 +16,6 @@ from attn_probe.resume_policy import (
     resolve_saved_run,
     saved_run,
 )
-from attn_probe.trajectory_format import TRAJECTORY_FILENAME, encode_header
 
 
 def _run_dir(path, *run_ids: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 
 import attn_probe
 from attn_probe import find_attention
@@ -14,16 +15,8 @@ H, D, NH = 32, 2, 4  # hidden size, layers, heads
 
 
 def _bert():
-    return transformers.BertForMaskedLM(
-        transformers.BertConfig(
-            vocab_size=50,
-            hidden_size=H,
-            num_hidden_layers=D,
-            num_attention_heads=NH,
-            intermediate_size=64,
-            max_position_embeddings=32,
-        )
-    )
+    return tiny_model("bert", None, vocab_size=50, hidden_size=H, num_hidden_layers=D, num_attention_heads=NH,
+                      intermediate_size=64, max_position_embeddings=32)
 
 
 def _roberta():
@@ -48,9 +41,7 @@ def _distilbert():
 
 
 def _gpt2():
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=50, n_embd=H, n_layer=D, n_head=NH, n_positions=32)
-    )
+    return tiny_model("gpt2", None, vocab_size=50, n_embd=H, n_layer=D, n_head=NH, n_positions=32)
 
 
 def _gpt_neox():
@@ -97,17 +88,8 @@ def _bart():
 
 
 def _llama(kv: int = NH):
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=50,
-            hidden_size=H,
-            num_hidden_layers=D,
-            num_attention_heads=NH,
-            num_key_value_heads=kv,
-            intermediate_size=64,
-            max_position_embeddings=32,
-        )
-    )
+    return tiny_model("llama", None, vocab_size=50, hidden_size=H, num_hidden_layers=D, num_attention_heads=NH,
+                      num_key_value_heads=kv, intermediate_size=64, max_position_embeddings=32)
 
 
 # builder, names of the (query, key) weights written by the model's own modules, number of layers

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM
+from helpers import tiny_model
 
 import attn_probe
 from attn_probe.live_view import SCALARS_PER_TAG, tensorboard_command
@@ -43,8 +43,8 @@ def long_run(tmp_path_factory) -> tuple[Path, str]:
     import io
 
     torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                       intermediate_size=32, max_position_embeddings=8))
+    model = tiny_model("bert", None, vocab_size=30, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                       max_position_embeddings=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     log_dir = tmp_path_factory.mktemp("live view") / "run one"  # spaces: the command must quote them
     err = io.StringIO()

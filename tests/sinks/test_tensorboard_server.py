@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM
+from helpers import tiny_model
 
 import attn_probe
 from attn_probe.tags import scalar_tag
@@ -35,9 +35,7 @@ def get_json(base, path, **params):
 
 @pytest.fixture
 def probe_run(tmp_path):
-    torch.manual_seed(0)
-    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                       intermediate_size=64, max_position_embeddings=SEQ))
+    model = tiny_model("bert", 0, vocab_size=VOCAB, max_position_embeddings=SEQ)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     log_dir = tmp_path / "logs" / "run1"
     with attn_probe.watch(model, optimizer=opt, log_dir=str(log_dir), every=2, per_head=True):
