@@ -237,8 +237,8 @@ def interpret(result: DemoResult, *, cuda: bool | None = None) -> list[str]:
     if gap is not None:
         lines.append(f"encoder - decoder median layer symmetry: {gap:+.3f}")
         if cfg.preset == "cpu" and not differences:
-            low, high = MEASURED_CPU_GAP
-            lines.append(f"  {_where(gap, low, high)} the range measured for the cpu preset ({MEASURED_CPU_GAPS})")
+            low, high = MEASURED_CPU_GAP  # quoted to 3 decimals: compared at 3 decimals
+            lines.append(f"  {_where(round(gap, 3), low, high)} the range measured for the cpu preset ({MEASURED_CPU_GAPS})")
         elif cfg.preset == "cpu":
             lines.append(f"  no measured range to compare with: the cpu preset's measured runs differ from this one "
                          f"({', '.join(differences)})")
@@ -303,7 +303,7 @@ def _cpu_phase(result: DemoResult, encoder: float, left: bool, differences: list
         dec_end = " / ".join(f"{r.decoder_200k:+.2f}" for r in runs)
         names = " / ".join(r.name for r in runs)
         lines.append(f"paper, character-level 4-layer runs ({names}): encoder {at_1k}, decoder {dec_1k} at step "
-                     f"1,000, its first checkpoint (a paper step is ~131k tokens, one here {cfg.seq_len * cfg.batch_size:,}: "
+                     f"1,000, their first checkpoint (a paper step is ~131k tokens, one here {cfg.seq_len * cfg.batch_size:,}: "
                      f"this run saw {cfg.steps * cfg.seq_len * cfg.batch_size / 1e6:.1f} M tokens, the paper "
                      f"~131 M by step 1,000); at 200k steps encoder {at_end}, decoder {dec_end}. Yours: encoder "
                      f"{encoder:+.3f}" + (f", decoder {result.models['decoder'].median('symmetry'):+.3f}"

@@ -420,14 +420,16 @@ def test_decoder_objective_reaches_the_trainer(small_data, tmp_path):
         seen.append((kind, objective))
         return real(kind, tokenizer, objective)
 
-    real = demo.make_collator
+    from attn_probe.demo import training
+
+    real = training.make_collator  # the name train_model calls (imported from .data)
     cfg = demo.DemoConfig(size="tiny", steps=1, batch_size=2, seq_len=16, progress=False,
                           decoder_objective="paper-mlm")
     try:
-        demo.make_collator = spy
+        training.make_collator = spy
         demo.train_model("decoder", tok, blocks, cfg, tmp_path, probe=False)
     finally:
-        demo.make_collator = real
+        training.make_collator = real
     assert seen == [("decoder", "paper-mlm")]
     with pytest.raises(demo.DemoError, match="decoder objective"):
         demo.make_collator("decoder", tok, "mlm")

@@ -29,6 +29,7 @@ def _text(result, cuda=False):
     ((0.46, 0.46, 0.47, 0.47), "inside"),  # gap +0.465, in the sweep's +0.449..+0.489
     ((0.50, 0.50, 0.50, 0.50), "above"),  # +0.50
     ((0.40, 0.44, 0.45, 0.50), "below"),  # +0.445
+    ((0.4489, 0.4489, 0.4489, 0.4489), "inside"),  # the seed-0 run itself, +0.4489: quoted as +0.449
 ])
 def test_cpu_preset_as_measured_gets_the_range_and_a_verdict(encoder, verdict):
     text = _text(_result(demo.DemoConfig(), encoder))
