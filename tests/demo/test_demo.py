@@ -49,12 +49,76 @@ def small_data():
     return tok, demo.make_blocks(texts, tok, 16)
 
 
+# --------------------------------------------------------------------------- character tokens
+def test_char_tokenizer_is_one_token_per_character_and_round_trips():
+    texts = demo.load_texts(max_chars=20_000)
+    counts: dict[str, int] = {}
+    for t in texts:
+        for c in t:
+            counts[c] = counts.get(c, 0) + 1
+    frequent = sorted(c for c, n in counts.items() if n >= 20)
+    tok = demo.make_tokenizer(texts, "chars")
+    # vocabulary: the special tokens, then the characters seen >= 20 times, sorted
+    expected_vocab = {t: i for i, t in enumerate([*demo.SPECIAL_TOKENS, *frequent])}
+    assert tok.get_vocab() == expected_vocab and "\n" in expected_vocab and " " in expected_vocab
+    line = "Enter ROMEO.\nBut, soft!  what light"
+    assert set(line) <= set(frequent)
+    ids = tok(line, add_special_tokens=False)["input_ids"]
+    assert ids == [expected_vocab[c] for c in line]
+    assert "".join(tok.convert_ids_to_tokens(ids)) == line
+    rare = next(c for c, n in counts.items() if n < 20)
+    assert tok(rare, add_special_tokens=False)["input_ids"] == [tok.unk_token_id]
+    # without whitespace: the released code's character stream
+    nospace = demo.make_tokenizer(texts, "chars-nospace")
+    assert not any(c.isspace() for c in nospace.get_vocab())
+    got = nospace.convert_ids_to_tokens(nospace(line, add_special_tokens=False)["input_ids"])
+    assert got == [c for c in line if not c.isspace()]
+    # the blocks are the documents' character stream, [SEP] between documents
+    blocks = demo.make_blocks(texts[:1], tok, 16)
+    first = [expected_vocab.get(c, tok.unk_token_id) for c in texts[0][:16]]
+    assert blocks[0].tolist() == first
+    with pytest.raises(demo.DemoError, match="unknown tokens"):
+        demo.make_tokenizer(texts, "bytes")
+
+
+def _explicit_layer_symmetry(model) -> list[float]:
+    """<M, M^T>_F / ||M||_F^2 of M = Q^T K (heads stacked along the rows of query/key.weight), float64."""
+    out = []
+    for name, mod in model.named_modules():
+        if name.endswith("attention.self"):
+            q, k = mod.query.weight.detach().double(), mod.key.weight.detach().double()
+            m = q.T @ k
+            out.append(float((m * m.T).sum() / (m * m).sum()))
+    return out
+
+
 @pytest.mark.parametrize("arch", list(demo.ARCHITECTURES))
 def test_demo_cli_writes_events_trajectory_figure_and_table(tmp_path, capsys, arch):
+    """A tiny run with the cpu preset's character tokens: files, table, the saved tokenizer round-trips
+    text, and the last trajectory snapshot is the symmetry of the saved model's own W_q/W_k."""
+    import transformers
+
     rc = main(["demo", *TINY, "--arch", arch, "--out-dir", str(tmp_path), "--name", "t"])
     assert rc == 0
     out = capsys.readouterr().out
     root = tmp_path / "t"
+    texts = demo.load_texts(max_chars=20_000)
+    assert f"vocabulary {len(demo.make_tokenizer(texts, 'chars'))};" in out
+    classes = demo.ARCHITECTURES[arch]
+    for kind, cls in (("encoder", classes.masked_lm), ("decoder", classes.causal_lm)):
+        model_dir = root / kind / "model"
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+        sample = texts[0][:200]
+        ids = tok(sample, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(sample)  # one token per character, whitespace included
+        vocab = tok.get_vocab()
+        assert tok.convert_ids_to_tokens(ids) == [c if c in vocab else "[UNK]" for c in sample]
+        model = getattr(transformers, cls).from_pretrained(str(model_dir))
+        assert model.config.vocab_size == len(tok)
+        rows = [r for r in _trajectory(root / kind / "attn_probe.jsonl")
+                if r["head"] is None and r["step"] == 6 and r["metric"] == "symmetry"]
+        got = [r["value"] for r in sorted(rows, key=lambda r: r["layer"])]
+        assert got == pytest.approx(_explicit_layer_symmetry(model), abs=1e-5)
     assert f"tensorboard --logdir {root}" in out
     figure = root / "dynamics.png"
     assert f"figure: {figure}" in out
@@ -356,14 +420,16 @@ def test_decoder_objective_reaches_the_trainer(small_data, tmp_path):
         seen.append((kind, objective))
         return real(kind, tokenizer, objective)
 
-    real = demo.make_collator
+    from attn_probe.demo import training
+
+    real = training.make_collator  # the name train_model calls (imported from .data)
     cfg = demo.DemoConfig(size="tiny", steps=1, batch_size=2, seq_len=16, progress=False,
                           decoder_objective="paper-mlm")
     try:
-        demo.make_collator = spy
+        training.make_collator = spy
         demo.train_model("decoder", tok, blocks, cfg, tmp_path, probe=False)
     finally:
-        demo.make_collator = real
+        training.make_collator = real
     assert seen == [("decoder", "paper-mlm")]
     with pytest.raises(demo.DemoError, match="decoder objective"):
         demo.make_collator("decoder", tok, "mlm")
@@ -393,9 +459,14 @@ def test_preset_fills_unset_flags_and_given_flags_win(monkeypatch):
     assert cfg.precision == "fp32"  # no CUDA: no bf16
     assert "--steps 300" in cfg.preset_reason and "--batch-size 8" in cfg.preset_reason
     assert "many hours on a CPU" in cfg.preset_reason
+    assert cfg.tokens == "wordpiece"  # the paper-small preset stays word level
     cpu = _parse(["--lr", "1e-3"])
     assert cpu.preset == "cpu" and "no CUDA" in cpu.preset_reason
-    assert (cpu.steps, cpu.batch_size, cpu.warmup, cpu.lr, cpu.arch) == (700, 8, 50, 1e-3, "bert-preln")
+    # the sweep's ch128-s32-b32-lr2e-3 (docs/reproducing-the-paper.md), with the given lr
+    assert (cpu.steps, cpu.batch_size, cpu.seq_len, cpu.warmup, cpu.lr, cpu.arch, cpu.size, cpu.tokens) == (
+        1500, 32, 32, 100, 1e-3, "bert-preln", "mini-128", "chars")
+    assert demo.SIZES[cpu.size] == (4, 128, 4, 512)
+    assert _parse(["--preset", "paper-small", "--tokens", "chars"]).tokens == "chars"
     assert _parse(["--preset", "paper-small", "--arch", "bert-preln"]).arch == "bert-preln"
     assert _parse(["--preset", "cpu", "--precision", "bf16"]).precision == "bf16"
 
@@ -409,7 +480,7 @@ def test_paper_small_is_the_default_with_cuda_and_uses_bf16_where_supported(monk
         assert (cfg.preset, cfg.arch, cfg.steps, cfg.batch_size, cfg.precision) == (
             "paper-small", "bert", 12_000, 32, precision)
         assert "CUDA is available (Fake GPU)" in cfg.preset_reason
-    assert _parse(["--preset", "cpu"]).steps == 700
+    assert _parse(["--preset", "cpu"]).steps == 1500
 
 
 def test_preset_errors_are_one_line(tmp_path, capsys):
@@ -455,13 +526,14 @@ def test_interpret_names_the_gap_the_phase_and_the_gpu_preset():
     assert "encoder - decoder median layer symmetry: +0.175" in text
     assert "encoder: still on the unigram plateau" in text and "<= 6.10" in text
     assert "decoder: left the unigram plateau at step 120" in text
-    assert "the full takeoff needs the GPU preset" in text and demo.GPU_SECTION in text
+    assert "phase: before the takeoff" in text and "left at step 540-570" in text
+    assert "attn-probe demo --preset paper-small on a GPU" in text and demo.GPU_SECTION in text
     on_gpu = "\n".join(demo.interpret(before, cuda=True))
-    assert "train longer" in on_gpu and "needs the GPU preset" not in on_gpu
-    after = dataclasses.replace(before, plateau_exits={"encoder": 5400, "decoder": 120})
+    assert "--preset paper-small (" in on_gpu and "on a GPU" not in on_gpu
+    after = dataclasses.replace(before, plateau_exits={"encoder": 540, "decoder": 120})
     text = "\n".join(demo.interpret(after, cuda=False))
-    assert "phase: takeoff" in text and "encoder: left the unigram plateau at step 5,400" in text
-    assert "needs the GPU preset" not in text
+    assert "phase: takeoff" in text and "encoder: left the unigram plateau at step 540" in text
+    assert "before the takeoff" not in text and "--preset paper-small" not in text
     only = demo.DemoResult(Path("."), {"decoder": models["decoder"]}, None, demo.DemoConfig())
     assert only.gap is None and "symmetry:" not in "\n".join(demo.interpret(only, cuda=False))
 
@@ -493,7 +565,9 @@ def test_demo_prints_its_own_interpretation(tmp_path, capsys, monkeypatch):
         assert result.plateau_exits[kind] == demo.plateau_exit(result.models[kind].losses, result.unigram_entropy)
     assert f"encoder - decoder median layer symmetry: {medians['encoder'] - medians['decoder']:+.3f}" in out
     assert f"unigram entropy {demo.unigram_entropy(demo.prepare_data(cfg)[1]):.2f} nats" in out
-    assert "phase: before the takeoff" in out and "the full takeoff needs the GPU preset" in out
+    # 4 steps: the encoder cannot have left the plateau
+    assert result.plateau_exits["encoder"] is None
+    assert "phase: before the takeoff" in out and "attn-probe demo --preset paper-small on a GPU" in out
 
 
 def _namespace(argv):
