@@ -16,6 +16,9 @@ The rules (``docs/live-probe.md``, "Hugging Face Trainer"):
   or copied output directory keeps its run); a run of *another* ``output_dir`` is never written
   (a branch: a new run, with the saved one as parent); a saved run that is gone or cannot be
   written gives a fresh run, with the saved one as parent.
+- ``TENSORBOARD_LOGGING_DIR`` set (the user's directory, as ``log_dir=``): that directory (the
+  Trainer's); a resume continues the checkpoint's run when the directory holds its run id (or the
+  checkpoint predates run ids), else it is a new run whose parent is the checkpoint's run.
 - otherwise the Trainer's TensorBoard run (a new run id).
 """
 
@@ -177,12 +180,15 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
 
 
 def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output_dir: Any,
-               trainer_dir_from_env: bool = False) -> RunChoice:
+               trainer_dir_from_env: bool = False, trainer_dir: str | None = None) -> RunChoice:
     """The run directory and identity of a session starting at ``step`` (see the module docstring).
 
     ``saved``: the checkpoint's run (:func:`saved_run`; ``None`` at step 0 or without one);
     ``log_dir``: the user's ``log_dir=``; ``trainer_dir_from_env``: ``TENSORBOARD_LOGGING_DIR``
-    is set (the Trainer's directory is then the user's choice, and a saved run is not looked for).
+    is set (the Trainer's directory is then the user's choice, and a saved run is not looked for
+    elsewhere); ``trainer_dir``: that directory, where a resume continues the checkpoint's run when
+    it holds its id (a resume into the same directory must cut its own stale rows: issue 29 cuts
+    by run id).
     """
     if step <= 0:
         saved = None
@@ -194,6 +200,10 @@ def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output
         if saved is not None:
             return RunChoice("given", chosen, run_id=saved.run_id, legacy=saved.run_id is None, saved=saved)
         return RunChoice("given", chosen)
+    if saved is not None and trainer_dir_from_env and trainer_dir is not None:
+        if saved.run_id is not None and not holds_run(os.path.expanduser(trainer_dir), saved.run_id):
+            return RunChoice("default", parent_id=saved.run_id, parent_step=step, saved=saved)
+        return RunChoice("default", run_id=saved.run_id, legacy=saved.run_id is None, saved=saved)
     if saved is not None and not trainer_dir_from_env:
         found = resolve_saved_run(saved, output_dir)
         if found.directory is None and found.foreign:

@@ -224,8 +224,10 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         """
         step = int(state.global_step)
         saved = saved_run(getattr(state, "stateful_callbacks", None)) if step > 0 else None
-        from_env = os.getenv("TENSORBOARD_LOGGING_DIR") is not None
-        choice = choose_run(step, saved, log_dir=self.log_dir, output_dir=args.output_dir, trainer_dir_from_env=from_env)
+        env_dir = os.getenv("TENSORBOARD_LOGGING_DIR")
+        from_env = env_dir is not None
+        choice = choose_run(step, saved, log_dir=self.log_dir, output_dir=args.output_dir, trainer_dir_from_env=from_env,
+                            trainer_dir=env_dir)
         self.parent_run = None
         self._set_identity(choice.run_id, parent=choice.parent_id, step=choice.parent_step, legacy=choice.legacy)
         if choice.kind == "given":

@@ -59,9 +59,15 @@ def test_step_zero_and_no_checkpoint_take_the_trainer_run(tmp_path):
     for step, s in ((0, saved), (5, None)):
         choice = choose_run(step, s, log_dir=None, output_dir=tmp_path)
         assert (choice.kind, choice.run_id, choice.parent_id) == ("default", None, None)
-    # TENSORBOARD_LOGGING_DIR set: the Trainer's directory, a new run, no lookup of the saved one
-    choice = choose_run(5, saved, log_dir=None, output_dir=tmp_path, trainer_dir_from_env=True)
-    assert (choice.kind, choice.run_id, choice.parent_id) == ("default", None, None)
+    # TENSORBOARD_LOGGING_DIR set: the Trainer's directory, no lookup of the saved one elsewhere; it
+    # continues the checkpoint's run when that directory holds it (its stale rows are then cut)
+    env_dir = _run_dir(tmp_path / "env", "r0", "r1")
+    choice = choose_run(5, saved, log_dir=None, output_dir=tmp_path, trainer_dir_from_env=True, trainer_dir=env_dir)
+    assert (choice.kind, choice.directory, choice.run_id, choice.parent_id) == ("default", None, "r1", None)
+    # a directory without the checkpoint's run: a new run, the checkpoint's run its parent
+    other = _run_dir(tmp_path / "other", "r0")
+    choice = choose_run(5, saved, log_dir=None, output_dir=tmp_path, trainer_dir_from_env=True, trainer_dir=other)
+    assert (choice.kind, choice.run_id, choice.parent_id, choice.parent_step) == ("default", None, "r1", 5)
 
 
 def test_resume_continues_the_saved_run_by_id(tmp_path):
