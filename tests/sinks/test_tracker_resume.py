@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -79,8 +80,13 @@ def assert_values_differ(before: Series, after: Series, step: int) -> None:
     assert any(not same(before[step][k], v) for k, v in after[step].items() if not math.isnan(v))
 
 
+#: the trajectory's own resume line (issue 29: what the cut dropped, from which run), not a tracker note
+CUT = re.compile(r"^attn_probe: resuming at step \d+: dropped \d+ lines at steps >= \d+ of run ")
+
+
 def resume_notes(caught) -> list[str]:
-    return [str(w.message) for w in caught if str(w.message).startswith(NOTE)]
+    """The trackers' resume notes (one per tracker run resumed), without the trajectory's cut line."""
+    return [str(w.message) for w in caught if str(w.message).startswith(NOTE) and not CUT.match(str(w.message))]
 
 
 def run_probe(log_dir: Path, sink, *, updates: int, start_step: int = 0, seed: int = 0) -> None:
@@ -356,8 +362,8 @@ def test_wandb_offline_resumed_into_its_run_holds_each_step_once(tmp_path, wandb
     end_users_run()
     got = wandb_probe_rows(wandb_resumed_history(wandb_offline, run_id, files=2))
     want = kept_then_resumed(before, after, FIRST)
-    if whose == "user's":  # the user logs no row of their own: each run gets its last snapshot
-        want = {step: want[step] for step in (FIRST, LAST)}
+    # the user logs no row of their own, without step=: the probe commits its own rows, so the
+    # user's run holds every snapshot too (issue 29; before, each run kept only its last one)
     assert_same_series(got, want)
     assert len(notes) == 1, notes
     assert f"W&B run {run_id} already holds the probe's snapshots up to step {FIRST} (as recorded in" in notes[0]
@@ -572,7 +578,8 @@ def noted(key, fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn()
-    notes[key] = [str(w.message) for w in caught if str(w.message).startswith("attn_probe: resuming at step")]
+    notes[key] = [str(w.message) for w in caught if str(w.message).startswith("attn_probe: resuming at step")
+                  and ": dropped " not in str(w.message)]  # the trajectory's cut line is not a tracker note
 
 def keep(run_dir, name):  # the JSONL as it is now (a resume rewrites it)
     shutil.copytree(run_dir, {root!r} + "/" + name, ignore=shutil.ignore_patterns("events.*", ".attn_probe.lock"))
