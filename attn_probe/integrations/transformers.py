@@ -482,12 +482,10 @@ def _stop_for_alert(probe: Probe, args: Any, control: Any, step: int, *, main: b
 
 
 def _flush(probe: Probe) -> None:
-    flush = getattr(probe, "flush", None)
-    if callable(flush):
-        try:
-            flush()
-        except Exception:  # noqa: BLE001
-            pass
+    try:
+        probe.flush()
+    except Exception:  # noqa: BLE001 - a failed flush must not stop the Trainer
+        pass
 
 
 def _json_safe_options(**options: Any) -> dict[str, Any] | None:
