@@ -27,14 +27,29 @@ MAX_SECONDS = 90  # ~5 s measured on a busy 2-core machine; the old code ran for
 
 
 def run_cli(*argv) -> tuple[int, str, float, int]:
-    """``python -m attn_probe ARGV``: exit status, stderr, seconds, the child's own peak RSS in bytes."""
+    """``python -m attn_probe ARGV``: exit status, stderr, seconds, the child's own peak RSS in bytes.
+
+    The peak is the child's ``VmHWM`` (``/proc/self/status``), written at exit. Not ``wait4``'s
+    ``ru_maxrss``: Linux carries the parent's high-water mark across ``exec`` into the child's
+    ``ru_maxrss``, so that number was at least the pytest process's own peak (torch, transformers,
+    the Llama fixture, plugins), not what the CLI allocated.
+    """
     import tempfile
 
-    with tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r", suffix=".hwm") as hwm:
+        code = ("import atexit, runpy, sys\n"
+                "def _hwm():\n"
+                "    with open('/proc/self/status') as f:\n"
+                "        kb = next(line.split()[1] for line in f if line.startswith('VmHWM:'))\n"
+                f"    with open({hwm.name!r}, 'w') as out:\n"
+                "        out.write(kb)\n"
+                "atexit.register(_hwm)\n"
+                "sys.argv[0] = 'attn-probe'\n"
+                "runpy.run_module('attn_probe', run_name='__main__', alter_sys=True)\n")
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "attn_probe", *map(str, argv)],
+        proc = subprocess.Popen([sys.executable, "-c", code, *map(str, argv)],
                                 stdout=subprocess.DEVNULL, stderr=err, env=ENV)
-        while True:  # os.wait4 reaps it with its own resource usage
+        while True:  # os.wait4 reaps it (a timeout must not leave it running)
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
@@ -46,7 +61,10 @@ def run_cli(*argv) -> tuple[int, str, float, int]:
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
         seconds = time.monotonic() - start
         err.seek(0)
-        return proc.returncode, err.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024
+        del usage  # its ru_maxrss includes the parent's peak (see above)
+        peak = int(hwm.read() or 0) * 1024
+        assert peak > 0, "the child wrote no VmHWM at exit"
+        return proc.returncode, err.read().decode(errors="replace"), seconds, peak
 
 
 def one_line(err: str) -> str:
