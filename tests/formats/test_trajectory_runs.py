@@ -8,7 +8,7 @@
   name is forced), then a branch from B's checkpoint into A's ``output_dir``: each run's files
   change only when that run writes, and ``load_trajectory`` (and the CSV/Parquet exports) show
   the branch's parent as B's run id read from B's own header;
-* bounded readers: a 10^6-run file loaded in a subprocess (time, peak RSS via ``ru_maxrss``,
+* bounded readers: a 10^6-run file loaded in a subprocess (time, its own peak RSS ``VmHWM``,
   warning size), a 1,000-deep directory given to ``attn-probe export`` as a user runs it, and
   a symbolic-link loop.
 """
@@ -238,8 +238,11 @@ def test_trainer_runs_with_colliding_names_stay_two_runs(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- bounded readers
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys, time, warnings
+    import json, sys, time, warnings
     from attn_probe.analysis.trajectory import load_trajectory
+    def vm_hwm():  # this process's own peak; ru_maxrss would carry the pytest parent's over exec
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("VmHWM:"))) * 1024
     import pandas  # noqa: F401  (imported before the clock starts, as a user's session has it)
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
@@ -249,7 +252,7 @@ CHILD = textwrap.dedent("""
             rows, runs, error = len(df), int(df["run"].nunique()), None
         except Exception as exc:  # a refusal must be one line
             rows, runs, error = 0, 0, f"{type(exc).__name__}: {exc}"
-    print(json.dumps({"seconds": time.monotonic() - t0, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    print(json.dumps({"seconds": time.monotonic() - t0, "maxrss": vm_hwm(),
                       "rows": rows, "runs": runs, "error": error, "warnings": [str(w.message) for w in caught]}))
 """)
 
