@@ -389,6 +389,9 @@ def _flush_at_exit() -> None:
             dispatcher.flush(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:  # noqa: BLE001 - never raise at exit
             pass
+        # finish it here, while the modules still exist: a finaliser run during the interpreter's
+        # teardown finds this module's globals already cleared and would finish nothing
+        dispatcher._finish_left_open()
 
 
 atexit.register(_flush_at_exit)
@@ -510,6 +513,10 @@ class SinkDispatcher:
     def __del__(self) -> None:
         # Collected without close() (a probe dropped in a notebook): let every lane write what it
         # holds and then finish its sink, without waiting here (this may run on any thread).
+        self._finish_left_open()
+
+    def _finish_left_open(self) -> None:
+        """Finish every lane of a dispatcher left open (never raises, never waits); once."""
         try:
             if self._started and not self._closed and os.getpid() == self._pid:
                 self._closed = True
