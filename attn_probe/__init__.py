@@ -1,24 +1,26 @@
 """attn_probe: watch the query-key matrix W_qk = W_q W_k^T become symmetric or directional.
 
 Scores after Saponati et al., *The underlying structures of self-attention* (ICML 2025).
-Importing this package loads only torch; transformers, accelerate, pandas and matplotlib
-are imported by the modules that need them.
+Importing this package loads nothing heavy (not even torch): every public name is served
+lazily, and torch, transformers, accelerate, pandas and matplotlib are imported by the modules
+that need them, so reading and exporting trajectories never loads torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .core import factored_scores
-from .extraction import (
-    AttentionLayer,
-    UnsupportedModelError,
-    find_attention,
-    register_adapter,
-    unregister_adapter,
-)
-from .reference import directionality_score, symmetry_score
-from .scoring import score_model
+if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run time the names are lazy)
+    from .core import factored_scores
+    from .extraction import (
+        AttentionLayer,
+        UnsupportedModelError,
+        find_attention,
+        register_adapter,
+        unregister_adapter,
+    )
+    from .reference import directionality_score, symmetry_score
+    from .scoring import score_model
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,15 @@ __all__ = [
 
 # Names served lazily so that `import attn_probe` stays light.
 _LAZY = {
+    "AttentionLayer": ("attn_probe.extraction", "AttentionLayer"),
+    "UnsupportedModelError": ("attn_probe.extraction", "UnsupportedModelError"),
+    "find_attention": ("attn_probe.extraction", "find_attention"),
+    "register_adapter": ("attn_probe.extraction", "register_adapter"),
+    "unregister_adapter": ("attn_probe.extraction", "unregister_adapter"),
+    "factored_scores": ("attn_probe.core", "factored_scores"),
+    "directionality_score": ("attn_probe.reference", "directionality_score"),
+    "symmetry_score": ("attn_probe.reference", "symmetry_score"),
+    "score_model": ("attn_probe.scoring", "score_model"),
     "AttnProbeCallback": ("attn_probe.integrations.transformers", "AttnProbeCallback"),
     "attach": ("attn_probe.integrations.transformers", "attach"),
     "watch": ("attn_probe.watching", "watch"),
@@ -69,6 +80,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
+    if not name.startswith("_"):  # `attn_probe.core` after a bare `import attn_probe`, as before names were lazy
+        import importlib.util
+
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'attn_probe' has no attribute {name!r}")
 
 
