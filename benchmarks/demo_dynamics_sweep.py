@@ -22,7 +22,10 @@ decay, gradient clipping at 1.0). Every ``--every`` steps it prints one JSON lin
 overrides, then one JSON file with the probe's trajectory (median and IQR across layers per
 probe step), the logged losses, where the encoder left the unigram plateau and where its
 symmetry first crossed ``--takeoff``, and the process's CPU time (``resource.getrusage``: what
-one model costs on a CPU of its own, start-up included).
+one model costs on a CPU of its own, start-up included). On a GPU the Trainer trains there
+(``--precision bf16`` as the ``paper-small`` preset does); ``--deadline S`` stops training
+gracefully once the process has run S seconds (imports included) (the JSON records the step it stopped at), so
+that a run on a lent GPU ends, scored, inside its time (``benchmarks/gpu_emergence.sh``).
 
 **The sweep** (``--sweep NAME [NAME ...]`` or ``--sweep all``): for each named configuration
 of :data:`SWEEP` the encoder and the decoder train at the same time, one ``--trainer`` process
@@ -35,15 +38,17 @@ Tokenisation (``--tokens``, the demo's own tokenizers, ``demo.TOKENS``): ``wordp
 non-whitespace character: what the paper's released code fed its Wikipedia and RedPajama models,
 whose ``" ".join(text)`` spaced out the characters before a whitespace-splitting tokenizer).
 
-The defaults are :data:`BASE`, the ``cpu`` preset before this sweep (the demo's ``cpu`` preset
-is now the sweep's ``ch128-s32-b32-lr2e-3``).
+The defaults are :data:`BASE`, the word-level ``cpu`` preset before this sweep (the demo's ``cpu``
+preset is now the sweep's ``ch128-s32-b32-lr2e-3``: pre-LN, 4 layers x d 128, 4 heads, one token
+per character, 32 x 32 tokens per step, lr 2e-3, warm-up 100, 1,500 steps).
 
-    python benchmarks/demo_dynamics_sweep.py --kind encoder --seed 1                  # the old cpu preset
+    python benchmarks/demo_dynamics_sweep.py --kind encoder --seed 1                  # the earlier cpu preset
     python benchmarks/demo_dynamics_sweep.py --kind decoder --arch bert --lr 1e-3 --warmup 30 --no-unigram-bias
     python benchmarks/demo_dynamics_sweep.py --kind decoder --decoder-objective paper-mlm   # the released code's decoder
     python benchmarks/demo_dynamics_sweep.py --tokens chars --hidden 128 --ffn 512 --steps 100   # character level
     python benchmarks/demo_dynamics_sweep.py --sweep all --csv benchmarks/results/cpu_preset_sweep.csv \
         --out runs/sweep                                          # the CPU preset sweep (docs/reproducing-the-paper.md)
+    python benchmarks/demo_dynamics_sweep.py --sweep ch128-s32-b32-lr2e-3             # today's cpu preset alone
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+#: when this process started, before the heavy imports: ``--deadline`` counts from here
+_START = time.perf_counter()
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -78,13 +86,14 @@ BASE: dict[str, Any] = {"size": "mini", "tokens": "wordpiece", "steps": 700, "ba
 #: argparse ``dest`` names). Every configuration trains the encoder and the decoder with the
 #: same settings; ``steps`` was budgeted from pilot runs to <= ~9 CPU minutes per model.
 SWEEP: dict[str, dict[str, Any]] = {
-    # today's cpu preset, for reference (word-level, d 256, 8 x 128 tokens, lr 5e-4, 700 steps)
+    # the earlier cpu preset, for reference (word-level, d 256, 8 x 128 tokens, lr 5e-4, 700 steps)
     "wp256-s128-b8-lr5e-4": {},
     # character level, 4 layers x d 128 (a BERT miniature, L=4/H=128), 4 heads, FFN 512
     "ch128-s128-b16-lr1e-3": {"tokens": "chars", "hidden": 128, "ffn": 512, "seq_len": 128, "batch_size": 16,
                               "lr": 1e-3, "warmup": 100, "steps": 1200},
     "ch128-s64-b16-lr2e-3": {"tokens": "chars", "hidden": 128, "ffn": 512, "seq_len": 64, "batch_size": 16,
                              "lr": 2e-3, "warmup": 100, "steps": 1500},
+    # adopted: today's cpu preset (attn_probe/demo/presets.py)
     "ch128-s32-b32-lr2e-3": {"tokens": "chars", "hidden": 128, "ffn": 512, "seq_len": 32, "batch_size": 32,
                              "lr": 2e-3, "warmup": 100, "steps": 1500},
     "ch128-s32-b32-lr2e-3-seed1": {"tokens": "chars", "hidden": 128, "ffn": 512, "seq_len": 32, "batch_size": 32,
@@ -117,7 +126,7 @@ def prepare(a: argparse.Namespace) -> tuple[demo.DemoConfig, Any, torch.Tensor, 
         size=size, arch=a.arch, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
         warmup=a.warmup, weight_decay=a.weight_decay, decoder_objective=a.decoder_objective,
         vocab_size=a.vocab_size, tokens=a.tokens, seed=a.seed, every=a.every, unigram_bias=a.unigram_bias, figure=False,
-        progress=True, models=(a.kind,), threads=a.threads,
+        progress=True, models=(a.kind,), threads=a.threads, precision=a.precision, max_chars=a.max_chars,
     )
     tokenizer, blocks = demo.prepare_data(cfg)
     return cfg, tokenizer, blocks, size
@@ -150,6 +159,21 @@ def first_crossing(points: list[tuple[int, float]], level: float) -> int | None:
     return None
 
 
+def deadline_callback(start: float, seconds: float, stopped: dict[str, int]) -> Any:
+    """A Trainer callback that stops training once ``seconds`` have passed since ``start``
+    (``time.perf_counter()``), recording the last step in ``stopped["step"]``."""
+    from transformers import TrainerCallback
+
+    class Deadline(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if time.perf_counter() - start >= seconds and state.global_step < state.max_steps:
+                control.should_training_stop = True
+                stopped["step"] = state.global_step
+            return control
+
+    return Deadline()
+
+
 def run_trainer(a: argparse.Namespace) -> int:
     """Train one model with ``demo.train_model``; write the JSON summary to ``a.trainer``."""
     from attn_probe.analysis.summary import layer_quantiles
@@ -164,8 +188,12 @@ def run_trainer(a: argparse.Namespace) -> int:
         import shutil
 
         shutil.rmtree(run_dir)
+    stopped: dict[str, int] = {}
+    callbacks = [] if a.deadline is None else [deadline_callback(_START, a.deadline, stopped)]
     cpu_train0 = cpu_seconds()
-    result = demo.train_model(a.kind, tokenizer, blocks, cfg, run_dir, save_final=False)
+    captured: dict[str, Any] = {}  # the model train_model builds, for the explicit check at the end
+    result = demo.train_model(a.kind, tokenizer, blocks, cfg, run_dir, save_final=False, callbacks=callbacks,
+                              model_hook=lambda m: captured.setdefault("model", m))
     cpu_train = cpu_seconds() - cpu_train0
     q = layer_quantiles(run_dir)
     traj: dict[str, list[list[float]]] = {}
@@ -176,7 +204,7 @@ def run_trainer(a: argparse.Namespace) -> int:
     final_rows = [r for r in result.rows if r["head"] is None]
     final_sym = layer_stats(r["symmetry"] for r in final_rows)
     final_dir = layer_stats(r["directionality"] for r in final_rows)
-    model = _MODEL.get("model")
+    model = captured.get("model")
     explicit = None if model is None else [round(v, 6) for v in explicit_symmetry(model)]
     out = {
         "name": a.name,
@@ -185,6 +213,11 @@ def run_trainer(a: argparse.Namespace) -> int:
         "dims": list(demo.SIZES[size]),
         "arch": a.arch,
         "steps": a.steps,
+        "steps_done": stopped.get("step", a.steps),
+        "deadline_s": a.deadline,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "precision": a.precision,
+        "train_s": round(result.seconds, 1),
         "batch_size": a.batch_size,
         "seq_len": a.seq_len,
         "lr": a.lr,
@@ -212,22 +245,6 @@ def run_trainer(a: argparse.Namespace) -> int:
     Path(a.trainer).write_text(json.dumps(out) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k not in ("losses", "trajectory")}), flush=True)
     return 0
-
-
-#: the last model ``demo.train_model`` built in this process (captured by a hook, for the check)
-_MODEL: dict[str, Any] = {}
-
-
-def _capture_model() -> None:
-    """Wrap ``demo.build_model`` so that the trained model is reachable for the explicit check."""
-    build = demo.build_model
-
-    def capturing(*args: Any, **kwargs: Any) -> Any:
-        model = build(*args, **kwargs)
-        _MODEL["model"] = model
-        return model
-
-    demo.build_model = capturing
 
 
 # --------------------------------------------------------------------------- the sweep driver
@@ -457,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--precision", choices=demo.PRECISIONS, default="fp32",
+                   help="--trainer: fp32 or bf16 mixed precision (bf16 needs a GPU that supports it)")
+    p.add_argument("--max-chars", type=int, help="use only the first N characters of the corpus")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="--trainer: stop training once this process has run S seconds (the JSON says where)")
     p.add_argument("--dropout", type=float, help="override every dropout probability (diagnose mode only)")
     p.add_argument("--no-unigram-bias", dest="unigram_bias", action="store_false")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -489,7 +511,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if a.trainer:
-        _capture_model()
         return run_trainer(a)
     return diagnose(a)
 

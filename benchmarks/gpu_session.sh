@@ -10,7 +10,7 @@
 # Logs and JSON go to $OUT (default /tmp/attn_probe_gpu). Record the results, with the device
 # name printed first, in docs/performance.md.
 #
-#     bash benchmarks/gpu_session.sh [all|weights|attention]     (or SECTION=attention)
+#     bash benchmarks/gpu_session.sh [all|weights|attention|demo|emergence|both]     (or SECTION=attention)
 #
 # Sections: "weights" is the above; "attention" (about 5 minutes on an H100) runs the
 # attention-statistics CUDA tests (tests/attention/test_attention_cuda.py: sdpa == eager, bf16 against
@@ -18,9 +18,19 @@
 # 2,048 in bf16 (due and not-due step time, peak memory) and the Trainer wall-time ratio at
 # every=10 with attention_stats=True; "all" (the default) runs both. DRY_RUN=1 runs the
 # selected sections' logic on the CPU with tiny shapes (no GPU numbers: a check of the script).
+#
+# The demo's sections, separate because each takes most of a lent GPU's time, run
+# benchmarks/gpu_emergence.sh (its header says what they do; first `bash benchmarks/gpu_emergence.sh
+# prepare` where you call from, and carry .gpu_corpus): "demo" times `attn-probe demo` on the GPU
+# preset; "emergence" trains a character-level decoder, a word-level decoder and a character-level
+# encoder at 512 positions; "both" runs the two at once. "all" does not include them.
 set -o pipefail
 SECTION=${1:-${SECTION:-all}}
-case "$SECTION" in all|weights|attention) ;; *) echo "unknown section '$SECTION': all, weights or attention" >&2; exit 2;; esac
+case "$SECTION" in
+  all|weights|attention) ;;
+  demo|emergence|both) exec bash "$(dirname "$0")/gpu_emergence.sh" "$SECTION";;
+  *) echo "unknown section '$SECTION': all, weights, attention, demo, emergence or both" >&2; exit 2;;
+esac
 DRY_RUN=${DRY_RUN:-0}
 OUT=${OUT:-/tmp/attn_probe_gpu}
 mkdir -p "$OUT"
