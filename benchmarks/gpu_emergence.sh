@@ -20,8 +20,8 @@
 #              their speed in an earlier session): the only way both fit one lent GPU's time.
 #              The demo's wall time is then measured beside the three other runs, and says so.
 #
-# The device call (the device tool; .gpu_corpus is ignored by git, so it travels only when carried):
-#     run(command="bash benchmarks/gpu_emergence.sh both", carry=[".gpu_corpus"], timeout_s=600)
+# .gpu_corpus is ignored by git: whatever copies the checkout to the GPU machine must copy it too
+# (name it among the paths carried). Give the command about 10 minutes (`both`: about 8).
 #
 # Results go to $OUT (default /tmp/attn_probe_gpu_emergence): results.json and summary.txt (per
 # run: exit status, wall time, steps done, median [q25, q75] across layers of symmetry and
@@ -46,7 +46,7 @@ if [ "$PART" = prepare ]; then
     echo "note: $CORPUS is not ignored by git: it travels as untracked files (no carry needed), and shows in git status"
   fi
   du -sh "$CORPUS"
-  echo "next, on the GPU machine: run(command=\"bash benchmarks/gpu_emergence.sh both\", carry=[\"$CORPUS\"], timeout_s=600)"
+  echo "next, on the GPU machine, with $CORPUS copied along (it is ignored by git): bash benchmarks/gpu_emergence.sh both"
   exit 0
 fi
 
