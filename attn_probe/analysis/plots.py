@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..extraction import AttentionLayer
 
-__all__ = ["plot_dynamics", "plot_heatmap", "qk_for_layer", "random_bands", "score_ylim", "RANDOM_BAND_LABEL"]
+__all__ = ["plot_dynamics", "plot_heatmap", "qk_for_layer", "resolve_references", "random_bands", "score_ylim", "RANDOM_BAND_LABEL"]
 
 #: one colour per (run, group) in the dynamics figure
 _RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
@@ -105,7 +105,7 @@ RANDOM_PREFIX = "random_"
 _MIN_SCORE_SPAN = 0.25
 
 
-def _references(reference: Any) -> list[Any]:
+def resolve_references(reference: Any) -> list[Any]:
     """The paper runs named by ``reference`` (a name, a comma list, a PaperRun or a sequence of them),
     in order, each once; an unknown name is a one-line ``ValueError`` listing the names."""
     from ..baselines.paper import PaperRun, paper_run
@@ -233,7 +233,7 @@ def plot_dynamics(
         ...                     reference=["4-layer-encoder-jigsaw", "4-layer-decoder-jigsaw"])  # doctest: +SKIP
     """
     _check_path(path)
-    references = _references(reference)  # a bad name fails before anything is read
+    references = resolve_references(reference)  # a bad name fails before anything is read
     plt = _pyplot()
     import numpy as np
     from matplotlib.lines import Line2D

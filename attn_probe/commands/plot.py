@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
-    from ..analysis.plots import plot_dynamics, use_agg
+    from ..analysis.plots import plot_dynamics, resolve_references, use_agg
 
     with cli_errors("plot"):
+        resolve_references(args.reference)  # a bad name: one line, before matplotlib and the runs load
         use_agg()
         fig = plot_dynamics(args.runs, metrics=args.metric, groups=args.group, per_layer=args.per_layer,
                             logx=args.logx, title=args.title, path=args.output, reference=args.reference)
