@@ -344,8 +344,17 @@ def plot_dynamics(
     x_lo, x_hi = float(steps.min()), float(steps.max())
     ref_handles: list[Any] = []
     ref_labels: list[str] = []
-    if references:  # the paper's steps: only those the runs' range shows
-        from ..baselines.paper import PAPER_METRICS, paper_final, paper_trajectory
+    from ..baselines.paper import PAPER_METRICS
+
+    if references and not any(m in PAPER_METRICS for m in chosen_metrics):
+        import warnings
+
+        from .table import TrajectoryWarning
+
+        warnings.warn(f"the paper's trajectories hold {' and '.join(PAPER_METRICS)} only: no reference drawn "
+                      f"in the {', '.join(chosen_metrics)} panel{'s' if n > 1 else ''}", TrajectoryWarning, stacklevel=2)
+    if references and any(m in PAPER_METRICS for m in chosen_metrics):  # only the steps the runs' range shows
+        from ..baselines.paper import paper_final, paper_trajectory
 
         checkpoints = sorted(set(paper_trajectory(references[0])["step"]))
         if not any(x_lo <= c <= x_hi for c in checkpoints):  # no checkpoint in range: reach the nearest
@@ -370,9 +379,8 @@ def plot_dynamics(
                     shown[metric].extend((p.median, p.q25, p.q75))
             clipped = x_hi < last
             shown_to = f" (to {_step_label(x_hi)} of {_step_label(last)} steps)" if clipped else ""
-            if any(m in PAPER_METRICS for m in chosen_metrics):
-                ref_handles.append(Line2D([], [], color=colour, linestyle="--", linewidth=1.6))
-                ref_labels.append(run.describe() + shown_to)
+            ref_handles.append(Line2D([], [], color=colour, linestyle="--", linewidth=1.6))
+            ref_labels.append(run.describe() + shown_to)
 
     random_drawn = False
     for ax, metric in zip(axes, chosen_metrics, strict=True):
@@ -419,7 +427,7 @@ def plot_dynamics(
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
             ax.xaxis.set_major_formatter(FuncFormatter(_step_label))
         ax.grid(True, alpha=0.3)
-    if references or random_drawn:  # long labels: one legend under the panels
+    if ref_handles or random_drawn:  # long labels: one legend under the panels
         ncols = 1
         if n > 1 and ref_handles:  # the runs (and the random range) in one column, the paper's in the other
             rows = max(len(handles), len(ref_handles))

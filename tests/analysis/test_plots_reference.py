@@ -161,6 +161,22 @@ def test_several_references_each_once_in_its_own_colour(tmp_path):
     plt.close(fig)
 
 
+def test_a_panel_the_paper_has_no_values_for_gets_no_reference_and_a_warning(tmp_path):
+    from attn_probe.analysis.trajectory import TrajectoryWarning
+
+    sink = TrajectorySink(str(tmp_path / "norms"))
+    sink.start(RunInfo({}, {}, ["self"], ["spectral_norm"], False))
+    for step in (0, 1000, 2000):
+        sink.log(Snapshot(step, 0.0, [Record("self", la, None, "spectral_norm", 1.0 + la + step / 1000)
+                                      for la in range(LAYERS)]))
+    sink.finish()
+    with pytest.warns(TrajectoryWarning, match="symmetry and directionality only: no reference drawn in the spectral_norm panel"):
+        fig = plot_dynamics(tmp_path / "norms", metrics="spectral_norm", reference=ENC)
+    (ax,) = fig.axes
+    assert reference_lines(ax, ENC) == [] and hatched(ax) == [] and fig.legends == []
+    plt.close(fig)
+
+
 def test_unknown_reference_is_one_line_before_reading(tmp_path):
     with pytest.raises(ValueError) as info:
         plot_dynamics(tmp_path / "does-not-exist", reference="4-layer-encoder-wiki")
