@@ -103,6 +103,8 @@ RANDOM_PREFIX = "random_"
 #: score panels zoom to what they show, but never to less than this span of y (a gap of 0.1 is
 #: then at least 40% of the axis, and noise of 0.01 does not fill it)
 _MIN_SCORE_SPAN = 0.25
+#: how far past +-1 a score axis may reach, so that a line at exactly -1 is not hidden in the frame
+_SCORE_EDGE = 0.05
 
 
 def resolve_references(reference: Any) -> list[Any]:
@@ -159,8 +161,8 @@ def score_ylim(values: Sequence[float]) -> tuple[float, float]:
 
     The range of ``values`` (every drawn median, band edge, reference and random range) and 0
     (the dashed zero line: the sign stays readable), padded by 8% of the span, widened to at least
-    :data:`_MIN_SCORE_SPAN` around its centre, rounded out to 0.05 and kept inside [-1, 1], the
-    range of the scores. No value gives [-1, 1].
+    :data:`_MIN_SCORE_SPAN` around its centre, rounded out to 0.05 and kept inside [-1.05, 1.05]
+    (the scores' range, and room for a line at exactly -1 or 1). No value gives [-1, 1].
     """
     import math
 
@@ -174,10 +176,11 @@ def score_ylim(values: Sequence[float]) -> tuple[float, float]:
         mid = (lo + hi) / 2
         lo, hi = mid - _MIN_SCORE_SPAN / 2, mid + _MIN_SCORE_SPAN / 2
     lo, hi = math.floor(round(lo / 0.05, 6)) * 0.05, math.ceil(round(hi / 0.05, 6)) * 0.05
-    if lo < -1.0:
-        lo, hi = -1.0, min(1.0, hi + (-1.0 - lo))
-    if hi > 1.0:
-        lo, hi = max(-1.0, lo - (hi - 1.0)), 1.0
+    edge = 1.0 + _SCORE_EDGE
+    if lo < -edge:
+        lo, hi = -edge, min(edge, hi + (-edge - lo))
+    if hi > edge:
+        lo, hi = max(-edge, lo - (hi - edge)), edge
     return (round(lo, 10), round(hi, 10))
 
 
@@ -201,7 +204,7 @@ def plot_dynamics(
     layers as a line and the q25-q75 band around it. With ``per_layer=True`` every layer is a
     line coloured by depth (viridis, with a colorbar), and runs differ by line style. Score
     panels have a dashed zero line and a y range fitted to what they show (:func:`score_ylim`:
-    0 included, at least 0.25 tall, inside [-1, 1]), so that a gap of 0.1 between an encoder and
+    0 included, at least 0.25 tall, inside [-1.05, 1.05]), so that a gap of 0.1 between an encoder and
     a decoder is visible; the magnitudes (norms, stable rank, ``qk_bound``:
     :func:`attn_probe.core.is_magnitude`) get a log y axis. ``df_or_runs`` is a long table or
     run directories (see :func:`~attn_probe.analysis.trajectory.load_trajectory`). Saved to

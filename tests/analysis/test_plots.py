@@ -44,12 +44,12 @@ def write_run(run_dir, values, groups=("self",)):
 
 
 def assert_score_ylim(ax):
-    """A score panel's y range holds every drawn value (lines, bands) and 0, inside [-1, 1]."""
+    """A score panel's y range holds every drawn value (lines, bands) and 0, inside [-1.05, 1.05]."""
     ys = [np.asarray(ln.get_ydata(), dtype=float) for ln in ax.get_lines()]
     ys += [p.vertices[:, 1] for c in ax.collections if isinstance(c, PolyCollection) for p in c.get_paths()]
     ys = np.concatenate(ys)
     lo, hi = ax.get_ylim()
-    assert -1.0 <= lo <= min(ys.min(), 0.0) and max(ys.max(), 0.0) <= hi <= 1.0
+    assert -1.05 <= lo <= min(ys.min(), 0.0) and max(ys.max(), 0.0) <= hi <= 1.05
 
 
 def make_values(seed, groups=("self",)):

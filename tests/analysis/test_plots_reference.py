@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("pandas")
@@ -26,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 
 from attn_probe import plot_dynamics  # noqa: E402
+from attn_probe.analysis.plots import score_ylim  # noqa: E402
 from attn_probe.analysis.trajectory import TrajectoryError  # noqa: E402
 from attn_probe.sinks import Record, RunInfo, Snapshot  # noqa: E402
 from attn_probe.sinks.trajectory import TrajectorySink  # noqa: E402
@@ -247,8 +250,21 @@ def test_y_range_shows_a_small_gap_between_encoder_and_decoder(tmp_path, per_lay
     lo, hi = ax.get_ylim()
     assert (0.15 - 0.035) / (hi - lo) >= 1 / 3
     drawn = np.concatenate([np.asarray(ln.get_ydata(), dtype=float) for ln in ax.get_lines()])
-    assert lo <= min(drawn.min(), 0.0) and max(drawn.max(), 0.0) <= hi and -1 <= lo and hi <= 1
+    assert lo <= min(drawn.min(), 0.0) and max(drawn.max(), 0.0) <= hi and -1.05 <= lo and hi <= 1.05
     plt.close(fig)
+
+
+@given(st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=30))
+def test_score_ylim_holds_the_values_and_zero_and_is_at_least_a_quarter_tall(values):
+    lo, hi = score_ylim(values)
+    assert -1.05 <= lo <= min(*values, 0.0) and max(*values, 0.0) <= hi <= 1.05
+    assert hi - lo >= 0.25 - 1e-9
+    if min(values) == -1.0:  # a line at exactly -1 is not drawn on the frame
+        assert lo < -1.0
+
+
+def test_score_ylim_without_values_is_the_full_range():
+    assert score_ylim([]) == (-1.0, 1.0) and score_ylim([float("nan")]) == (-1.0, 1.0)
 
 
 def run_cli(*args, cwd):

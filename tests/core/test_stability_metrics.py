@@ -212,7 +212,7 @@ def test_two_metric_runs_still_load_plot_and_summarise(tmp_path, capsys):
     fig = plot_dynamics(df, metrics=["symmetry", "spectral_norm", "stable_rank"])
     scales = [ax.get_yscale() for ax in fig.axes[:3]]
     lo, hi = fig.axes[0].get_ylim()  # the score's range, fitted to the values (analysis.plots.score_ylim)
-    assert scales == ["linear", "log", "log"] and -1.0 <= lo <= 0.0 <= hi <= 1.0
+    assert scales == ["linear", "log", "log"] and -1.05 <= lo <= 0.0 <= hi <= 1.05
     plot_dynamics(tmp_path / "old", path=tmp_path / "old.png")  # the default figure of an old run
     assert main(["plot", str(tmp_path / "new"), "--metric", "qk_bound", "--metric", "directionality",
                  "-o", str(tmp_path / "norms.png")]) == 0
