@@ -100,8 +100,8 @@ _RANDOM_COLOUR = "0.55"
 _RANDOM_ALPHA = 0.22
 #: prefix of the random-matrix range's rows (attn_probe.baselines.random_range); never a panel
 RANDOM_PREFIX = "random_"
-#: score panels zoom to what they show, but never to less than this span of y (a gap of 0.1 is
-#: then at least 40% of the axis, and noise of 0.01 does not fill it)
+#: score panels zoom to what they show, but never to less than this span of y (a gap of 0.1 then
+#: fills up to 40% of the axis, and noise of 0.01 does not fill it)
 _MIN_SCORE_SPAN = 0.25
 #: how far past +-1 a score axis may reach, so that a line at exactly -1 is not hidden in the frame
 _SCORE_EDGE = 0.05
@@ -177,10 +177,9 @@ def score_ylim(values: Sequence[float]) -> tuple[float, float]:
         lo, hi = mid - _MIN_SCORE_SPAN / 2, mid + _MIN_SCORE_SPAN / 2
     lo, hi = math.floor(round(lo / 0.05, 6)) * 0.05, math.ceil(round(hi / 0.05, 6)) * 0.05
     edge = 1.0 + _SCORE_EDGE
-    if lo < -edge:
-        lo, hi = -edge, min(edge, hi + (-edge - lo))
-    if hi > edge:
-        lo, hi = max(-edge, lo - (hi - edge)), edge
+    lo, hi = max(lo, -edge), min(hi, edge)
+    if hi - lo < _MIN_SCORE_SPAN:  # the widening ran past an edge: keep the span on the other side
+        lo, hi = (lo, lo + _MIN_SCORE_SPAN) if lo == -edge else (hi - _MIN_SCORE_SPAN, hi)
     return (round(lo, 10), round(hi, 10))
 
 
