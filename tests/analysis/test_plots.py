@@ -43,6 +43,15 @@ def write_run(run_dir, values, groups=("self",)):
                                      "head": 1, "metric": metric, "value": 0.99}) + "\n")
 
 
+def assert_score_ylim(ax):
+    """A score panel's y range holds every drawn value (lines, bands) and 0, inside [-1.05, 1.05]."""
+    ys = [np.asarray(ln.get_ydata(), dtype=float) for ln in ax.get_lines()]
+    ys += [p.vertices[:, 1] for c in ax.collections if isinstance(c, PolyCollection) for p in c.get_paths()]
+    ys = np.concatenate(ys)
+    lo, hi = ax.get_ylim()
+    assert -1.05 <= lo <= min(ys.min(), 0.0) and max(ys.max(), 0.0) <= hi <= 1.05
+
+
 def make_values(seed, groups=("self",)):
     rng = np.random.default_rng(seed)
     return {(g, m, s, la): float(rng.uniform(-0.9, 0.9))
@@ -64,7 +73,7 @@ def test_dynamics_figure_has_one_band_and_median_per_run(runs, tmp_path):
     assert len(fig.axes) == 2
     for ax, metric in zip(fig.axes, ("symmetry", "directionality"), strict=True):
         assert ax.get_title() == metric
-        assert ax.get_ylim() == (-1.0, 1.0)
+        assert_score_ylim(ax)
         assert ax.get_xlabel() == "step"
         lines = ax.get_lines()
         zero = [ln for ln in lines if ln.get_linestyle() == "--"]
@@ -105,7 +114,7 @@ def test_per_layer_figure_colours_layers_by_depth(runs):
         layer = next(la for la in range(LAYERS)
                      if np.allclose(ys, [v[("self", "symmetry", s, la)] for s in STEPS]))
         np.testing.assert_allclose(matplotlib.colors.to_rgba(ln.get_color()), viridis(layer / (LAYERS - 1)))
-    assert ax.get_ylim() == (-1.0, 1.0)
+    assert_score_ylim(ax)
     plt.close(fig)
 
 
