@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attn_probe"
 LAYERS: list[tuple[str, ...]] = [
     # leaves: stdlib, torch, numpy only
     ("isolation", "schedules", "logdir", "live_view", "formats", "asynchronous", "counting",
-     "extraction.base", "resume_policy"),
+     "extraction.base", "resume_policy", "baselines.paper"),
     # architecture knowledge
     ("extraction", "intervention"),
     # the maths: the independent reference definitions (imports nothing of the package); the
@@ -31,6 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("core.products",),
     ("core.formulas",),
     ("core", "tags", "alerts"),
+    # what a score is compared with: the paper's trajectories (a stdlib leaf, above) and the
+    # random-matrix range of a layer's shape (scored by the core)
+    ("baselines",),
     # measured attention quantities; the attention-function registry glue they read through
     # (integrations.attention_functions: transformers' get_interface wrapped, imports no module of
     # the package, so it sits here rather than with the rest of integrations/)
