@@ -72,7 +72,22 @@ def test_one_tensorboard_command_for_both_models_and_the_paper(demo_run):
 def test_no_deepspeed_accelerator_warning(demo_run):
     _, text = demo_run
     assert "real_accelerator" not in text and "Setting accelerator" not in text
-    assert "DS_ACCELERATOR" not in os.environ  # not left behind in this process either
+
+
+def test_deepspeed_setting_is_scoped_and_a_users_value_kept(monkeypatch):
+    import torch
+
+    from attn_probe.demo.run import _deepspeed_on_cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    with _deepspeed_on_cpu():
+        assert os.environ["DS_ACCELERATOR"] == "cpu"
+    assert "DS_ACCELERATOR" not in os.environ
+    monkeypatch.setenv("DS_ACCELERATOR", "mine")
+    with _deepspeed_on_cpu():
+        assert os.environ["DS_ACCELERATOR"] == "mine"
+    assert os.environ["DS_ACCELERATOR"] == "mine"
 
 
 def test_one_final_loss_everywhere(demo_run):
