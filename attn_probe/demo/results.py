@@ -154,7 +154,8 @@ MEASURED_GPU_ENCODER_IQR = (0.385, 0.563)
 #: ... the step at which that encoder left the unigram plateau
 MEASURED_GPU_PLATEAU_EXIT = 810
 MEASURED_GPU = "on one H100: encoder +0.49 [IQR +0.39, +0.56] at step 12,000, decoder -0.04"
-#: the paper's 4-layer encoders at the end of training (Wikipedia / Jigsaw / RedPajama)
+#: the paper's 4-layer encoders at their last checkpoint (200,000; Wikipedia / RedPajama / Jigsaw), the span
+#: of the shipped table (attn_probe.baselines.paper; tests/demo/test_demo_interpret.py checks it)
 PAPER_4LAYER_ENCODER = (0.35, 0.66)
 
 

@@ -101,14 +101,18 @@ def _deepspeed_on_cpu() -> Iterator[None]:
         os.environ.pop("DS_ACCELERATOR", None)
 
 
-def _write_reference(cfg: DemoConfig, result_models: dict, root: Path, log: Callable[[str], None]) -> None:
-    """The paper's matching runs as TensorBoard runs beside the models' (:mod:`.reference`)."""
-    runs = matching_runs(result_models, SIZES[cfg.size][0], cfg.tokens)
+#: the attention group of the demo's models (BERT encoders and decoders: self-attention only)
+DEMO_GROUP = "self"
+
+
+def _write_reference(cfg: DemoConfig, root: Path, log: Callable[[str], None]) -> None:
+    """The paper's matching runs as TensorBoard runs beside the models' (:mod:`.reference`),
+    written before training so that the live view shows them from the start."""
+    runs = matching_runs(cfg.models, SIZES[cfg.size][0], cfg.tokens)
     if not runs:
         return
-    groups = sorted({r["group"] for m in result_models.values() for r in m.rows}) or ["self"]
     try:
-        written = write_paper_runs(root, runs, groups, cfg.steps)
+        written = write_paper_runs(root, runs, [DEMO_GROUP], cfg.steps)
     except Exception as exc:  # noqa: BLE001  (the trained runs are kept; the reference is extra)
         log(f"could not write the paper's reference runs for TensorBoard ({type(exc).__name__}: {exc})")
         return
@@ -158,12 +162,12 @@ def _run_demo(cfg: DemoConfig, log: Callable[[str], None], budget: CpuBudget | N
         f"corpus: {blocks.numel():,} tokens in {blocks.shape[0]:,} blocks; vocabulary {len(tokenizer):,}; "
         f"unigram entropy {entropy:.2f} nats"
     )
+    _write_reference(cfg, root, log)
     log(f"live view of both models and the paper's matching runs: {tensorboard_command(root)}")
     results, failures = train_models(cfg, tokenizer, blocks, root, plan, log=log)
     if results:
         log("")
         log(comparison_table(results, logging_steps(cfg)))
-        _write_reference(cfg, results, root, log)
     exits = {kind: plateau_exit(r.losses, entropy) for kind, r in results.items()}
     figure, figure_error = None, None
     if cfg.figure and results:

@@ -150,3 +150,10 @@ def test_failures_are_named_first():
     lines = demo.interpret(result, cuda=False)
     assert lines[0] == "decoder: did not finish (RuntimeError: out of memory); the other results are kept"
     assert result.gap is None and "median layer symmetry:" not in "\n".join(lines)
+
+
+def test_the_quoted_paper_range_is_the_tables():
+    """PAPER_4LAYER_ENCODER (the paper-small verdict's range) is the span of the 4-layer encoders' last
+    checkpoints in the shipped table, to the two decimals it is quoted with."""
+    finals = [paper_symmetry(4, "encoder", d)[200_000] for d in ("wikipedia", "red_pajama", "jigsaw")]
+    assert demo.PAPER_4LAYER_ENCODER == (round(min(finals), 2), round(max(finals), 2))
