@@ -103,7 +103,10 @@ def random_range(run_dir: Path, metric: str = "symmetry") -> RandomRange | None:
         for line in f:
             if f'"random_{metric}' not in line:
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError:  # a torn last line of an interrupted run
+                continue
             if row.get("head") is not None:
                 continue
             key = (row.get("group"), row.get("layer"))

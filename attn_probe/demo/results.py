@@ -312,22 +312,15 @@ def paper_side_by_side(result: DemoResult) -> list[str]:
     named. Nothing about the random range when the run logged none.
     """
     cfg = result.config
-    runs = matching_runs(result.models, SIZES[cfg.size][0], cfg.tokens)
     if not result.models:
         return []
     lines = []
-    if runs:
-        from ..baselines.paper import paper_final, paper_point
-
-        tokens = cfg.seq_len * cfg.batch_size
-        lines.append(f"the paper side by side (median layer symmetry; a paper step is {PAPER_TOKENS_PER_STEP:,} "
-                     f"tokens, a step here {tokens:,}):")
-        for kind, r in result.models.items():
-            run = runs[kind]
-            at, end = paper_point(run.name, "symmetry", cfg.steps), paper_final(run.name, "symmetry")
-            lines.append(f"  {kind} {r.median('symmetry'):+.3f} at step {cfg.steps:,}; {run.describe()}: "
-                         f"{at.median:+.3f} at step {at.step:,} (its nearest checkpoint), {end.median:+.3f} at "
-                         f"step {end.step:,} (its last)")
+    try:
+        runs = matching_runs(result.models, SIZES[cfg.size][0], cfg.tokens)
+        if runs:
+            lines.extend(_paper_lines(result, runs))
+    except Exception as exc:  # noqa: BLE001  (the verdict still says the rest)
+        lines.append(f"the paper's trajectories could not be read ({type(exc).__name__}: {exc})")
     for kind, r in result.models.items():
         rr = random_range(r.run_dir, "symmetry")
         if rr is None:
@@ -336,4 +329,20 @@ def paper_side_by_side(result: DemoResult) -> list[str]:
         n = rr.distance(value)
         lines.append(f"  {kind} {value:+.2f} is {_sds(n)} sd {'above' if n >= 0 else 'below'} the random range "
                      f"({rr.mean:+.2f} \u00b1 {rr.sd:.2f})")
+    return lines
+
+
+def _paper_lines(result: DemoResult, runs: dict[str, Any]) -> list[str]:
+    from ..baselines.paper import paper_final, paper_point
+
+    cfg = result.config
+    tokens = cfg.seq_len * cfg.batch_size
+    lines = [f"the paper side by side (median layer symmetry; a paper step is {PAPER_TOKENS_PER_STEP:,} "
+             f"tokens, a step here {tokens:,}):"]
+    for kind, r in result.models.items():
+        run = runs[kind]
+        at, end = paper_point(run.name, "symmetry", cfg.steps), paper_final(run.name, "symmetry")
+        lines.append(f"  {kind} {r.median('symmetry'):+.3f} at step {cfg.steps:,}; {run.describe()}: "
+                     f"{at.median:+.3f} at step {at.step:,} (its nearest checkpoint), {end.median:+.3f} at "
+                     f"step {end.step:,} (its last)")
     return lines

@@ -108,10 +108,10 @@ DEMO_GROUP = "self"
 def _write_reference(cfg: DemoConfig, root: Path, log: Callable[[str], None]) -> None:
     """The paper's matching runs as TensorBoard runs beside the models' (:mod:`.reference`),
     written before training so that the live view shows them from the start."""
-    runs = matching_runs(cfg.models, SIZES[cfg.size][0], cfg.tokens)
-    if not runs:
-        return
     try:
+        runs = matching_runs(cfg.models, SIZES[cfg.size][0], cfg.tokens)
+        if not runs:
+            return
         written = write_paper_runs(root, runs, [DEMO_GROUP], cfg.steps)
     except Exception as exc:  # noqa: BLE001  (the trained runs are kept; the reference is extra)
         log(f"could not write the paper's reference runs for TensorBoard ({type(exc).__name__}: {exc})")

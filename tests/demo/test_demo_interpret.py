@@ -94,6 +94,8 @@ def test_verdict_states_the_distance_from_the_runs_own_random_range(tmp_path):
     assert "  encoder +0.47 is 55 sd above the random range (+0.01 \u00b1 0.01)" in text
     assert "decoder +0.00 is" not in text  # the decoder's run logged no random range: nothing said
     _random_rows(tmp_path / "decoder", 0.02, 0.01)
+    with (tmp_path / "decoder" / "attn_probe.jsonl").open("a") as f:
+        f.write('{"step": 5, "metric": "random_symmetry", "val')  # a torn last line: skipped
     assert "  decoder +0.00 is 2.0 sd below the random range (+0.02 \u00b1 0.01)" in _text(result)
 
 
@@ -157,3 +159,15 @@ def test_the_quoted_paper_range_is_the_tables():
     checkpoints in the shipped table, to the two decimals it is quoted with."""
     finals = [paper_symmetry(4, "encoder", d)[200_000] for d in ("wikipedia", "red_pajama", "jigsaw")]
     assert demo.PAPER_4LAYER_ENCODER == (round(min(finals), 2), round(max(finals), 2))
+
+
+def test_an_unreadable_paper_table_is_said_and_the_verdict_goes_on(monkeypatch):
+    import attn_probe.baselines.paper as paper
+
+    def broken(*args, **kwargs):
+        raise FileNotFoundError("paper_trajectories.csv")
+
+    monkeypatch.setattr(paper, "paper_point", broken)
+    text = _text(_result(demo.DemoConfig(), (0.5,) * 4))
+    assert "the paper's trajectories could not be read (FileNotFoundError: paper_trajectories.csv)" in text
+    assert "phase: before the takeoff" in text
