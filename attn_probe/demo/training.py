@@ -23,11 +23,35 @@ def _logged_losses(log_history: Sequence[dict[str, Any]]) -> list[tuple[int, flo
     return [(int(e["step"]), float(e["loss"])) for e in log_history if "loss" in e and "step" in e]
 
 
+def logging_steps(cfg: DemoConfig) -> int:
+    """Steps between the Trainer's loss logs; each logged loss is the mean over those steps."""
+    return max(1, min(cfg.every, 10))
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``8 min 05 s``, ``1 h 02 min``."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def eta_seconds(done: int, total: int, elapsed: float) -> float | None:
+    """Seconds left at the mean rate so far (``done`` of ``total`` steps in ``elapsed`` s); None before a step."""
+    if done <= 0 or elapsed <= 0:
+        return None
+    return (total - done) * elapsed / done
+
+
 def _progress_callback(kind: str, position: int, stream: Any = None) -> Any:
     """One progress display per model, in place of the Trainer's (which prints every log's dict).
 
     On a terminal: a ``tqdm`` bar named after the model at line ``position`` (bars of models
-    trained at the same time stack); otherwise one line at every tenth of training.
+    trained at the same time stack; tqdm shows the time left). Otherwise one line at every tenth
+    of training, with the loss logged at that step, the time so far and the time left at the
+    mean rate so far. A line waits for the step's log (the Trainer logs after the step's end).
     """
     import sys
 
@@ -40,10 +64,13 @@ def _progress_callback(kind: str, position: int, stream: Any = None) -> Any:
             self.bar: Any = None
             self.loss: float | None = None
             self.next_line = 0
+            self.due: tuple[int, int] | None = None  # (step, max_steps) of a line waiting for its log
             self.start = time.perf_counter()
+            self.first_step = 0
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.start = time.perf_counter()
+            self.first_step = state.global_step
             if stream.isatty():
                 from tqdm.auto import tqdm
 
@@ -51,22 +78,35 @@ def _progress_callback(kind: str, position: int, stream: Any = None) -> Any:
                                 position=position, leave=True, dynamic_ncols=True, file=stream)
             self.next_line = state.global_step + max(1, state.max_steps // 10)
 
+        def _line(self) -> None:
+            step, total = self.due
+            self.due = None
+            elapsed = time.perf_counter() - self.start
+            left = eta_seconds(step - self.first_step, total - self.first_step, elapsed)
+            loss = "" if self.loss is None else f", loss {self.loss:.3f}"
+            eta = "" if left is None or step >= total else f", about {_duration(left)} left"
+            print(f"{kind}: step {step:,}/{total:,}{loss}, {_duration(elapsed)}{eta}", file=stream, flush=True)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.loss = float(logs["loss"])
                 if self.bar is not None:
                     self.bar.set_postfix(loss=f"{self.loss:.3f}", refresh=False)
+                if self.due is not None:
+                    self._line()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
                 self.bar.update(state.global_step - self.bar.n)
             elif state.global_step >= self.next_line or state.global_step == state.max_steps:
                 self.next_line = state.global_step + max(1, state.max_steps // 10)
-                loss = "" if self.loss is None else f", loss {self.loss:.3f}"
-                print(f"{kind}: step {state.global_step:,}/{state.max_steps:,}{loss}, "
-                      f"{time.perf_counter() - self.start:.0f} s", file=stream, flush=True)
+                if self.due is not None:  # the previous line's step had no log
+                    self._line()
+                self.due = (state.global_step, state.max_steps)
 
         def on_train_end(self, args, state, control, **kwargs):
+            if self.due is not None:
+                self._line()
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
@@ -131,7 +171,8 @@ def train_model(
         # TensorBoard drops the earlier run's events from the checkpoint's step on
         purge = checkpoint_step(resume_from) if resume_from else None
         all_callbacks[:0] = [
-            attn_probe.AttnProbeCallback(every=cfg.every, log_dir=str(run_dir)),
+            # the demo prints one TensorBoard command, for all its runs (run.py)
+            attn_probe.AttnProbeCallback(every=cfg.every, log_dir=str(run_dir), announce=False),
             TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(run_dir), purge_step=purge)),
         ]
     args = TrainingArguments(
@@ -142,7 +183,7 @@ def train_model(
         warmup_steps=cfg.warmup,
         weight_decay=cfg.weight_decay,
         lr_scheduler_type="linear",
-        logging_steps=max(1, min(cfg.every, 10)),
+        logging_steps=logging_steps(cfg),
         save_strategy="steps" if cfg.save_every else "no",
         save_steps=cfg.save_every or 500,
         save_total_limit=2 if cfg.save_every else None,

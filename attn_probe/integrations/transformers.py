@@ -106,7 +106,9 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     TensorBoard directory; ``sinks`` adds sinks; ``trackers`` (default ``True``) also sends
     the values to the Trainer's other reporting integrations (W&B, MLflow, trackio, ...; a
     list of integration names narrows them, ``False`` turns it off) and ``trackers_per_head``
-    adds per-head values there; every other option is a field of
+    adds per-head values there; ``announce=False`` leaves out the one-line status (what is
+    watched, and its TensorBoard command) printed at the start, for a caller that prints its own;
+    every other option is a field of
     :class:`~attn_probe.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
     ``layers``, ``num_std``, ``images_every``, ...), validated here: a misspelled or invalid
     option raises ``TypeError``/``ValueError`` when the callback is built.
@@ -144,6 +146,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         sinks: Sequence[Any] | None = None,
         trackers: bool | Sequence[str] = True,
         trackers_per_head: bool = False,
+        announce: bool = True,
         **options: Any,
     ) -> None:
         if "_json_args" in self.__dict__:
@@ -159,6 +162,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.sinks = list(sinks) if sinks is not None else None
         self.trackers = trackers
         self.trackers_per_head = bool(trackers_per_head)
+        #: print the one-line "watching ..." status (with its TensorBoard command) at the start
+        self.announce = bool(announce)
         self.probe: Probe | None = None
         self.handler: Any = None  # the Trainer's CallbackHandler, set by attach()
         self.run_log_dir: str | None = None  # where this run's probe writes (saved with checkpoints)
@@ -392,7 +397,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.run_log_dir = log_dir
         self.run_log_dir_relative = relative_to(log_dir, args.output_dir) if log_dir is not None else None
         self.run_output_dir = os.path.abspath(str(args.output_dir))
-        if main:
+        if main and self.announce:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)
 

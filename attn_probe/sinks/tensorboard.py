@@ -4,9 +4,10 @@ Writes, into one run directory (the training run's own, so loss and scores sit t
 
 * scalars ``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]`` and ``.../{median,q25,q75}``
   (``.../max`` too for the norms);
-* once at start, a custom_scalars layout (:func:`custom_scalars_layout`: per group, a Margin
-  chart median with the q25-q75 band per metric, a Multiline chart of the per-layer curves,
-  the norms in a category of their own with their max) and the
+* once at start, a custom_scalars layout (:func:`custom_scalars_layout`: first the paper's figure,
+  symmetry's median with the q25-q75 band, in a category of its own; then per group a Margin
+  chart per other metric, a Multiline chart of the per-layer curves, the norms in a category of
+  their own with their max) and the
   configuration / model description as text;
 * optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``.
 
@@ -30,7 +31,7 @@ from ..isolation import safe_warn
 from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot
 
-__all__ = ["TensorBoardSink", "custom_scalars_layout", "heatmap_tag", "emit_session_start", "writer_log_dir",
+__all__ = ["TensorBoardSink", "custom_scalars_layout", "paper_category", "band_chart_title", "heatmap_tag", "emit_session_start", "writer_log_dir",
            "CONFIG_TEXT_TAG"]
 
 CONFIG_TEXT_TAG = f"{PREFIX}/config"
@@ -41,25 +42,52 @@ def heatmap_tag(group: str, layer: int) -> str:
     return f"{HEATMAP_PREFIX}/{group}/layer_{layer:02d}"
 
 
+#: the paper's figure: a score's median across layers with its interquartile band
+PAPER_METRIC = "symmetry"
+#: metrics logged once per run (the random-matrix range, ``random_*``): no per-step charts
+ONCE_PER_RUN_PREFIX = "random_"
+
+
+def band_chart_title(metric: str) -> str:
+    """Title of the Margin chart of ``metric``'s median across layers with its q25-q75 band."""
+    return f"{metric}: median across layers (q25-q75)"
+
+
+def paper_category(group: str) -> str:
+    """Title of the category holding the paper's figure of ``group`` alone (the first one shown)."""
+    return f"{PREFIX}/{group}: {PAPER_METRIC}, the paper's figure"
+
+
 def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, dict[str, list[Any]]]:
     """``{category: {chart: [kind, tags]}}`` for ``SummaryWriter.add_custom_scalars``.
 
-    Per group, category ``attn_probe/{group}`` holds the scores (symmetry, directionality, ...):
-    a Margin chart (median with the q25-q75 band) and a Multiline chart of the per-layer
-    curves per metric. The magnitudes (:func:`attn_probe.tags.stats_for` gives them a ``max``)
-    get their own category ``attn_probe/{group}/norms``: the same two charts plus a Multiline
-    chart of the across-layer max and median. TensorBoard's layout has no axis-scale field;
-    the log scale of the norm charts is a toggle in each chart's toolbar.
+    TensorBoard's Custom Scalars (2.21) shows the categories in layout order, but within a
+    category it draws the Multiline charts first and the Margin charts last. So the paper's
+    figure (symmetry: median across layers with the q25-q75 band) gets a category of its own,
+    ``attn_probe/{group}: symmetry, the paper's figure`` (:func:`paper_category`), ahead of the
+    others: it is the first chart on the page. Then, per group, category ``attn_probe/{group}``
+    holds the other scores' Margin charts and every score's per-layer Multiline chart. The
+    magnitudes (:func:`attn_probe.tags.stats_for` gives them a ``max``) get their own category
+    ``attn_probe/{group}/norms``: the same two charts plus a Multiline chart of the across-layer
+    max and median. Metrics logged once per run (``random_*``, the random-matrix range) get no
+    chart. TensorBoard's layout has no axis-scale field; the log scale of the norm charts is a
+    toggle in each chart's toolbar.
     """
+    metrics = [m for m in metrics if not m.startswith(ONCE_PER_RUN_PREFIX)]
     layout: dict[str, dict[str, list[Any]]] = {}
+    for group in groups:  # the paper's figure of every group first
+        if PAPER_METRIC in metrics:
+            band = [scalar_tag(group, PAPER_METRIC, stat=s) for s in BAND_STATS]
+            layout[paper_category(group)] = {band_chart_title(PAPER_METRIC): ["Margin", band]}
     for group in groups:
         scores: dict[str, list[Any]] = {}
         norms: dict[str, list[Any]] = {}
         for metric in metrics:
             stats = stats_for(metric)
             charts = norms if "max" in stats else scores
-            band = [scalar_tag(group, metric, stat=s) for s in BAND_STATS]  # Margin: value, lower, upper
-            charts[f"{metric}: median across layers (q25-q75)"] = ["Margin", band]
+            if metric != PAPER_METRIC:
+                band = [scalar_tag(group, metric, stat=s) for s in BAND_STATS]  # Margin: value, lower, upper
+                charts[band_chart_title(metric)] = ["Margin", band]
             if "max" in stats:
                 charts[f"{metric}: max and median across layers"] = [
                     "Multiline", [re.escape(scalar_tag(group, metric, stat=s)) + "$" for s in ("max", "median")]]

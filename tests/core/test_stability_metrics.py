@@ -184,7 +184,7 @@ def test_the_probe_writes_max_for_the_norms_only_and_reads_it_back(tmp_path):
     from attn_probe.sinks.tensorboard import custom_scalars_layout
 
     layout = custom_scalars_layout(["self"], list(DEFAULT_METRICS))
-    assert set(layout) == {"attn_probe/self", "attn_probe/self/norms"}
+    assert set(layout) == {"attn_probe/self: symmetry, the paper's figure", "attn_probe/self", "attn_probe/self/norms"}
     assert all(c.split(":")[0] in ("symmetry", "directionality") for c in layout["attn_probe/self"])
     assert all(c.split(":")[0] in NORMS for c in layout["attn_probe/self/norms"])
 

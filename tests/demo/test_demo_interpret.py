@@ -36,27 +36,67 @@ def test_cpu_preset_as_measured_gets_the_range_and_a_verdict(encoder, verdict):
     assert f"  {verdict} the range measured for the cpu preset (+0.449 and +0.489 in two runs (seeds 0 and 1))" in text
 
 
-# The paper's character-level 4-layer runs, median layer symmetry, read from the released repository's
-# checkpoint scores (../shared/paper_trajectories.csv): Wikipedia, then RedPajama.
-PAPER_AT_1K = {"encoder": "+0.13 / +0.16", "decoder": "+0.04 / +0.02"}
-PAPER_AT_200K = {"encoder": "+0.35 / +0.48", "decoder": "-0.50 / -0.54"}
+def paper_table() -> list[dict[str, str]]:
+    """The paper's trajectory table as shipped (package data), read here with csv alone."""
+    import csv
+
+    import attn_probe.baselines
+
+    path = Path(attn_probe.baselines.__file__).with_name("paper_trajectories.csv")
+    with path.open() as f:
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
-def test_cpu_preset_after_the_takeoff_is_compared_with_the_papers_character_level_runs():
+def paper_symmetry(layers: int, model: str, dataset: str) -> dict[int, float]:
+    """step -> median layer symmetry of one of the paper's runs."""
+    return {int(r["step"]): float(r["symmetry_median"]) for r in paper_table()
+            if int(r["layers"]) == layers and r["model"] == model and r["dataset"] == dataset}
+
+
+@pytest.mark.parametrize(("tokens", "dataset", "described"), [
+    ("chars", "wikipedia", "Wikipedia, character-level"), ("wordpiece", "jigsaw", "Jigsaw")])
+def test_verdict_names_the_papers_matching_run_at_the_same_step_and_at_its_end(tokens, dataset, described):
+    """The cpu preset's 1,500 steps: the paper's nearest checkpoint is 1,000 (1,000 and 2,000 tie: the
+    lower), its last 200,000; both models, with the values of the shipped table."""
     exits = {"encoder": 550, "decoder": 50}
-    text = _text(_result(demo.DemoConfig(), (0.3, 0.45, 0.5, 0.6), (0.0, 0.01, 0.03, 0.05), exits=exits))
-    assert "phase: takeoff -- the encoder left the unigram plateau" in text
-    assert "before the takeoff" not in text and "--preset paper-small" not in text
-    assert (f"paper, character-level 4-layer runs (Wikipedia / RedPajama): encoder {PAPER_AT_1K['encoder']}, "
-            f"decoder {PAPER_AT_1K['decoder']} at step 1,000") in text
-    assert (f"at 200k steps encoder {PAPER_AT_200K['encoder']}, decoder {PAPER_AT_200K['decoder']}. "
-            "Yours: encoder +0.475, decoder +0.020.") in text
-    # 1,500 steps x 32 x 32 tokens
-    assert "one here 1,024: this run saw 1.5 M tokens" in text
-    # a word-level run is not compared with the character-level paper runs
-    word = dataclasses.replace(demo.DemoConfig(), tokens="wordpiece")
-    assert "character-level 4-layer runs" not in _text(_result(word, (0.5,) * 4, exits=exits))
-    assert demo.measured_differences(word) == ["--tokens wordpiece"]
+    cfg = dataclasses.replace(demo.DemoConfig(), tokens=tokens)
+    text = _text(_result(cfg, (0.3, 0.45, 0.5, 0.6), (0.0, 0.01, 0.03, 0.05), exits=exits))
+    assert "a paper step is 131,072 tokens, a step here 1,024" in text
+    for kind, mine in (("encoder", 0.475), ("decoder", 0.02)):
+        table = paper_symmetry(4, kind, dataset)
+        assert min(table) == 1000 and max(table) == 200_000 and len(table) == 200
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"  {kind} {mine:+.3f} at step 1,500; "))
+        assert f"the paper's 4-layer {kind}, {described}" in line
+        assert (f": {table[1000]:+.3f} at step 1,000 (its nearest checkpoint), {table[200_000]:+.3f} at step "
+                "200,000 (its last)") in line
+    other = paper_symmetry(4, "encoder", dataset)
+    at_2600 = "\n".join(demo.interpret(_result(dataclasses.replace(cfg, steps=2600), (0.5,) * 4), cuda=False))
+    assert f"{other[3000]:+.3f} at step 3,000 (its nearest checkpoint)" in at_2600
+
+
+def _random_rows(run_dir: Path, mean: float, sd: float, layers: int = 4) -> None:
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": 0, "group": "self", "layer": i, "head": None, "metric": m, "value": v}
+            for i in range(layers) for m, v in (("random_symmetry", mean), ("random_symmetry_sd", sd),
+                                                ("symmetry", 0.9))]
+    (run_dir / "attn_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_verdict_states_the_distance_from_the_runs_own_random_range(tmp_path):
+    result = _result(demo.DemoConfig(), (0.46, 0.46, 0.48, 0.48), (0.0, 0.0, 0.0, 0.0))
+    result.models["encoder"].run_dir = tmp_path / "encoder"
+    result.models["decoder"].run_dir = tmp_path / "decoder"
+    _random_rows(tmp_path / "encoder", 0.01, 0.0083)
+    text = _text(result)
+    # (0.47 - 0.01) / 0.0083 = 55.4
+    assert "  encoder +0.47 is 55 sd above the random range (+0.01 \u00b1 0.01)" in text
+    assert "decoder +0.00 is" not in text  # the decoder's run logged no random range: nothing said
+    _random_rows(tmp_path / "decoder", 0.02, 0.01)
+    with (tmp_path / "decoder" / "attn_probe.jsonl").open("a") as f:
+        f.write('{"step": 5, "metric": "random_symmetry", "val')  # a torn last line: skipped
+    assert "  decoder +0.00 is 2.0 sd below the random range (+0.02 \u00b1 0.01)" in _text(result)
 
 
 def test_changed_settings_get_no_measured_range():
@@ -112,3 +152,22 @@ def test_failures_are_named_first():
     lines = demo.interpret(result, cuda=False)
     assert lines[0] == "decoder: did not finish (RuntimeError: out of memory); the other results are kept"
     assert result.gap is None and "median layer symmetry:" not in "\n".join(lines)
+
+
+def test_the_quoted_paper_range_is_the_tables():
+    """PAPER_4LAYER_ENCODER (the paper-small verdict's range) is the span of the 4-layer encoders' last
+    checkpoints in the shipped table, to the two decimals it is quoted with."""
+    finals = [paper_symmetry(4, "encoder", d)[200_000] for d in ("wikipedia", "red_pajama", "jigsaw")]
+    assert demo.PAPER_4LAYER_ENCODER == (round(min(finals), 2), round(max(finals), 2))
+
+
+def test_an_unreadable_paper_table_is_said_and_the_verdict_goes_on(monkeypatch):
+    import attn_probe.baselines.paper as paper
+
+    def broken(*args, **kwargs):
+        raise FileNotFoundError("paper_trajectories.csv")
+
+    monkeypatch.setattr(paper, "paper_point", broken)
+    text = _text(_result(demo.DemoConfig(), (0.5,) * 4))
+    assert "the paper's trajectories could not be read (FileNotFoundError: paper_trajectories.csv)" in text
+    assert "phase: before the takeoff" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ pytest.importorskip("tokenizers")
 from attn_probe import demo  # noqa: E402
 from attn_probe.cli import main  # noqa: E402
 from attn_probe.demo.processes import describe_failure  # noqa: E402
+from attn_probe.tags import scalar_tag  # noqa: E402
 
 TINY = ["--size", "tiny", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--every", "2",
         "--vocab-size", "200", "--max-chars", "20000", "--no-progress", "--no-figure", "--threads", "1"]
@@ -110,6 +112,57 @@ def test_the_printed_commands_run_on_the_final_models(tmp_path, capsys):
                     assert f"{r['symmetry']:+.3f}" in done.stdout or f"{r['symmetry']:.3f}" in done.stdout, done.stdout
     figure = tmp_path / "con" / "encoder_layer1.png"
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # ... and so does its one TensorBoard command: both models and the paper's matching runs
+    (tensorboard,) = set(re.findall(r"(tensorboard --logdir \S+ --samples_per_plugin scalars=\d+)$", out, re.M))
+    served = _serve_as_printed(tensorboard, env, scalar_tag("self", "symmetry", stat="median"))
+    assert set(served) == {"encoder", "decoder", "paper-4-layer-encoder-wikipedia", "paper-4-layer-decoder-wikipedia"}
+    assert [step for _, step, _ in served["encoder"]] == [0, 2, 4, 6]
+    assert [step for _, step, _ in served["paper-4-layer-decoder-wikipedia"]] == [1000]
+
+
+def _serve_as_printed(command: str, env: dict, tag: str, timeout: float = 120) -> dict[str, list]:
+    """Run a printed ``tensorboard`` command; the custom-scalars data of ``tag``, run -> points,
+    once every run is loaded (TensorBoard scans for a free port from 6006 and prints its address)."""
+    import signal
+    import time
+    import urllib.parse
+    import urllib.request
+
+    proc = subprocess.Popen(command, shell=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        base, seen = None, []
+        while base is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                pytest.fail("tensorboard exited: " + "".join(seen)[-2000:])
+            seen.append(line)
+            found = re.search(r"(http://\S+?)/? \(Press CTRL\+C", line)
+            base = found.group(1) if found else None
+        assert base, "".join(seen)[-2000:]
+        served: dict[str, list] = {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"{base}/data/runs", timeout=10) as resp:
+                runs = json.loads(resp.read())
+            served = {}
+            for run in runs:
+                query = urllib.parse.urlencode({"run": run, "tag": tag})
+                with urllib.request.urlopen(f"{base}/data/plugin/custom_scalars/scalars?{query}", timeout=10) as resp:
+                    events = json.loads(resp.read())["tag_to_events"].get(tag)
+                if events:
+                    served[run] = events
+            if len(served) >= 4:
+                break
+            time.sleep(1)
+        return served
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
 
 
 def _corrupt_checkpoint(trainer_dir: Path) -> None:

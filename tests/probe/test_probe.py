@@ -171,7 +171,7 @@ def test_two_probes_in_one_process(tmp_path):
 def test_layout_names_existing_tags():
     layout = custom_scalars_layout(["self"], ["symmetry", "directionality"])
     charts = layout["attn_probe/self"]
-    margin = charts["symmetry: median across layers (q25-q75)"]
+    margin = layout["attn_probe/self: symmetry, the paper's figure"]["symmetry: median across layers (q25-q75)"]
     assert margin[0] == "Margin" and [parse_tag(t).stat for t in margin[1]] == ["median", "q25", "q75"]
     import re
 

@@ -94,10 +94,14 @@ def test_server_serves_scalars_and_layout(server):
 
     layout = get_json(base, "/data/plugin/custom_scalars/layout")
     categories = {c["title"]: c for c in layout["category"]}
-    assert set(categories) == {"attn_probe/self", "attn_probe/self/norms"}  # the scores, the norms
+    # the paper's figure alone first, the scores, the norms
+    assert [c["title"] for c in layout["category"]] == [
+        "attn_probe/self: symmetry, the paper's figure", "attn_probe/self", "attn_probe/self/norms"]
     category = categories["attn_probe/self"]
     charts = {c["title"]: c for c in category["chart"]}
-    margin = charts["symmetry: median across layers (q25-q75)"]["margin"]["series"][0]
+    (paper,) = categories["attn_probe/self: symmetry, the paper's figure"]["chart"]
+    assert paper["title"] == "symmetry: median across layers (q25-q75)"
+    margin = paper["margin"]["series"][0]
     assert (margin["value"], margin["lower"], margin["upper"]) == (
         "attn_probe/self/symmetry/median", "attn_probe/self/symmetry/q25", "attn_probe/self/symmetry/q75")
     (regex,) = charts["directionality: per layer"]["multiline"]["tag"]
