@@ -22,13 +22,19 @@ from .table import (
 MAX_DEPTH = 64
 
 
+#: a file marking a directory as a reference written for TensorBoard (the demo's ``paper-<name>``
+#: runs: the paper's trajectories, not a probe run); a walk below a given path skips it silently
+REFERENCE_MARKER = "attn_probe_reference.txt"
+
+
 def _run_dirs_below(root: Path) -> list[Path]:
     """Run directories at or below ``root``, in sorted depth-first order.
 
     A directory holding ``attn_probe.jsonl`` is one run, and event files below it (a
     logging sub-directory) belong to it; directories below it with their own trajectory
     file are separate runs. The walk is iterative, follows symbolic links to directories
-    but enters each directory once (a link loop is skipped), and raises
+    but enters each directory once (a link loop is skipped), skips directories below ``root``
+    that hold :data:`REFERENCE_MARKER` (with everything below them), and raises
     :class:`TrajectoryError` (one line) below :data:`MAX_DEPTH` levels.
     """
     found: list[Path] = []
@@ -45,6 +51,8 @@ def _run_dirs_below(root: Path) -> list[Path]:
             entries = sorted(d.iterdir())
         except (OSError, RuntimeError):
             continue
+        if depth and any(e.name == REFERENCE_MARKER for e in entries):
+            continue  # a reference written for TensorBoard beside the runs, not a run
         has_traj = (d / TRAJECTORY_FILENAME).is_file()
         if has_traj or (not covered and any(is_event_file(e.name) and e.is_file() for e in entries)):
             found.append(d)

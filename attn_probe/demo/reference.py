@@ -52,6 +52,7 @@ def write_paper_runs(root: Path, runs: dict[str, Any], groups: list[str], last_s
     """
     from torch.utils.tensorboard import SummaryWriter
 
+    from ..analysis.runs import REFERENCE_MARKER
     from ..baselines.paper import paper_trajectory
     from ..sinks.tensorboard import CONFIG_TEXT_TAG
     from ..tags import BAND_STATS, scalar_tag
@@ -64,6 +65,8 @@ def write_paper_runs(root: Path, runs: dict[str, Any], groups: list[str], last_s
         for old in run_dir.glob("events.out.tfevents.*"):
             old.unlink()
         writer = SummaryWriter(log_dir=str(run_dir))
+        (run_dir / REFERENCE_MARKER).write_text(  # `attn-probe plot/summary runs/demo` skip this directory
+            f"{run.describe()}: the paper's trajectory for TensorBoard, written by attn-probe demo; not a probe run\n")
         try:
             writer.add_text(CONFIG_TEXT_TAG, f"{run.describe()}: median and quartiles across layers per checkpoint "
                             "(the paper's released repository; attn_probe.baselines.paper)", global_step=0)

@@ -146,3 +146,19 @@ def test_reference_runs_are_clipped_to_the_demos_steps(tmp_path, last_step, show
         assert [v for _, v in got] == pytest.approx([table[s]["symmetry_q75"] for s in shown], abs=1e-6)
     write_paper_runs(tmp_path, runs, ["self"], last_step)  # a rerun replaces the run, not appends to it
     assert len(list(written.glob("events.out.tfevents.*"))) == 1
+
+
+def test_reading_the_demo_root_back_skips_the_paper_runs(demo_run):
+    """`attn-probe plot/summary runs/demo` read the two models only: the paper's TensorBoard runs
+    beside them are not probe runs, and no warning names them."""
+    import warnings
+
+    from attn_probe.analysis.trajectory import load_trajectory
+
+    root, _ = demo_run
+    assert sorted(p.name for p in root.glob("paper-*")), "the demo wrote no paper run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = load_trajectory(root)
+    assert sorted(df["run"].unique()) == ["decoder", "encoder"]
+    assert not [w for w in caught if "paper-" in str(w.message)], [str(w.message) for w in caught]
