@@ -41,16 +41,16 @@ import torch
 
 from ..core import score_factor_stack
 
-__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "MAX_DRAW_ENTRIES", "LayerShape", "RandomRange", "draw_factors",
-           "random_range", "random_range_rows", "clear_cache"]
+__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "MAX_DRAW_ENTRIES", "LayerShape", "RandomRange",
+           "draw_factors", "random_range", "random_range_rows", "clear_cache"]
 
 #: draws per shape (each gives one layer score and ``H`` head scores)
 DEFAULT_DRAWS = 32
-#: seconds one :func:`random_range` call may spend drawing and scoring (at least two draws are
-#: attempted when the first one fits in it)
+#: seconds the live probe gives the range of all its layer shapes at attach (one
+#: :func:`random_range` call: the draws stop when the next scored call would pass it; at least one)
 DEFAULT_BUDGET = 5.0
-#: numbers (query + key factors) of one draw above which a shape is skipped: 2^26 float32 is
-#: 256 MiB per factor copy, about 10 s of scoring on a 2-core CPU
+#: numbers (query + key factors) of one draw above which a shape is skipped: 2^26 float32 numbers
+#: are 256 MiB, and one such draw takes several seconds to score on a CPU
 MAX_DRAW_ENTRIES = 1 << 26
 #: numbers of factors scored in one stacked call (small shapes: many draws in one call; the time
 #: budget is checked between calls)

@@ -66,6 +66,7 @@ def test_every_draw_equals_the_explicit_matrices_of_the_same_factors(name):
     assert got.symmetry_sd == pytest.approx(got.layer_samples[:, 0].std(ddof=1))
     both = np.concatenate([got.head_samples[:, :, 1].ravel(), -got.head_samples[:, :, 1].ravel()])
     assert got.head_directionality_sd == pytest.approx(both.std(ddof=1))
+    assert got.directionality == 0.0 and got.head_directionality == 0.0
 
 
 def test_grouped_query_heads_pair_as_repeat_kv_does():
