@@ -41,7 +41,7 @@ import torch
 
 from ..core import score_factor_stack
 
-__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "MAX_DRAW_ENTRIES", "LayerShape", "RandomRange",
+__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "HEAD_SAMPLES", "MAX_DRAW_ENTRIES", "LayerShape", "RandomRange",
            "draw_factors", "random_range", "random_range_rows", "clear_cache"]
 
 #: draws per shape (each gives one layer score and ``H`` head scores)
@@ -55,6 +55,8 @@ MAX_DRAW_ENTRIES = 1 << 26
 #: numbers of factors scored in one stacked call (small shapes: many draws in one call; the time
 #: budget is checked between calls)
 CHUNK_ENTRIES = 1 << 22
+#: head scores pooled per shape: the first ``ceil(HEAD_SAMPLES / H)`` draws are scored per head
+HEAD_SAMPLES = 256
 _SCORED = ("symmetry", "directionality")
 
 
@@ -94,10 +96,11 @@ class RandomRange:
 
     Layer matrix: ``symmetry``, ``symmetry_sd``, ``directionality``, ``directionality_sd``
     (from ``draws`` values). One head's ``M_h``: the ``head_*`` fields, pooled over the heads
-    and draws (``draws * num_heads`` values), NaN when ``per_head`` was off. ``draws == 0``:
+    of the first ``ceil(HEAD_SAMPLES / num_heads)`` draws (the later ones score the layer matrix
+    alone), NaN when ``per_head`` was off. ``draws == 0``:
     skipped, every value NaN, ``note`` says why; fewer draws than asked: ``note`` says so. A
     standard deviation from one value is NaN. ``layer_samples`` ``(draws, 2)`` and
-    ``head_samples`` ``(draws, H, 2)`` hold every draw's (symmetry, directionality).
+    ``head_samples`` ``(head draws, H, 2)`` hold the draws' (symmetry, directionality).
     """
 
     shape: LayerShape
@@ -167,14 +170,16 @@ def clear_cache() -> None:
 
 def random_range(shape: LayerShape, *, draws: int = DEFAULT_DRAWS, seed: int = 0, num_std: float = 2.0,
                  per_head: bool = True, budget: float | None = DEFAULT_BUDGET,
-                 dtype: torch.dtype = torch.float32, cache: bool = True) -> RandomRange:
+                 dtype: torch.dtype = torch.float32, head_samples: int = HEAD_SAMPLES,
+                 cache: bool = True) -> RandomRange:
     """The random range of ``shape`` (see the module docstring), cached per process.
 
     ``budget``: seconds for the draws (``None``: no limit); the draws stop when the next chunk
     would pass it, so a large shape gets fewer draws (at least one, two when the first fits in
     half the budget), stated in ``note``. A shape whose one draw exceeds :data:`MAX_DRAW_ENTRIES`
     numbers is skipped (``draws == 0``). ``dtype``: the core's computation dtype (the probe's is
-    float32). Raises ``ValueError`` for a bad shape or ``draws < 1``.
+    float32). ``head_samples``: heads pooled for the head range (the first draws are scored per
+    head until that many). Raises ``ValueError`` for a bad shape or ``draws < 1``.
     """
     if not isinstance(shape, LayerShape):
         raise TypeError(f"shape must be a LayerShape, got {type(shape).__name__}")
@@ -182,13 +187,13 @@ def random_range(shape: LayerShape, *, draws: int = DEFAULT_DRAWS, seed: int = 0
         raise ValueError(f"draws must be an int >= 1, got {draws!r}")
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise ValueError(f"budget must be a number of seconds > 0 or None, got {budget!r}")
-    key = (shape, draws, int(seed), float(num_std), bool(per_head), dtype)
+    key = (shape, draws, int(seed), float(num_std), bool(per_head), dtype, int(head_samples))
     if cache:
         with _LOCK:
             hit = _CACHE.get(key)
         if hit is not None:
             return hit
-    result = _compute(shape, draws, int(seed), float(num_std), per_head, budget, dtype)
+    result = _compute(shape, draws, int(seed), float(num_std), per_head, budget, dtype, int(head_samples))
     if cache:
         with _LOCK:
             _CACHE.setdefault(key, result)
@@ -196,7 +201,7 @@ def random_range(shape: LayerShape, *, draws: int = DEFAULT_DRAWS, seed: int = 0
 
 
 def _compute(shape: LayerShape, draws: int, seed: int, num_std: float, per_head: bool,
-             budget: float | None, dtype: torch.dtype) -> RandomRange:
+             budget: float | None, dtype: torch.dtype, head_samples: int) -> RandomRange:
     start = time.perf_counter()
     nan = math.nan
     if shape.draw_entries > MAX_DRAW_ENTRIES:
@@ -205,33 +210,36 @@ def _compute(shape: LayerShape, draws: int, seed: int, num_std: float, per_head:
         return RandomRange(shape, 0, seed, num_std, *([nan] * 8), seconds=0.0, note=note)
     generator = torch.Generator().manual_seed(seed)
     per_call = max(1, CHUNK_ENTRIES // shape.draw_entries)
+    # per-head scores only until HEAD_SAMPLES heads are pooled: the later draws score the layer
+    # matrix alone (cheaper), so a large layer gets more draws within the budget
+    head_draws = max(1, -(-head_samples // shape.num_heads)) if per_head else 0
     layer: list[np.ndarray] = []
     heads: list[np.ndarray] = []
     done = 0
-    slowest = 0.0
+    per_draw = 0.0
     while done < draws:
-        n = min(per_call, draws - done)
+        scoring_heads = done < head_draws
+        n = min(per_call, draws - done, head_draws - done if scoring_heads else draws)
         t0 = time.perf_counter()
         pairs = [draw_factors(shape, generator) for _ in range(n)]
         q = torch.stack([p[0] for p in pairs])
         k = torch.stack([p[1] for p in pairs])
         del pairs
-        table = score_factor_stack(q, k, _SCORED, per_head=per_head, num_std=num_std, dtype=dtype)
-        table = table.cpu().numpy()  # (n, 2, 1 + H * per_head)
+        table = score_factor_stack(q, k, _SCORED, per_head=scoring_heads, num_std=num_std, dtype=dtype)
+        table = table.cpu().numpy()  # (n, 2, 1 + H * scoring_heads)
         layer.append(table[:, :, 0])
-        if per_head:
+        if scoring_heads:
             heads.append(np.moveaxis(table[:, :, 1:], 1, 2))  # (n, H, 2)
         done += n
-        took = time.perf_counter() - t0
-        slowest = max(slowest, took / n)
+        per_draw = (time.perf_counter() - t0) / n  # the last call's: heads cost more than the layer
         if budget is not None and done < draws:
             spent = time.perf_counter() - start
             next_n = min(per_call, draws - done)
-            if spent + slowest * next_n > budget:  # the next chunk would pass the budget
+            if spent + per_draw * next_n > budget:  # the next call would pass the budget
                 break
     seconds = time.perf_counter() - start
     layer_samples = np.concatenate(layer)
-    head_samples = np.concatenate(heads) if per_head else None
+    head_samples = np.concatenate(heads) if heads else None
     sym, sym_sd = _mean_sd(layer_samples[:, 0])
     dirn, dirn_sd = _with_transposes(layer_samples[:, 1])
     if head_samples is not None:
@@ -315,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| head symmetry | head directionality | s per draw |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d, dh, h, kv in shapes:
-        r = random_range(LayerShape(d, dh, h, kv), draws=args.draws, seed=args.seed, budget=None, cache=False)
+        r = random_range(LayerShape(d, dh, h, kv), draws=args.draws, seed=args.seed, budget=None,
+                         head_samples=args.draws * h, cache=False)  # every head of every draw
         print(f"| {d} | {h} ({kv}) x {dh} | {r.draws} | {r.symmetry:+.5f} ± {r.symmetry_sd:.5f} "
               f"| {1 / d:.5f}, {math.sqrt(2) / d:.5f} | {r.directionality:+.2f} ± {r.directionality_sd:.3f} "
               f"| {r.head_symmetry:+.5f} ± {r.head_symmetry_sd:.5f} "

@@ -91,8 +91,8 @@ def test_the_range_agrees_with_an_independent_sampler(name):
     for (mean, sd, n_got), ref in [
         ((got.symmetry, got.symmetry_sd, n), layer[:, 0]),
         ((got.directionality, got.directionality_sd, 2 * n), layer[:, 1]),
-        ((got.head_symmetry, got.head_symmetry_sd, n * shape.num_heads), heads[:, 0]),
-        ((got.head_directionality, got.head_directionality_sd, 2 * n * shape.num_heads), heads[:, 1]),
+        ((got.head_symmetry, got.head_symmetry_sd, got.head_samples[:, :, 0].size), heads[:, 0]),
+        ((got.head_directionality, got.head_directionality_sd, 2 * got.head_samples[:, :, 0].size), heads[:, 1]),
     ]:
         se = math.sqrt(sd**2 / n_got + ref.std(ddof=1) ** 2 / ref.size)
         assert abs(mean - ref.mean()) < 4 * se, (mean, ref.mean(), se)
@@ -131,6 +131,18 @@ def test_symmetry_of_a_random_product_is_about_one_over_d(d):
     assert abs(got.symmetry - 1 / d) < 4 * got.symmetry_sd / math.sqrt(got.draws)
     assert got.head_symmetry_sd == pytest.approx(math.sqrt(2) / d, rel=0.2)
     assert got.symmetry_sd == pytest.approx(math.sqrt(2) / d, rel=0.35)
+
+
+def test_heads_are_pooled_from_the_first_draws_and_the_layer_from_all():
+    shape = LayerShape(32, 8, 8, 2)
+    got = random_range(shape, draws=40, seed=4, cache=False)  # HEAD_SAMPLES 256: 32 draws scored per head
+    assert got.layer_samples.shape == (40, 2) and got.head_samples.shape == (32, 8, 2)
+    g = torch.Generator().manual_seed(4)
+    for i in range(40):  # the layer values of the later, layer-only draws are still those draws'
+        q = torch.randn(8, 8, 32, generator=g)
+        k = torch.randn(2, 8, 32, generator=g)
+        if i in (31, 32, 39):
+            np.testing.assert_allclose(got.layer_samples[i], scores(explicit(q, k)[0]), atol=1e-5)
 
 
 def test_a_time_budget_gives_fewer_draws_and_says_so():
