@@ -10,6 +10,10 @@ At each counted step or hand-made snapshot, :class:`Probe` asks
 3. the assembly (:class:`~attn_probe.stages.assembly.Assembler`): records and statistics;
 4. the outputs (:class:`~attn_probe.stages.outputs.Outputs`): the sinks, main process only.
 
+On a fresh run the main process also computes, at attach, the random-matrix range of its layer
+shapes (:func:`random_range_records`), handed to the sinks once with the first published
+snapshot (``Snapshot.baselines``: the trajectory file writes it).
+
 It owns only the step counter, the hook handles and the lifecycle; every public method is
 isolated (:func:`attn_probe.isolation.never_raise`): once attached, the probe never stops
 training. What counts steps lives in :mod:`attn_probe.counting`; :func:`attn_probe.watch`

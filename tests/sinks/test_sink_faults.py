@@ -176,7 +176,8 @@ def test_disk_full_then_freed_both_sinks_resume(tmp_path, request, mode, backgro
     want = sorted(set(taken) - set(stats["TrajectorySink"]["lost_steps"]))
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and sorted(set(steps)) == want
-    assert len(rows) == len(want) * 2 * 2  # 2 layers x 2 metrics each
+    # 2 layers x 2 metrics each, and the random-matrix range once at step 0 (2 layers x 4)
+    assert len(rows) == len(want) * 2 * 2 + 2 * 4
     # TensorBoard: a new event file after the dead one, no torn record left, every step at most once
     events = [f for f in res["files"] if "tfevents" in f]
     assert len(events) >= 2 and not [f for f in res["files"] if ".tmp" in f or "write_test" in f]
