@@ -74,7 +74,10 @@ class ProbeConfig:
       (called with each :class:`~attn_probe.alerts.Alert`, main process); ``stop_on_alert``: a
       fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
       ``save_strategy`` saves), every rank at the same step (``docs/live-probe.md``); rules that
-      can never fire are refused when the probe is built.
+      can never fire are refused when the probe is built;
+    * ``random_range``: write the random-matrix range of every layer's shape (``random_symmetry``,
+      ``random_directionality`` and their ``_sd``) into the trajectory once, with a fresh run's
+      first snapshot (:mod:`attn_probe.baselines.random_range`, ``docs/scores.md``); ``False``: not.
 
     Where it goes and how it is written (not recorded in the run header):
 
@@ -105,6 +108,7 @@ class ProbeConfig:
     alerts: tuple[Any, ...] = ()
     alert_callback: Any = None
     stop_on_alert: bool = False
+    random_range: bool = True
     # -- where it goes, how it is written
     log_dir: str | None = None
     writer: Any = None
@@ -157,7 +161,7 @@ class ProbeConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"agreement_timeout must be a positive number of seconds or None, got {t!r}")
             set_(self, "agreement_timeout", float(t))
-        for name in ("attention_stats", "stop_on_alert"):
+        for name in ("attention_stats", "stop_on_alert", "random_range"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         from .alerts import check_rules
@@ -225,6 +229,7 @@ class ProbeConfig:
             "agreement_timeout": self.agreement_timeout,
             "attention_stats": self.attention_stats,
             "alerts": [rule.describe() + f" on {rule.metric}" for rule in self.alerts],
+            "random_range": self.random_range,
         }
 
 

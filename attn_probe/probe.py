@@ -10,6 +10,10 @@ At each counted step or hand-made snapshot, :class:`Probe` asks
 3. the assembly (:class:`~attn_probe.stages.assembly.Assembler`): records and statistics;
 4. the outputs (:class:`~attn_probe.stages.outputs.Outputs`): the sinks, main process only.
 
+On a fresh run the main process also computes, at attach, the random-matrix range of its layer
+shapes (:func:`random_range_records`), handed to the sinks once with the first published
+snapshot (``Snapshot.baselines``: the trajectory file writes it).
+
 It owns only the step counter, the hook handles and the lifecycle; every public method is
 isolated (:func:`attn_probe.isolation.never_raise`): once attached, the probe never stops
 training. What counts steps lives in :mod:`attn_probe.counting`; :func:`attn_probe.watch`
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .baselines import random_range
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .distributed import Agreement, AgreementError, is_main_process, world_info
@@ -35,7 +40,7 @@ from .images import render_heatmap
 from .isolation import Failures, never_raise, safe_warn
 from .logdir import LogDirError, LogDirInUseError
 from .pairs import QKPair, ScorePair
-from .sinks import Snapshot
+from .sinks import Record, Snapshot
 from .stages.alerting import agree_stop, attention_rows, build_alerting
 from .stages.assembly import Assembler
 from .stages.attention import AttentionStage, build_stage, metric_names
@@ -71,6 +76,25 @@ def _deliver_at_exit(seconds: float) -> None:
 
 
 at_interpreter_exit(_deliver_at_exit)
+
+
+def random_range_records(config: ProbeConfig, layers: list[AttentionLayer], metrics: list[str]) -> list[Record]:
+    """The random-matrix range of ``layers`` as records (:func:`attn_probe.baselines.random_range.random_range_rows`).
+
+    Never raises: a failure is one warning and no records; shapes that got fewer draws within
+    the time budget, or none, are named in one warning.
+    """
+    try:
+        rows, notes = random_range.random_range_rows(layers, metrics=metrics, per_head=config.per_head,
+                                                     num_std=config.num_std, budget=random_range.DEFAULT_BUDGET)
+        if notes:
+            safe_warn(f"attn_probe: the random-matrix range: {'; '.join(notes)}. "
+                      "(random_range=False turns it off.)")
+        return [Record(*row) for row in rows]
+    except Exception as exc:  # noqa: BLE001 - a reference range must never stop training
+        safe_warn(f"attn_probe: the random-matrix range could not be computed ({type(exc).__name__}: {exc}); "
+                  "it is not logged. Training and the scores are not affected.")
+        return []
 
 
 class Probe:
@@ -128,6 +152,11 @@ class Probe:
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
+        #: the random-matrix range, written once with the first snapshot a fresh run publishes (a
+        #: resumed run keeps its rows: they sit at its first step, before any resume cut)
+        self._random_rows: list[Record] = (
+            random_range_records(cfg, layers, self.metrics)
+            if self.outputs is not None and cfg.random_range and not run.resume_step else [])
         # the attention stage (registering wrappers) last: nothing after it raises
         self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, self.ranks,
                                                             self.decision.measures_forwards, self.failure_log)
@@ -218,6 +247,8 @@ class Probe:
         if self.alerting is not None:
             self.alerting.check(snapshot)
         if self.outputs is not None:
+            if self._random_rows:
+                snapshot.baselines, self._random_rows = self._random_rows, []
             self.outputs.write(snapshot)
 
     @property

@@ -40,8 +40,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("integrations.attention_functions", "attention_stats"),
     # scored weight pairs
     ("pairs",),
-    # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out)
-    ("scoring", "images", "sinks", "tracker_record"),
+    # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out);
+    # what scores are compared with (the paper's trajectories, the random-matrix range: core only)
+    ("scoring", "images", "sinks", "tracker_record", "baselines"),
     # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly
     ("distributed", "checkpoint", "gguf", "config", "stages.assembly"),
     # the live probe's other stages

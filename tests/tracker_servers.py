@@ -76,6 +76,8 @@ def expected_metrics(log_dir: str | Path, per_head: bool = False) -> dict[int, d
     out: dict[int, dict[str, float]] = {}
     by_metric: dict[tuple[int, str, str], list[float]] = {}
     for (step, group, metric, layer, head), value in probe_values(log_dir).items():
+        if metric.startswith("random_"):  # the random-matrix range: the trajectory file only
+            continue
         if head is None:
             by_metric.setdefault((step, group, metric), []).append(value)
         elif not per_head:

@@ -103,10 +103,11 @@ class RunHeader:
 
 
 def encode_rows(snapshots: Sequence[Any]) -> bytes:
-    """The rows of ``snapshots`` (objects with ``step``, ``wall_time`` and ``records``), one line per value."""
+    """The rows of ``snapshots`` (objects with ``step``, ``wall_time`` and ``records``, and optionally
+    ``baselines``: rows written once, after the records), one line per value."""
     lines = []
     for snapshot in snapshots:
-        for r in snapshot.records:
+        for r in (*snapshot.records, *getattr(snapshot, "baselines", ())):
             row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
                                     r.metric, encode_value(r.value)), strict=True))
             lines.append(json.dumps(row, allow_nan=False) + "\n")

@@ -40,6 +40,10 @@ class Snapshot:
     stats: dict[tuple[str, str, str], float] = field(default_factory=dict)
     #: (group, layer) -> HxWx3 uint8 heatmap of W_qk
     images: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    #: rows written once, with a fresh run's first snapshot, into the trajectory file only: the
+    #: random-matrix range (``random_symmetry``, ..., :mod:`attn_probe.baselines.random_range`).
+    #: Not per-step series: the TensorBoard and tracker sinks, the statistics and the alerts leave them out
+    baselines: list[Record] = field(default_factory=list)
 
 
 @dataclass

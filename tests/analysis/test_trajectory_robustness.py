@@ -84,7 +84,10 @@ def real_run(tmp_path_factory) -> Path:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe = attn_probe.watch(model, optimizer=opt, log_dir=str(root / "run"), every=1, per_head=True)
+        # random_range=False: the JSONL and the event files then hold the same rows (the range is
+        # written to the trajectory file only)
+        probe = attn_probe.watch(model, optimizer=opt, log_dir=str(root / "run"), every=1, per_head=True,
+                                 random_range=False)
         for _ in range(3):
             model(input_ids=torch.randint(0, 30, (2, 8))).last_hidden_state.pow(2).mean().backward()
             opt.step()

@@ -118,7 +118,9 @@ def test_rows_carry_one_key_per_metric_spelled_like_the_jsonl(tmp_path):
     probe = attn_probe.watch(model, log_dir=str(tmp_path), every=1, metrics=["directionality"])
     probe.close()
     with open(tmp_path / "attn_probe.jsonl") as f:
-        assert {json.loads(line)["metric"] for line in f if '"run_header"' not in line} == {"directionality"}
+        # with the random-matrix range of the logged score, written once (docs/scores.md)
+        assert {json.loads(line)["metric"] for line in f if '"run_header"' not in line} == {
+            "directionality", "random_directionality", "random_directionality_sd"}
 
 
 def test_misspelled_option_raises_type_error_at_construction_with_valid_names(tmp_path):

@@ -99,7 +99,8 @@ def test_resume_from_checkpoint_continues_without_duplicates(tmp_path, monkeypat
     rows = jsonl(log_dir)
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and sorted(set(steps)) == [0, 3, 4, 6, 8]
-    assert len(rows) == 5 * 2 * len(DEFAULT_METRICS)  # 5 snapshots x 2 layers x the metrics: no duplicates
+    # 5 snapshots x 2 layers x the metrics, and the random-matrix range once (2 layers x 4): no duplicates
+    assert len(rows) == 5 * 2 * len(DEFAULT_METRICS) + 2 * 4
 
     ea = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     ea.Reload()
@@ -145,7 +146,7 @@ def test_plain_loop_resume_with_start_step_purges_stale_steps(tmp_path):
     train({"start_step": 2}, 2, seed=1)  # resume at step 2 with other weights: steps 2..4 again
     rows = jsonl(tmp_path)
     steps = [r["step"] for r in rows]
-    assert steps == sorted(steps) and len(rows) == 5 * 2 * len(DEFAULT_METRICS)
+    assert steps == sorted(steps) and len(rows) == 5 * 2 * len(DEFAULT_METRICS) + 2 * 4  # + the range, once
     ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     ea.Reload()
     events = ea.Scalars("attn_probe/self/symmetry/layer_00")

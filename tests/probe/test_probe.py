@@ -52,7 +52,9 @@ def read_jsonl(log_dir):
 
 
 def rows_at(rows, step):
-    return {(r["group"], r["layer"], r["head"], r["metric"]): r["value"] for r in rows if r["step"] == step}
+    """The weight metrics at ``step`` (not the random-matrix range: tests/probe/test_random_range_rows.py)."""
+    return {(r["group"], r["layer"], r["head"], r["metric"]): r["value"] for r in rows
+            if r["step"] == step and not r["metric"].startswith("random_")}
 
 
 def assert_close_rows(got, want, tol=2e-4):

@@ -176,7 +176,8 @@ def test_disk_full_then_freed_both_sinks_resume(tmp_path, request, mode, backgro
     want = sorted(set(taken) - set(stats["TrajectorySink"]["lost_steps"]))
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and sorted(set(steps)) == want
-    assert len(rows) == len(want) * 2 * 2  # 2 layers x 2 metrics each
+    # 2 layers x 2 metrics each, and the random-matrix range once at step 0 (2 layers x 4)
+    assert len(rows) == len(want) * 2 * 2 + 2 * 4
     # TensorBoard: a new event file after the dead one, no torn record left, every step at most once
     events = [f for f in res["files"] if "tfevents" in f]
     assert len(events) >= 2 and not [f for f in res["files"] if ".tmp" in f or "write_test" in f]
@@ -260,8 +261,9 @@ def test_nearly_full_disk_at_resume_is_a_log_dir_error_and_leaves_no_temporary_f
     # the resume (no run id: the file's last run) cuts only the second run at step 30; the first
     # run's rows are all kept (0..39), then the second run's before 30, then the resumed step
     per_step = 4  # 2 layers x 2 metrics
-    assert res["steps"] == ([s for s in range(40) for _ in range(per_step)]
-                            + [s for s in range(30) for _ in range(per_step)] + [30] * per_step)
+    first = per_step + 2 * 4  # each fresh run's step 0 also holds the random-matrix range (2 layers x 4)
+    assert res["steps"] == ([0] * first + [s for s in range(1, 40) for _ in range(per_step)]
+                            + [0] * first + [s for s in range(1, 30) for _ in range(per_step)] + [30] * per_step)
 
 
 HOLDER = """
@@ -305,7 +307,8 @@ def test_two_processes_with_one_log_dir(tmp_path):
     third = subprocess.run(cmd, input="go\n", capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert third.returncode == 0 and "CLOSED" in third.stdout, third.stderr[-3000:]  # free after the first ended
     rows = [json.loads(line) for line in open(os.path.join(log_dir, "attn_probe.jsonl")) if '"run_header"' not in line]
-    assert [r["step"] for r in rows] == [0, 0, 0, 0]  # first and third wrote; the refused one did not
+    # first and third wrote (2 layers, and the random-matrix range: 2 layers x 2); the refused one did not
+    assert [r["step"] for r in rows] == [0] * 12
 
 
 def test_default_directories_are_unique_and_a_named_one_is_refused(tmp_path, monkeypatch):
