@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 
+#: the prefix of the random-matrix range's rows (:mod:`attn_probe.baselines.random_range`)
+RANDOM_PREFIX = "random_"
+
 __all__ = ["layer_quantiles", "summarize", "format_summary", "warn_missing", "is_magnitude"]
 
 
@@ -79,6 +82,8 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
     pd = require_pandas()
     df = as_frame(df_or_runs)
     layer_rows = df[df["head"].isna()]
+    random = layer_rows[layer_rows["metric"].str.startswith(RANDOM_PREFIX)]
+    layer_rows = layer_rows[~layer_rows["metric"].str.startswith(RANDOM_PREFIX)]
     q = layer_quantiles(layer_rows)
     if q.empty:
         if layer_rows.empty:
@@ -99,6 +104,12 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
             "layers": int(last["layers"]),
         })
     out = pd.DataFrame(rows)
+    if not random.empty:
+        ranges = random.groupby(["run", "group", "metric"])["value"].median().to_dict()
+        out["random_mean"] = [ranges.get((r, g, f"{RANDOM_PREFIX}{m}"), float("nan"))
+                              for r, g, m in zip(out["run"], out["group"], out["metric"], strict=True)]
+        out["random_sd"] = [ranges.get((r, g, f"{RANDOM_PREFIX}{m}_sd"), float("nan"))
+                            for r, g, m in zip(out["run"], out["group"], out["metric"], strict=True)]
     # runs in the order given, metrics in the registry's order (the paper's two first), unknown last
     from ..core import METRICS
 
@@ -125,7 +136,8 @@ def format_summary(table: pd.DataFrame, digits: int = 2) -> str:
 
     Scores in ``[-1, 1]`` (symmetry, directionality) carry their sign (``+0.41``); magnitudes
     (norms, stable rank, bounds: :func:`is_magnitude`) are never negative and are printed
-    without one. Names are escaped (:func:`attn_probe.logdir.printable`): a run name cannot
+    without one. A run that logged the random-matrix range gets a last column with its median
+    across layers, ``mean ± sd`` of one random ``W_qk`` of the layers' shapes. Names are escaped (:func:`attn_probe.logdir.printable`): a run name cannot
     clear the terminal or forge a line.
     """
     from ..logdir import printable
@@ -138,13 +150,19 @@ def format_summary(table: pd.DataFrame, digits: int = 2) -> str:
         if lines:
             lines.append("")
         lines.append(f"run {printable(run)}")
+        with_random = "random_mean" in part.columns and bool(part["random_mean"].notna().any())
         body = [("group", "score", "first step", "median [q25, q75]", "last step",
-                 "median [q25, q75]", "layers")]
+                 "median [q25, q75]", "layers") + (("random W_qk",) if with_random else ())]
         for r in part.itertuples(index=False):
             sign = "" if is_magnitude(r.metric) else "+"
-            body.append((printable(r.group), printable(r.metric), str(r.first_step),
-                         cell(r.first_median, r.first_q25, r.first_q75, sign),
-                         str(r.last_step), cell(r.last_median, r.last_q25, r.last_q75, sign), str(r.layers)))
+            row = (printable(r.group), printable(r.metric), str(r.first_step),
+                   cell(r.first_median, r.first_q25, r.first_q75, sign),
+                   str(r.last_step), cell(r.last_median, r.last_q25, r.last_q75, sign), str(r.layers))
+            if with_random:
+                mean, sd = r.random_mean, r.random_sd
+                spread = f"{sd:.{digits + 1}f}" if sd == sd else "n/a"  # NaN: too few draws in the time budget
+                row += ("" if mean != mean else f"{mean:+.{digits + 1}f} ± {spread}",)
+            body.append(row)
         widths = [max(len(row[i]) for row in body) for i in range(len(body[0]))]
         right = {2, 4, 6}
         for row in body:

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -175,14 +176,20 @@ def _run_demo(cfg: DemoConfig, log: Callable[[str], None], budget: CpuBudget | N
 
         path = root / "dynamics.png"
         runs = {kind: str(r.run_dir) for kind, r in results.items()}
+        try:  # the paper's matching runs, drawn beside the models (clipped to the steps shown)
+            reference = [p.name for p in dict.fromkeys(matching_runs(results, SIZES[cfg.size][0], cfg.tokens).values())]
+        except Exception:  # noqa: BLE001  (the reference is extra: the figure is drawn without it)
+            reference = []
         try:  # the trained runs are on disk already: a plotting problem must not lose them
-            attn_probe.plot_dynamics(runs, path=str(path))
+            attn_probe.plot_dynamics(runs, path=str(path), reference=reference or None)
             figure = path
             log(f"\nfigure: {figure}")
         except Exception as exc:  # noqa: BLE001
             figure_error = f"{type(exc).__name__}: {exc}"
             log(
-                f"\ncould not draw the figure ({figure_error}); draw it later with: attn-probe plot {root} -o {root / 'dynamics.png'}"
+                f"\ncould not draw the figure ({figure_error}); draw it later with: "
+                + " ".join(shlex.quote(str(a)) for a in ["attn-probe", "plot", root, "-o", root / "dynamics.png",
+                                                          *(x for name in reference for x in ("--reference", name))])
             )
     result = DemoResult(root, results, figure, cfg, figure_error, entropy, exits, failures, plan)
     log("")
