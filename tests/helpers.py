@@ -157,3 +157,14 @@ def assert_matches(got: dict, want: dict, where: Any) -> None:
             assert got[metric] == pytest.approx(value, rel=1e-4), (where, metric)
         else:
             assert got[metric] == pytest.approx(value, abs=1e-4), (where, metric)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Stop a server started with ``start_new_session=True`` and its children (TensorBoard's data
+    server): SIGTERM to the group, SIGKILL if it has not gone within ``timeout`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import stop_process_group
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -123,7 +124,6 @@ def test_the_printed_commands_run_on_the_final_models(tmp_path, capsys):
 def _serve_as_printed(command: str, env: dict, tag: str, timeout: float = 120) -> dict[str, list]:
     """Run a printed ``tensorboard`` command; the custom-scalars data of ``tag``, run -> points,
     once every run is loaded (TensorBoard scans for a free port from 6006 and prints its address)."""
-    import signal
     import time
     import urllib.parse
     import urllib.request
@@ -157,12 +157,7 @@ def _serve_as_printed(command: str, env: dict, tag: str, timeout: float = 120) -
             time.sleep(1)
         return served
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
+        stop_process_group(proc)  # the server and its children
 
 
 def _corrupt_checkpoint(trainer_dir: Path) -> None:

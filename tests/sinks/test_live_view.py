@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import stop_process_group, tiny_model
 
 import attn_probe
 from attn_probe.live_view import SCALARS_PER_TAG, tensorboard_command
@@ -109,12 +108,7 @@ def test_printed_command_serves_every_point(long_run, extra):
             for events in data["tag_to_events"].values():
                 assert [e[1] for e in events] == steps
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
+        stop_process_group(proc)  # the server and its children
 
 
 def read_url(proc: subprocess.Popen) -> str:

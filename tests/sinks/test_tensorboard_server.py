@@ -1,8 +1,6 @@
 """A real ``tensorboard`` server serves the probe's scalars and custom_scalars layout."""
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +10,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import stop_process_group, tiny_model
 
 import attn_probe
 from attn_probe.tags import scalar_tag
@@ -58,12 +56,7 @@ def server(probe_run):
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its data-server child
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
+        stop_process_group(proc, timeout=15)  # the server and its children
 
 
 def wait_for_tags(base, proc, wanted):
