@@ -327,8 +327,8 @@ def paper_side_by_side(result: DemoResult) -> list[str]:
             continue
         value = r.median("symmetry")
         n = rr.distance(value)
-        lines.append(f"  {kind} {value:+.2f} is {_sds(n)} sd {'above' if n >= 0 else 'below'} the random range "
-                     f"({rr.mean:+.2f} \u00b1 {rr.sd:.2f})")
+        lines.append(f"  {kind} {value:+.3f} is {_sds(n)} sd {'above' if n >= 0 else 'below'} the random range "
+                     f"({rr.mean:+.3f} \u00b1 {rr.sd:.3f})")
     return lines
 
 

@@ -91,12 +91,12 @@ def test_verdict_states_the_distance_from_the_runs_own_random_range(tmp_path):
     _random_rows(tmp_path / "encoder", 0.01, 0.0083)
     text = _text(result)
     # (0.47 - 0.01) / 0.0083 = 55.4
-    assert "  encoder +0.47 is 55 sd above the random range (+0.01 \u00b1 0.01)" in text
-    assert "decoder +0.00 is" not in text  # the decoder's run logged no random range: nothing said
+    assert "  encoder +0.470 is 55 sd above the random range (+0.010 \u00b1 0.008)" in text
+    assert "decoder +0.000 is" not in text  # the decoder's run logged no random range: nothing said
     _random_rows(tmp_path / "decoder", 0.02, 0.01)
     with (tmp_path / "decoder" / "attn_probe.jsonl").open("a") as f:
         f.write('{"step": 5, "metric": "random_symmetry", "val')  # a torn last line: skipped
-    assert "  decoder +0.00 is 2.0 sd below the random range (+0.02 \u00b1 0.01)" in _text(result)
+    assert "  decoder +0.000 is 2.0 sd below the random range (+0.020 \u00b1 0.010)" in _text(result)
 
 
 def test_changed_settings_get_no_measured_range():
