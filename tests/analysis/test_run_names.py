@@ -58,7 +58,8 @@ def test_name_eq_path_names_the_runs_in_summary_export_and_plot(tmp_path, two_ru
     assert main(["plot", f"enc={a}", f"dec={b}", "-o", str(tmp_path / "fig.png")]) == 0
     assert (tmp_path / "fig.png").stat().st_size > 0
     fig = attn_probe.plot_dynamics([parse_run_argument(f"enc={a}"), parse_run_argument(f"dec={b}")])
-    legend = {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)  # under the panels
+    legend = {t.get_text() for lg in legends for t in lg.get_texts()}  # when the runs logged a random range
     assert {"enc", "dec"} <= legend, legend
 
 
