@@ -78,7 +78,7 @@ def live(run_dir: Path, step: int) -> dict[tuple[int, int | None], dict[str, flo
             if '"run_header"' in line:  # a run header, not a row
                 continue
             r = json.loads(line)
-            if r.get("step") == step and "metric" in r:
+            if r.get("step") == step and "metric" in r and not r["metric"].startswith("random_"):  # not the range
                 values.setdefault((r["layer"], r["head"]), {})[r["metric"]] = r["value"]
     return values
 
