@@ -215,13 +215,17 @@ def train_model(
     rows = attn_probe.score_model(model)
     losses = _logged_losses(trainer.state.log_history)
     final = losses[-1][1] if losses else float("nan")
-    model_dir = None
-    if save_final:
-        model_dir = run_dir / "model"
-        with _no_hf_progress_bars():
-            trainer.save_model(str(model_dir))
-            tokenizer.save_pretrained(str(model_dir))
+    model_dir = _save_final(trainer.save_model, tokenizer, run_dir) if save_final else None
     return ModelResult(kind, run_dir, final, losses, rows, seconds, resumed_from=resume_from, model_dir=model_dir)
+
+
+def _save_final(save_model: Any, tokenizer: Any, run_dir: Path) -> Path:
+    """The final model (``save_model(directory)``) and its tokenizer in ``run_dir/model``."""
+    model_dir = run_dir / "model"
+    with _no_hf_progress_bars():
+        save_model(str(model_dir))
+        tokenizer.save_pretrained(str(model_dir))
+    return model_dir
 
 
 def _finished_run(kind: str, model: Any, tokenizer: Any, run_dir: Path, checkpoint: Path,
@@ -235,12 +239,7 @@ def _finished_run(kind: str, model: Any, tokenizer: Any, run_dir: Path, checkpoi
         model = type(model).from_pretrained(str(checkpoint))
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     losses = _logged_losses(state.get("log_history", []))
-    model_dir = None
-    if save_final:
-        model_dir = run_dir / "model"
-        with _no_hf_progress_bars():
-            model.save_pretrained(str(model_dir))
-            tokenizer.save_pretrained(str(model_dir))
+    model_dir = _save_final(model.save_pretrained, tokenizer, run_dir) if save_final else None
     final = losses[-1][1] if losses else float("nan")
     return ModelResult(kind, run_dir, final, losses, attn_probe.score_model(model), 0.0, resumed_from=checkpoint,
                        model_dir=model_dir)
