@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -289,6 +291,15 @@ def test_figure_failure_keeps_the_table_and_exits_1(tmp_path, capsys, monkeypatc
     assert rc == 1
     assert "symmetry median" in out and "could not draw the figure (RuntimeError: no display)" in out
     assert (tmp_path / "f" / "encoder" / "attn_probe.jsonl").is_file()
+    # the command it prints to draw the figure later runs as printed, and draws it (the paper's run too)
+    monkeypatch.undo()
+    command = next(ln for ln in out.splitlines() if "draw it later with: " in ln).split("draw it later with: ", 1)[1]
+    assert "--reference 4-layer-encoder-" in command
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, (command, done.stderr)
+    assert (tmp_path / "f" / "dynamics.png").stat().st_size > 0
 
 
 def _expected_unigram_bias(blocks: torch.Tensor, vocab: int) -> np.ndarray:
