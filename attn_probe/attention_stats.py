@@ -120,6 +120,17 @@ def logit_stats(
     marks non-padding queries. Returns three ``(H,)`` tensors of the accumulation dtype
     (float64 for float64 inputs, float32 otherwise): ``-inf`` max where nothing is counted.
     """
+    # the caller's autocast (Trainer/TRL bf16=True) would run the matmuls below in bfloat16 and
+    # round max |l| to 8 bits of mantissa: the statistics are float32 (float64 for float64 inputs)
+    with torch.autocast(device_type=query.device.type, enabled=False):
+        return _logit_stats(query, key, scaling, rows, query_valid=query_valid, softcap=softcap, sinks=sinks,
+                            chunk_elements=chunk_elements)
+
+
+def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | None, *,
+                 query_valid: Tensor | None, softcap: float | None, sinks: Tensor | None,
+                 chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`logit_stats` with autocast off."""
     B, H, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     if H % Hkv:
