@@ -448,6 +448,7 @@ class AttentionCapture:
             raise RuntimeError("AttentionCapture is closed")
         if self._armed:
             return
+        self._resolve()
         self._reset()
         self._frames = []
         self._failed_step = False
@@ -457,6 +458,15 @@ class AttentionCapture:
             self._hooks.append(layer.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
         registry.arm(self)
         self._armed = True
+
+    def _resolve(self) -> None:
+        """Follow an attention implementation switched after construction (``set_attn_implementation``):
+        wrap the new names when they are measured; else nothing is measured and the stage says why."""
+        now = sorted({registry.implementation(layer.module) for layer in self.layers})
+        if now != self._implementations and unavailable_reason(self.layers) is None:
+            registry.acquire(now)
+            registry.release(self._implementations)
+            self._implementations = now
 
     def disarm(self) -> None:
         """End the step: the wrappers pass straight through again and the hooks are removed."""
@@ -470,6 +480,11 @@ class AttentionCapture:
     @property
     def armed(self) -> bool:
         return self._armed
+
+    @property
+    def failed_this_step(self) -> bool:
+        """A measurement of this step failed (warned about by the capture, counted)."""
+        return self._failed_step
 
     def missing(self) -> list[str]:
         """Names of watched layers whose attention was not measured this step."""
@@ -509,6 +524,8 @@ class AttentionCapture:
         return torch.device("cpu")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.compiler.is_compiling():  # a switch between arming and the forward (plain loops)
+            self._resolve()
         masks: dict[str, Tensor | None] = {}
         for name, pos in self._mask_positions.items():
             mask = kwargs.get(name)

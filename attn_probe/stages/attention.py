@@ -97,6 +97,9 @@ class AttentionStage:
         self.arm_after_update = True
         self.forward_counted = False
         self.closed = False
+        #: armed (due) steps whose snapshot found no counted token for some measurable layer:
+        #: warned once (:func:`missing_reason`), counted, summed up at :meth:`close`
+        self.missed_steps: list[int] = []
 
     @property
     def available(self) -> bool:
@@ -174,9 +177,36 @@ class AttentionStage:
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                           "max_logit and entropy are no longer measured on this rank, the weight metrics go on.")
                 return None
+        if measured:
+            self._check_measured(step, stats)
         if not bool(torch.isfinite(stats.max_logit).any()) and not bool((stats.tokens > 0).any()):
             return None
         return AttentionTables(stats)
+
+    def _check_measured(self, step: int, stats: StepStats) -> None:
+        """An armed step that counted nothing for some layer: never silent (warned once, counted).
+        Local (no collective): ``stats`` are already combined, so every rank sees the same."""
+        try:
+            off = stats.offsets
+            tokens = stats.tokens.detach().cpu()
+            missing = [name for i, name in enumerate(stats.names) if not bool((tokens[off[i]:off[i + 1]] > 0).any())]
+            if not missing:
+                return
+            self.missed_steps.append(step)
+            if len(self.missed_steps) == 1:
+                capture = self.capture
+                unreached = set(capture.missing()) if capture is not None else set(missing)
+                if capture is not None and capture.failed_this_step or not unreached & set(missing):
+                    reason = ("their attention calls reached the probe but counted no token (a failed "
+                              "measurement, warned about separately, or only padding).")
+                else:
+                    reason = missing_reason(self.layers, len(missing) == len(stats.names))
+                safe_warn(f"attn_probe: max_logit and entropy were not measured at step {step} for "
+                          f"{len(missing)} of {len(stats.names)} layers ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}): {reason} "
+                          "Later such steps are counted and summed up at close.")
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
+            self.failures.report("checking the attention statistics", exc)
 
     def extra_tables(self, measured: Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]],
                      attention: AttentionTables | None) -> list:
@@ -209,6 +239,27 @@ class AttentionStage:
                 self.capture.close()
         except Exception as exc:  # noqa: BLE001
             self.failures.report("closing the attention capture", exc)
+        missed, self.missed_steps = self.missed_steps, []
+        if len(missed) > 1:
+            safe_warn(f"attn_probe: max_logit and entropy were missing for some layers at {len(missed)} due steps "
+                      f"(steps {', '.join(map(str, missed[:5]))}{', ...' if len(missed) > 5 else ''}; the first "
+                      "was warned about with its likely cause).")
+
+
+def missing_reason(layers: Sequence[AttentionLayer], nothing: bool) -> str:
+    """Why an armed step counted no token for some layers, and the remedy (one sentence or two)."""
+    now = unavailable_reason(layers)
+    if now is not None:  # e.g. model.set_attn_implementation(...) after attach
+        return (f"the model changed after the probe attached ({now.removeprefix('attention statistics are unavailable: ')}). "
+                "Attach after switching the attention implementation, or switch back.")
+    if not nothing:
+        return ("no training forward reached those layers while the step was armed (layers skipped, e.g. "
+                "LayerDrop or an early exit).")
+    return ("no training forward (gradients enabled) reached transformers' attention interface while the "
+            "step was armed. Likely causes: code compiled by torch.compile before the probe attached is reused "
+            "without the probe's wrapper (attach before the first compile of this model class in the process, "
+            "or call torch.compiler.reset() before attaching); only torch.no_grad forwards ran in the step; "
+            "or the loop's forwards run outside the step the probe sees (Lightning manual optimisation).")
 
 
 def qk_bound_index(pairs: Sequence[ScorePair]) -> tuple[int, int] | None:

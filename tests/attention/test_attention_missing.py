@@ -1,0 +1,107 @@
+"""Attention statistics are never silently absent: a switched implementation is followed, and an
+armed step that measured nothing is warned about once (with its cause) and counted at close.
+
+References: :func:`reference` of test_attention_health_live (the model's own projections, its
+rotary function and explicit masks, in float64) on the weights each step ran with.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import attn_probe  # noqa: E402
+from tests.attention.test_attention_health_live import TOL, Records, _llama, _same_batch, reference  # noqa: E402
+
+
+def _train(model, probe_kwargs, tmp_path, steps, before_step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+                             log_dir=str(tmp_path / "tb"), **probe_kwargs)
+    ids, mask = _same_batch(2)
+    weights = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            if before_step is not None:
+                before_step(step)
+            weights[step] = copy.deepcopy(model.state_dict())
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+    return sink, weights, [str(w.message) for w in caught if "attn_probe" in str(w.message)], (ids, mask)
+
+
+def test_an_implementation_switched_after_attach_is_followed(tmp_path):
+    """sdpa at attach, eager from step 3 on (``set_attn_implementation``): steps 3 and 4 still get
+    max_logit and entropy, equal to the reference of their weights (none on 7ce385c)."""
+    model = _llama()
+
+    def switch(step):
+        if step == 3:
+            model.set_attn_implementation("eager")
+
+    sink, weights, messages, (ids, mask) = _train(model, {"per_head": True}, tmp_path, 4, switch)
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    assert sorted(got_max) == [1, 2, 3, 4], messages
+    for step in (2, 3, 4):
+        ref_model = _llama()
+        ref_model.load_state_dict(weights[step])
+        want = reference(ref_model, ids, mask)
+        for key in [(0, None), (1, None), (0, 2), (1, 3)]:
+            assert got_max[step][key] == pytest.approx(want[key][0], rel=TOL, abs=TOL), (step, key)
+            assert got_ent[step][key] == pytest.approx(want[key][1], rel=TOL, abs=TOL), (step, key)
+    assert not [m for m in messages if "not measured" in m]
+
+
+def test_a_switch_to_an_unmeasured_implementation_is_warned_once_and_counted(tmp_path):
+    """A switch to an implementation the probe does not measure (a custom registered one): the
+    rows stop, with one warning naming the cause and the remedy, and the count at close."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("attn_probe_test_custom", sdpa_attention_forward)
+    model = _llama()
+
+    def switch(step):
+        if step == 3:
+            model.set_attn_implementation("attn_probe_test_custom")
+
+    sink, _, messages, _ = _train(model, {}, tmp_path, 5, switch)
+    assert sorted(sink.values("max_logit")) == [1, 2]
+    assert sorted(sink.values("symmetry")) == [0, 1, 2, 3, 4, 5]  # the weight metrics go on
+    first = [m for m in messages if "were not measured at step 3" in m]
+    assert len(first) == 1 and "changed after the probe attached" in first[0] and "attn_probe_test_custom" in first[0]
+    summary = [m for m in messages if "missing for some layers at 3 due steps" in m]
+    assert len(summary) == 1 and "steps 3, 4, 5" in summary[0]
+
+
+def test_an_armed_step_without_training_forwards_is_warned(tmp_path):
+    """Steps whose forwards all run under no_grad (the loss from somewhere else): nothing is
+    measured, and that is said once with the likely causes, not left silent."""
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+                             log_dir=str(tmp_path / "tb"))
+    ids, mask = _same_batch(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+            sum(p.sum() for p in model.parameters()).backward()
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+    messages = [str(w.message) for w in caught]
+    assert sink.values("max_logit") == {}
+    first = [m for m in messages if "were not measured at step 1 for 2 of 2 layers" in m]
+    assert len(first) == 1 and "torch.compile" in first[0] and "no_grad" in first[0]
