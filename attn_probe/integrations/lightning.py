@@ -21,7 +21,10 @@ Built on the public :class:`~attn_probe.probe.Probe` API, as :mod:`attn_probe.in
   ``on_validation_start``: validation batches are never measured. A validation that falls
   inside an accumulation window (``val_check_interval`` not a multiple of
   ``accumulate_grad_batches``) ends that step's measurement early: its values then cover the
-  micro-batches before the validation.
+  micro-batches before the validation. Manual optimisation (``automatic_optimization=False``,
+  one optimizer or several): the batch is the step. Its training forwards are measured when
+  one of the optimizer steps it may take (``len(trainer.optimizers)`` of them) is due, and
+  belong to the optimizer step Lightning counts at the batch's end.
 * **Resume**: Lightning restores this callback's state (:meth:`AttnProbeCallback.load_state_dict`)
   before ``on_fit_start`` but ``global_step`` only after it, so the probe attaches at
   ``on_train_start``. The resumed step ``G`` is snapshotted unless the checkpoint says the
@@ -220,11 +223,20 @@ class AttnProbeCallback(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         probe = self.probe
-        if probe is not None and probe.attention is not None:  # this micro-batch belongs to the next step
-            probe.arm_attention(int(trainer.global_step) + 1)
+        if probe is None or probe.attention is None:
+            return
+        step = int(trainer.global_step)
+        if getattr(pl_module, "automatic_optimization", True):  # this micro-batch belongs to the next step
+            probe.arm_attention(step + 1)
+        else:  # manual optimisation: the batch is the step, however many optimizer steps it takes
+            try:
+                probe.attention.arm_for_batch(range(step + 1, step + 1 + max(1, len(trainer.optimizers))))
+            except Exception as exc:  # noqa: BLE001 - never stops training
+                probe.failure_log.report("arming the attention capture", exc)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.probe is not None and self.probe.attention is not None:
+        if self.probe is not None and self.probe.attention is not None \
+                and getattr(pl_module, "automatic_optimization", True):  # manual: the batch's end stops it
             self.probe.stop_attention()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -234,6 +246,11 @@ class AttnProbeCallback(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         probe = self.probe
         step = int(trainer.global_step)
+        if probe is not None and probe.attention is not None and not getattr(pl_module, "automatic_optimization", True):
+            try:
+                probe.attention.end_batch(step)
+            except Exception as exc:  # noqa: BLE001 - never stops training
+                probe.failure_log.report("ending the attention capture's batch", exc)
         if probe is None or step == self._last_global_step:  # an accumulation micro-batch
             return
         self._last_global_step = step

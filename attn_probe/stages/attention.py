@@ -38,6 +38,9 @@ from ..pairs import QKPair, ScorePair, pair_metric_names
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
            "bound_ratio_table", "build_stage", "qk_bound_index"]
 
+#: ``armed_for`` of a batch whose step is not known yet (manual optimisation, :meth:`AttentionStage.arm_for_batch`)
+BATCH = -1
+
 #: the ratio of the measured max logit to its weight-only bound (with ``qk_bound`` among the metrics)
 RATIO_METRIC = "logit_bound_ratio"
 
@@ -127,6 +130,23 @@ class AttentionStage:
         self.capture.disarm()
         self.capture.arm()
         self.armed_for, self.stopped = step, False
+
+    def arm_for_batch(self, steps: Sequence[int]) -> None:
+        """Manual optimisation: measure this batch's forwards if one of the optimizer ``steps`` it may
+        take is due; the step they belong to is known at the batch's end (:meth:`end_batch`)."""
+        if any(self.due(step) for step in steps):
+            self.arm(BATCH)
+
+    def end_batch(self, step: int) -> None:
+        """Manual optimisation, after the batch that led to optimizer ``step``: its forwards are that
+        step's if it is due (its snapshot takes them), else they are dropped."""
+        if self.armed_for != BATCH:
+            return
+        if self.due(step):
+            self.stop()
+            self.armed_for = step
+        else:
+            self.cancel()
 
     def stop(self) -> None:
         """No more forwards of the armed step (the Trainer's ``on_pre_optimizer_step``); values kept."""

@@ -8,6 +8,7 @@ for the DDP one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -335,3 +336,78 @@ def test_ddp_alert_stops_every_rank_at_the_same_step(tmp_path):
     DDP's all-reduce until the timeout)."""
     run_worker(tmp_path, 2, "stop")
     assert sorted(p.read_text() for p in tmp_path.glob("stopped_rank*.txt")) == ["1", "1"]
+
+
+class ManualTwoOptimizers(L.LightningModule):
+    """Manual optimisation, GAN-style: one forward, then two optimizers (attention q/k vs the rest),
+    each stepped once per batch; Lightning counts two optimizer steps per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = tiny_gpt2()
+        self.batches: list[tuple[dict, dict]] = []  # (weights at the batch's start, batch)
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        first, second = self.optimizers()
+        self.batches.append(({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                             {k: v.detach().clone() for k, v in batch.items()}))
+        loss = self.model(**batch).loss
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+
+    def configure_optimizers(self):
+        attn = [p for n, p in self.model.named_parameters() if ".attn." in n]
+        rest = [p for n, p in self.model.named_parameters() if ".attn." not in n]
+        return torch.optim.SGD(attn, lr=1e-2), torch.optim.SGD(rest, lr=1e-2)
+
+
+def _gpt2_reference(weights: dict, batch: dict) -> dict[int, float]:
+    """Layer -> max |logit| of GPT-2's causal attention on ``batch`` with ``weights``, from its own c_attn
+    projection in float64 (the test's own computation)."""
+    model = tiny_gpt2().double()
+    model.load_state_dict(weights)
+    inputs = {}
+    hooks = [block.attn.register_forward_pre_hook(
+        lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True) for i, block in enumerate(model.transformer.h)]
+    with torch.no_grad():
+        model.eval()(input_ids=batch["input_ids"])
+    for h in hooks:
+        h.remove()
+    out = {}
+    for i, block in enumerate(model.transformer.h):
+        x = inputs[i].detach()
+        B, n, d = x.shape
+        with torch.no_grad():
+            q, k, _ = block.attn.c_attn(x).split(d, dim=2)
+        q = q.view(B, n, 4, d // 4).transpose(1, 2)
+        k = k.view(B, n, 4, d // 4).transpose(1, 2)
+        logits = (q @ k.transpose(-1, -2)) * (d // 4) ** -0.5
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        out[i] = float(torch.where(causal, logits.abs(), -math.inf).amax())
+    return out
+
+
+def test_manual_optimisation_with_two_optimizers_measures_each_batch(tmp_path):
+    """automatic_optimization=False with two optimizers: global_step moves by 2 per batch. Each due
+    step's max_logit is that batch's training forward, equal to an explicit float64 reference on the
+    weights the batch started with (on 7ce385c: no max_logit at any step, no warning)."""
+    torch.manual_seed(1)
+    module = ManualTwoOptimizers()
+    trainer = L.Trainer(callbacks=[AttnProbeCallback(every=1, attention_stats=True)], max_steps=6,
+                        logger=TensorBoardLogger(str(tmp_path)), enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", enable_checkpointing=False,
+                        limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(module, loader())
+    assert trainer.global_step == 6 and len(module.batches) == 3
+    table = rows(trainer.logger.log_dir)
+    measured = sorted({k[0] for k in table if k[3] == "max_logit"})
+    assert measured == [2, 4, 6]
+    for step, (weights, batch) in zip(measured, module.batches, strict=True):
+        want = _gpt2_reference({k: v.double() for k, v in weights.items()}, batch)
+        for layer in (0, 1):
+            assert table[(step, layer, None, "max_logit")] == pytest.approx(want[layer], rel=1e-5), (step, layer)
