@@ -105,3 +105,47 @@ def test_an_armed_step_without_training_forwards_is_warned(tmp_path):
     assert sink.values("max_logit") == {}
     first = [m for m in messages if "were not measured at step 1 for 2 of 2 layers" in m]
     assert len(first) == 1 and "torch.compile" in first[0] and "no_grad" in first[0]
+
+
+def _compiled_run(tmp_path, name, reset_before_attach):
+    """An earlier compiled model of the same class in this process, then a watched one, compiled."""
+    from tests.attention.test_attention_compile import _batch
+    from tests.attention.test_attention_compile import _llama as _llama32
+
+    torch._dynamo.reset()
+    ids, mask = _batch()
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.compile(_llama32(), backend="eager")(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    if reset_before_attach:
+        torch.compiler.reset()  # the printed remedy
+    model = _llama32()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = Records()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+                                 metrics=("symmetry",), log_dir=str(tmp_path / name))
+        run = torch.compile(model, backend="eager")
+        for _ in range(2):
+            run(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+    torch._dynamo.reset()
+    return sink, [str(w.message) for w in caught]
+
+
+def test_compiled_code_from_before_attach_is_never_silent(tmp_path):
+    """torch.compile reuses code compiled before attach, without the probe's wrapper: the due steps
+    get no statistics, and that is said once, naming torch.compile and the remedy (silent on
+    7ce385c: 0 rows, no warning). The remedy as printed, torch.compiler.reset() before attaching,
+    gives the values."""
+    sink, messages = _compiled_run(tmp_path, "stale", reset_before_attach=False)
+    said = [m for m in messages if "were not measured at step 1 for 2 of 2 layers" in m]
+    if sink.values("max_logit"):  # a torch that re-traces on its own: then nothing may be missing
+        assert not said and sorted(sink.values("max_logit")) == [1, 2]
+    else:
+        assert len(said) == 1 and "torch.compiler.reset() before attaching" in said[0]
+    sink, messages = _compiled_run(tmp_path, "reset", reset_before_attach=True)
+    assert sorted(sink.values("max_logit")) == [1, 2]
+    assert not [m for m in messages if "were not measured" in m]
