@@ -63,21 +63,59 @@ def _fused_width(module: nn.Module, name: str) -> str | None:
     return None
 
 
+def _model_width(model: nn.Module) -> int | None:
+    """The model's width: its config's ``hidden_size``, else the most common projection input size."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(width, int) and width > 0:
+        return width
+    sizes: dict[int, int] = {}
+    for name, module in model.named_modules():
+        proj = architectures.projection(module, name.rsplit(".", 1)[-1])
+        if proj is not None:
+            sizes[proj.in_features] = sizes.get(proj.in_features, 0) + 1
+    return max(sizes, key=lambda k: sizes[k]) if sizes else None
+
+
+def _width_children(module: nn.Module, width: int | None) -> list[str]:
+    """Children of ``module`` that project the model's width (``in_features == width``), at most
+    as wide again (a query, key or value; an MLP's up projection is wider)."""
+    out = []
+    for name in _linear_children(module):
+        proj = architectures.projection(getattr(module, name), name)
+        if proj is not None and proj.in_features == width and proj.out_features <= width:
+            out.append(name)
+    return out
+
+
+def _qk_guess(kids: list[str]) -> tuple[str, str] | None:
+    qs = [n for n in kids if "q" in n.lower() and "k" not in n.lower()]
+    ks = [n for n in kids if "k" in n.lower() and "q" not in n.lower()]
+    return (qs[0], ks[0]) if qs and ks else None
+
+
 def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str] | None, str | None]:
-    """Attention-looking modules with linear children, a guessed ``(query, key)`` child pair,
-    and a description of a child that looks like a fused q/k/v projection (by name or by width)."""
-    seen: list[str] = []
+    """Candidate attention modules, a guessed ``(query, key)`` child pair, and a description of a
+    child that looks like a fused q/k/v projection (by name or by width).
+
+    A candidate is a module named like attention with projection children, or, whatever its
+    class name, one holding two or more projections of the model's width (a query, a key...).
+    The guess: q/k-lettered names, else the first two such projections in definition order."""
+    width = _model_width(model)
+    seen: list[tuple[int, str]] = []
     guess: tuple[str, str] | None = None
+    by_shape: tuple[str, str] | None = None
     fused: str | None = None
     for path, module in model.named_modules():
         low = (path.rsplit(".", 1)[-1] + type(module).__name__).lower()
         kids = _linear_children(module)
-        if ("attn" not in low and "attention" not in low) or not kids:
+        named = "attn" in low or "attention" in low
+        shaped = _width_children(module, width) if width is not None else []
+        if not kids or not named and len(shaped) < 2:
             continue
-        qs = [n for n in kids if "q" in n.lower() and "k" not in n.lower()]
-        ks = [n for n in kids if "k" in n.lower() and "q" not in n.lower()]
-        if guess is None and qs and ks:
-            guess = (qs[0], ks[0])
+        if guess is None:
+            guess = _qk_guess(kids) or (_qk_guess(shaped) if not named else None)
+        if by_shape is None and len(shaped) >= 2:
+            by_shape = (shaped[0], shaped[1])
         if fused is None:
             prefix = f"{path}." if path else ""
             widths = [(n, _fused_width(module, n)) for n in kids]
@@ -86,9 +124,13 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
             if fused is None:
                 fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n})"
                               for n in kids if "q" in n.lower() and "k" in n.lower()), None)
-        if len(seen) < limit:
-            seen.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(kids)})")
-    return seen, guess, fused
+        what = ", ".join(kids) if named or len(shaped) == len(kids) else \
+            f"{', '.join(shaped)} of the model's width {width}; also {', '.join(k for k in kids if k not in shaped)}"
+        seen.append((0 if named else 1, f"{path or '<root>'} ({type(module).__name__}: {what})"))
+    seen.sort(key=lambda item: item[0])  # named like attention first, then by shape
+    if guess is None and fused is None:
+        guess = by_shape
+    return [text for _, text in seen[:limit]], guess, fused
 
 
 #: how the user's call takes ``qk_names``, by the public entry point found on the call stack

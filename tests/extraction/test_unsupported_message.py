@@ -165,3 +165,59 @@ def test_models_command_in_process() -> None:
     from attn_probe.cli import main
 
     assert main(["models", "--width", "60"]) == 0
+
+
+class Mixer(nn.Module):
+    """Attention by another name: no 'attn' in its class or path, projections named to_queries/to_keys."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.to_queries, self.to_keys, self.to_values = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.to_out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.to_out(self.to_values(x))
+
+
+class Feed(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.up, self.gate, self.down = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+
+class MixerNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 16)
+        self.layers = nn.ModuleList([nn.ModuleDict({"mix": Mixer(), "ff": Feed()}) for _ in range(2)])
+
+
+def test_candidates_by_shape_whatever_the_class_name() -> None:
+    """A module named Mixer with to_queries/to_keys is listed by its shape (projections of the model's
+    width), not the MLP beside it; the printed call, run as printed, finds both layers with the heads
+    the module declares (on 7ce385c: 'Candidate modules: none' and a placeholder pair)."""
+    model = MixerNet()
+    text = message(lambda: find_attention(model))
+    assert "layers.0.mix (Mixer: to_queries, to_keys, to_values, to_out)" in text
+    assert "Feed" not in text and "Candidate modules: none" not in text
+    call = re.search(r"(attn_probe\.find_attention\(model, qk_names=\[.*?\]\))", text).group(1)
+    assert call == "attn_probe.find_attention(model, qk_names=[('to_queries', 'to_keys')])"
+    layers = eval(call, {"attn_probe": attn_probe, "model": model})  # the call exactly as printed
+    assert [(a.name, a.num_heads, a.head_dim) for a in layers] == [("layers.0.mix", 2, 8), ("layers.1.mix", 2, 8)]
+    # the scores of the found pair equal an explicit computation from the module's own weights
+    wq, wk = model.layers[1].mix.to_queries.weight, model.layers[1].mix.to_keys.weight
+    m = (wq.T @ wk).detach().double()  # W_qk = W_q^T W_k in the input basis: bilinear form x^T W_qk y
+    sym = (m + m.T) / 2
+    want = float(torch.linalg.matrix_norm(sym) ** 2 - torch.linalg.matrix_norm((m - m.T) / 2) ** 2) / float(
+        torch.linalg.matrix_norm(m) ** 2)
+    row = [r for r in attn_probe.score_model(model, qk_names=[("to_queries", "to_keys")]) if r["layer"] == 1][0]
+    assert row["symmetry"] == pytest.approx(want, abs=1e-5)
+
+
+def test_unnamed_shapes_without_letters_guess_the_first_two_projections() -> None:
+    """Projections with neither q nor k in their names: the first two of the model's width, in order."""
+    model = nn.ModuleDict({"block": nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8), "c": nn.Linear(8, 8)})})
+    text = message(lambda: find_attention(model))
+    assert "block (ModuleDict: a, b, c)" in text
+    assert "qk_names=[('a', 'b')]" in text
