@@ -313,7 +313,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         where = f" ({saved.output_dir})" if saved.output_dir else ""
         which = f" (run id {saved.run_id})" if saved.run_id else ""
         _warn(f"attn_probe: branched from the probe's run {saved.path} at step {step}{which}: the checkpoint's "
-              f"run was recorded under another output_dir{where}, so this run neither continues nor modifies it; "
+              f"run was recorded under another output_dir{where}, whose run this run cannot continue or modify; "
               f"logging continues from step {step} in a new run directory {log_dir} (run id {self.run_id}).")
         return log_dir
 
