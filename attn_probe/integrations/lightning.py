@@ -44,9 +44,9 @@ from lightning.pytorch.callbacks import Callback
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
+from ..formats.trajectory import new_run_id
 from ..logdir import default_log_dir
 from ..probe import Probe
-from ..formats.trajectory import new_run_id
 from ..resume_policy import holds_run, last_run_id, same_path, why_not_held
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import REPO, SEQ, VOCAB, RandomTokens
+from helpers import REPO, SEQ, VOCAB, RandomTokens, lines_by_run
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -256,19 +256,11 @@ def test_resume_from_a_lightning_checkpoint_duplicates_no_step(tmp_path, capfd, 
         text = ea.Tensors("attn_probe/config/text_summary")[0].tensor_proto.string_val[0].decode()
         header = json.loads(text.split("**configuration**\n\n```\n", 1)[1].split("\n```", 1)[0])
         assert (header["parent_run"], header["parent_step"]) == (first_dir, 4)
+        (first_id,) = {run for run, _ in lines_by_run(os.path.join(first_dir, "attn_probe.jsonl"))}
+        (second_header,) = [json.loads(line)["run_header"] for _, line in
+                            lines_by_run(os.path.join(second_dir, "attn_probe.jsonl")) if b'"run_header"' in line]
+        assert second_header["parent_run"] == first_id and second_header["run_id"] != first_id  # by id
     assert_final_equals_score_model(table, module.model, 8)
-
-
-def lines_by_run(path: str) -> list[tuple[str, bytes]]:
-    """``[(run id, raw line)]`` of a trajectory file, each line under the run header before it."""
-    out, run = [], None
-    with open(path, "rb") as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("run_header"):
-                run = record["run_header"]["run_id"]
-            out.append((run, line))
-    return out
 
 
 def test_resume_continues_its_own_run_by_id_and_keeps_another_run_in_the_same_log_dir(tmp_path):

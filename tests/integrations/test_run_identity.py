@@ -17,13 +17,10 @@ import functools
 import hashlib
 import json
 import os
-import warnings
 
 import pytest
-from helpers import RandomTokens, make_args, tiny_bert
-from transformers import Trainer
+from helpers import lines_by_run, make_args, train_probed
 
-import attn_probe
 import attn_probe.integrations.transformers as hf_integration
 
 make_args = functools.partial(make_args, save_strategy="steps", save_steps=2,
@@ -33,24 +30,7 @@ RUN_NAME = os.path.join("runs", NAME)
 
 
 def train(out, steps, resume=None):
-    trainer = Trainer(model=tiny_bert(), args=make_args(out, steps), train_dataset=RandomTokens())
-    attn_probe.attach(trainer, every=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return [str(w.message) for w in caught if "attn_probe" in str(w.message)]
-
-
-def lines_by_run(path):
-    """``[(run id, raw line)]`` of a trajectory file, each line under the run header before it."""
-    out, run = [], None
-    with open(path, "rb") as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("run_header"):
-                run = record["run_header"]["run_id"]
-            out.append((run, line))
-    return out
+    return train_probed(make_args(out, steps), resume)
 
 
 def headers(path):
@@ -110,7 +90,7 @@ def test_branching_back_into_the_parent_output_dir_keeps_every_parent_line(tmp_p
     (b_id,) = {h["run_id"] for h in headers(b / RUN_NAME / "attn_probe.jsonl")}
     # a new run, the branch's child, in a directory of its own
     new = [d for d in (a / "runs").iterdir() if d.name != NAME]
-    assert len(new) == 1
+    assert [d.name for d in new] == [f"{NAME}_1"]  # beside A's, never in it
     (header,) = headers(new[0] / "attn_probe.jsonl")
     assert header["run_id"] not in (a_id, b_id)
     assert (header["parent_run"], header["parent_step"]) == (b_id, 4)
