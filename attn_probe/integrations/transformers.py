@@ -35,7 +35,7 @@ from ..extraction import find_attention
 from ..isolation import safe_warn
 from ..logdir import default_log_dir
 from ..probe import Probe
-from ..resume_policy import LiveRunField, choose_run, previous_runs, relative_to, saved_run
+from ..resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line
 
@@ -297,15 +297,14 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         if legacy:
             self._identity["continues_unidentified"] = True
 
-    def _branched_log_dir(self, args: Any, handler: Any, step: int, saved: Any) -> str:
+    def _branched_log_dir(self, args: Any, handler: Any, step: int, saved: SavedRun) -> str:
         """A new run under this ``output_dir`` for a checkpoint of another run; one line names the parent.
 
         The parent's run directory belongs to another ``output_dir``: it is neither continued nor
         modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`), and the
         parent's run id into its trajectory header. A directory of that name that already holds
         another run (two runs started in the same second: the same default name) is not
-        written: a unique sibling is taken. ``saved``: the checkpoint's run
-        (:class:`~attn_probe.resume_policy.SavedRun`).
+        written: a unique sibling is taken. ``saved``: the checkpoint's run.
         """
         log_dir = _unused_dir(trainer_log_dir(args, handler), handler)
         self.parent_run = (saved.path, step)
