@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["Resolution", "RunChoice", "SavedRun", "choose_run", "holds_run", "previous_runs",
-           "relative_to", "resolve_saved_run", "same_path", "saved_run"]
+__all__ = ["LiveRunField", "Resolution", "RunChoice", "SavedRun", "choose_run", "holds_run", "last_run_id", "previous_runs",
+           "relative_to", "resolve_saved_run", "same_path", "saved_run", "why_not_held"]
 
 
 class SavedRun(NamedTuple):
@@ -83,6 +83,31 @@ class RunChoice:
     saved: SavedRun | None = None
 
 
+class LiveRunField:
+    """One field of a callback's live run (``run_id``, ``run_log_dir``, ...), held in the callback's
+    ``_live_run`` dict, which only the callback itself writes.
+
+    An assignment from outside lands in the callback's ``restored_attributes`` instead, as
+    information about a checkpoint: transformers' ``Trainer._load_callback_state``
+    (``restore_callback_states_from_checkpoint=True``) sets a checkpoint's saved attributes on the
+    live callback, and the checkpoint of another run (a branch's parent) must not become this
+    run's identity (its checkpoints would then record the parent's id, and a resume would take the
+    parent's run for its own). The identity is decided at train begin (:func:`choose_run`), from
+    the checkpoint's record in ``trainer_state.json`` against the runs the trajectory holds.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, owner: Any, cls: type | None = None) -> Any:
+        if owner is None:
+            return self
+        return owner.__dict__.get("_live_run", {}).get(self.name)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        owner.__dict__.setdefault("restored_attributes", {})[self.name] = value
+
+
 def saved_run(stateful_callbacks: Mapping[str, Any] | None, name: str = "AttnProbeCallback") -> SavedRun | None:
     """The probe's run recorded in a checkpoint's ``stateful_callbacks`` (``trainer_state.json``), if any."""
     saved = (stateful_callbacks or {}).get(name)
@@ -128,6 +153,37 @@ def holds_run(directory: str, run_id: str) -> bool:
         return False
 
 
+def last_run_id(directory: str) -> str | None:
+    """The id of the last run in ``directory``'s trajectory (``None``: no file, or no run header)."""
+    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
+
+    try:
+        runs = file_runs(os.path.join(directory, TRAJECTORY_FILENAME))
+    except (OSError, MemoryError):
+        return None
+    return runs[-1].run_id if runs else None
+
+
+def why_not_held(directory: str, run_id: str) -> str:
+    """One clause saying why ``directory`` does not hold the run ``run_id`` (for a resume message):
+    no trajectory file, a file without run headers, or headers of other runs only."""
+    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
+
+    path = os.path.join(directory, TRAJECTORY_FILENAME)
+    if not os.path.isfile(path):
+        return f"{path} no longer exists"
+    try:
+        ids = sorted({h.run_id for h in file_runs(path)})
+    except (OSError, MemoryError) as exc:
+        return f"{path} cannot be read ({exc})"
+    if not ids:
+        return (f"{path} holds no readable run header: the header of run {run_id} saved with the checkpoint "
+                "was deleted or damaged")
+    listed = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+    return (f"{path} holds no header of run {run_id} saved with the checkpoint, only of {listed}: another run's "
+            "file, or that header was edited or damaged")
+
+
 def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str | None], output_dir: Any) -> Resolution:
     """Where the saved run is now.
 
@@ -139,9 +195,11 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     recreated where a moved or deleted one was. A directory outside the current ``output_dir``
     is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
     explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
-    (a run branched from another run's checkpoint), which is never written. When the checkpoint
-    records a run id, a directory whose trajectory does not hold that run is never taken, whatever
-    its name: two runs whose directories have the same name (started in the same second) stay two.
+    (a run branched from another run's checkpoint), which is never written; it is decided by
+    where the run was recorded, not by what the directories hold. When the checkpoint records a
+    run id, a directory whose trajectory does not hold that run is never taken, whatever its
+    name: two runs whose directories have the same name (started in the same second) stay two,
+    and ``problem`` says what the directory holds instead (a deleted, edited or damaged header).
     """
     from .formats.trajectory import TRAJECTORY_FILENAME
     from .logdir import LogDirError, check_log_dir
@@ -150,9 +208,7 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     output_dir = str(output_dir)
     same_output_dir = saved_output_dir is not None and same_path(saved_output_dir, output_dir)
 
-    def ours(candidate: str) -> bool:
-        if run_id is not None and not holds_run(candidate, run_id):
-            return False
+    def inside(candidate: str) -> bool:
         return same_output_dir or relative_to(os.path.realpath(candidate), os.path.realpath(output_dir)) is not None
 
     candidates = []
@@ -168,7 +224,10 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
                 break
     problem = "it no longer exists"
     for candidate in candidates:
-        if not os.path.isdir(candidate) or not ours(candidate):
+        if not os.path.isdir(candidate) or not inside(candidate):
+            continue
+        if run_id is not None and not holds_run(candidate, run_id):
+            problem = why_not_held(candidate, run_id)
             continue
         try:
             check_log_dir(candidate)
@@ -176,7 +235,7 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
             problem = str(exc)
             continue
         return Resolution(candidate, "", False, relocated=candidate not in (path, candidates[0]))
-    return Resolution(None, problem, not ours(path))
+    return Resolution(None, problem, not inside(path))
 
 
 def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output_dir: Any,

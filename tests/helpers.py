@@ -101,6 +101,38 @@ def make_args(out: Any, steps: int, **kw: Any) -> TrainingArguments:
     return TrainingArguments(**base)
 
 
+def train_probed(args: TrainingArguments, resume: Any = None, data: Any = None, **options: Any) -> list[str]:
+    """Train a :func:`tiny_bert` under ``args`` with a probe attached (``every=1``, ``options``),
+    resumed from ``resume`` if given; returns the messages of the attn_probe warnings it gave."""
+    import warnings
+
+    from transformers import Trainer
+
+    import attn_probe
+
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=data or RandomTokens())
+    attn_probe.attach(trainer, **{"every": 1, **options})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+
+
+def lines_by_run(path: Any) -> list[tuple[str | None, bytes]]:
+    """``[(run id, raw line)]`` of a trajectory file, each line under the run header before it
+    (``None`` before the first header), read with ``json`` alone."""
+    import json
+
+    out, run = [], None
+    with open(path, "rb") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("run_header"):
+                run = record["run_header"]["run_id"]
+            out.append((run, line))
+    return out
+
+
 # --------------------------------------------------------------------------- multi-process runs
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "distributed_workers"

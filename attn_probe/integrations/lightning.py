@@ -47,8 +47,10 @@ from lightning.pytorch.callbacks import Callback
 
 from ..config import ProbeConfig, config_from_options
 from ..extraction import find_attention
+from ..formats.trajectory import new_run_id
 from ..logdir import default_log_dir
 from ..probe import Probe
+from ..resume_policy import holds_run, last_run_id, same_path, why_not_held
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line
 
@@ -102,7 +104,10 @@ class AttnProbeCallback(Callback):
         self.probe: Probe | None = None
         #: where this run's probe writes (global zero; saved with checkpoints)
         self.run_log_dir: str | None = None
-        #: restored from a checkpoint by :meth:`load_state_dict`: ``{"run_log_dir", "last_snapshot_step"}``
+        #: this run's id (global zero; saved with checkpoints): a resume continues the run of the
+        #: checkpoint's id where the directory's trajectory holds it, whatever the directory is named
+        self.run_id: str | None = None
+        #: restored from a checkpoint by :meth:`load_state_dict`: ``{"run_log_dir", "run_id", "last_snapshot_step"}``
         self.restored: dict[str, Any] | None = None
         self._last_global_step = 0
         #: the last snapshot's step once the probe is closed (``trainer.save_checkpoint`` after ``fit``)
@@ -110,11 +115,12 @@ class AttnProbeCallback(Callback):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: the run directory and the last snapshot's step, so that a
-        resumed run says where its trajectory continues and takes no step twice."""
+        """Saved in Lightning checkpoints: the run directory, its run id and the last snapshot's step, so
+        that a resumed run continues its own run (by id), says where its trajectory continues and takes
+        no step twice."""
         probe = self.probe
         last = probe.last_snapshot_step if probe is not None else self.last_snapshot_step
-        return {"run_log_dir": self.run_log_dir, "last_snapshot_step": last}
+        return {"run_log_dir": self.run_log_dir, "run_id": self.run_id, "last_snapshot_step": last}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning calls this before ``on_fit_start``; the probe attaches later, at ``on_train_start``."""
@@ -180,10 +186,11 @@ class AttnProbeCallback(Callback):
         main = bool(trainer.is_global_zero)
         restored = self.restored if step > 0 else None
         parent = restored.get("run_log_dir") if restored else None
+        saved_id = restored.get("run_id") if restored and isinstance(restored.get("run_id"), str) else None
         held = bool(restored) and restored.get("last_snapshot_step") == step  # the checkpoint's run holds step
         writer, log_dir, sinks = None, self.log_dir, list(self.sinks or [])
         header: dict[str, Any] = {"integration": "lightning.Trainer"}
-        continues = False
+        continues, lost = False, ""
         if main:
             if log_dir is None:
                 writer = self._tensorboard_writer(trainer)
@@ -192,9 +199,17 @@ class AttnProbeCallback(Callback):
             from ..sinks.tensorboard import writer_log_dir
 
             where = os.path.expanduser(log_dir) if log_dir is not None else writer_log_dir(writer)
-            continues = parent is not None and _same_path(parent, where)
+            if saved_id is not None:  # the run is its id: a directory's name never decides
+                continues = holds_run(where, saved_id)
+                lost = "" if continues or not same_path(parent or "", where) else why_not_held(where, saved_id)
+                self.run_id = saved_id if continues else new_run_id()
+            else:  # a checkpoint of an earlier version, without a run id: its directory is all there is
+                continues = parent is not None and same_path(parent, where)
+                self.run_id = last_run_id(where) if continues else new_run_id()  # None: rows without header
+            if self.run_id is not None:
+                header["run_id"] = self.run_id
             if parent is not None and not continues:
-                header.update(parent_run=parent, parent_step=step)
+                header.update(parent_run=parent, parent_step=step, parent_run_id=saved_id)
             others = self._other_loggers(trainer)
             if others:
                 from ..sinks.trackers import TrackerFanOut
@@ -214,10 +229,11 @@ class AttnProbeCallback(Callback):
         if main:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
             if parent is not None and not continues:
+                why = (f"a new run there, since {lost}" if lost else
+                       "a new logger version; TensorBoardLogger(version=...) keeps one directory")
                 print_line(f"attn_probe: resumed at step {step} from a checkpoint of the run in {parent}; the "
                            f"trajectory continues {'after' if skip_resumed else 'from'} step {step} in "
-                           f"{self.run_log_dir} (a new logger version; TensorBoardLogger(version=...) keeps one "
-                           "directory).")
+                           f"{self.run_log_dir} ({why}).")
         if not skip_resumed:
             self.probe.snapshot(step)
 
@@ -283,10 +299,6 @@ class AttnProbeCallback(Callback):
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _same_path(a: str, b: str) -> bool:
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
 def _flush(probe: Probe) -> None:
     try:
         probe.flush()

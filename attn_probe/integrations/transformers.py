@@ -35,7 +35,7 @@ from ..extraction import find_attention
 from ..isolation import safe_warn
 from ..logdir import default_log_dir
 from ..probe import Probe
-from ..resume_policy import choose_run, previous_runs, relative_to, saved_run
+from ..resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line
 
@@ -120,8 +120,21 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     With ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds stateful
     callbacks as ``AttnProbeCallback(**saved_args)``; while it does so (inside its
     ``_load_callback_state``) that call returns the instance attached to the Trainer, with its
-    options and sinks, instead of a new one built from the saved args.
+    options and sinks, instead of a new one built from the saved args. The Trainer then sets the
+    checkpoint's saved attributes on it: they land in :attr:`restored_attributes` and never
+    replace the live run's identity (:attr:`run_id`, :attr:`run_log_dir`, ...), which
+    ``on_train_begin`` decides from the checkpoint's record against the runs the trajectory holds.
     """
+
+    #: this run's id (:func:`attn_probe.formats.trajectory.new_run_id`; saved with checkpoints):
+    #: a resume continues the run of the checkpoint's id, whatever the directories are named
+    run_id = LiveRunField()
+    #: where this run's probe writes (saved with checkpoints)
+    run_log_dir = LiveRunField()
+    #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
+    run_log_dir_relative = LiveRunField()
+    #: the Trainer's ``output_dir`` of that run: a checkpoint resumed under another one branches
+    run_output_dir = LiveRunField()
 
     # Why ``__new__`` and the call stack (issue 30 kept them; docs/architecture.md): the Trainer
     # restores callback states by calling ``type(callback)(**saved_args)`` inside its
@@ -166,18 +179,16 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.announce = bool(announce)
         self.probe: Probe | None = None
         self.handler: Any = None  # the Trainer's CallbackHandler, set by attach()
-        self.run_log_dir: str | None = None  # where this run's probe writes (saved with checkpoints)
-        #: the same, relative to the Trainer's ``output_dir`` when it lies inside it (survives a move)
-        self.run_log_dir_relative: str | None = None
-        #: the Trainer's ``output_dir`` of that run: a checkpoint resumed under another one branches
-        self.run_output_dir: str | None = None
+        #: the live run's fields (:attr:`run_id`, :attr:`run_log_dir`, ...), written by this callback only
+        self._live_run: dict[str, str | None] = dict.fromkeys(
+            ("run_id", "run_log_dir", "run_log_dir_relative", "run_output_dir"))
+        #: attributes set from outside, e.g. by a Trainer restoring callback states from a checkpoint:
+        #: information about that checkpoint, never this run's identity (:class:`LiveRunField`)
+        self.restored_attributes: dict[str, Any] = {}
         #: ``(step, (run directory, from_checkpoint))`` chosen while the Trainer restored callback states
         self._early_choice: tuple[int, tuple[str, bool]] | None = None
         #: ``(parent run directory, step)`` of a run branched from another output_dir's checkpoint
         self.parent_run: tuple[str, int] | None = None
-        #: this run's id (:func:`attn_probe.formats.trajectory.new_run_id`; saved with checkpoints):
-        #: a resume continues the run of the checkpoint's id, whatever the directories are named
-        self.run_id: str | None = None
         #: the run headers' identity fields of this run (run_id, parent_run_id, parent_step, ...)
         self._identity: dict[str, Any] = {}
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
@@ -242,7 +253,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 _point_tensorboard(handler, choice.directory)
             return choice.directory, False
         if choice.kind == "branch":
-            return self._branched_log_dir(args, handler, step, saved.path, saved.run_id), False
+            return self._branched_log_dir(args, handler, step, saved), False
         if choice.kind == "fresh":
             return self._fresh_log_dir(args, handler, step, saved.path, choice.problem, saved.run_id), False
         if choice.kind == "continue":
@@ -279,28 +290,30 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         """
         from ..formats.trajectory import new_run_id
 
-        self.run_id = run_id or new_run_id()
+        self._live_run["run_id"] = run_id or new_run_id()
         self._identity = {"run_id": self.run_id}
         if parent is not None:
             self._identity.update(parent_run_id=parent, parent_step=step)
         if legacy:
             self._identity["continues_unidentified"] = True
 
-    def _branched_log_dir(self, args: Any, handler: Any, step: int, parent: str, parent_id: str | None = None) -> str:
+    def _branched_log_dir(self, args: Any, handler: Any, step: int, saved: SavedRun) -> str:
         """A new run under this ``output_dir`` for a checkpoint of another run; one line names the parent.
 
         The parent's run directory belongs to another ``output_dir``: it is neither continued nor
         modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`), and the
         parent's run id into its trajectory header. A directory of that name that already holds
         another run (two runs started in the same second: the same default name) is not
-        written: a unique sibling is taken.
+        written: a unique sibling is taken. ``saved``: the checkpoint's run.
         """
         log_dir = _unused_dir(trainer_log_dir(args, handler), handler)
-        self.parent_run = (parent, step)
-        self._set_identity(None, parent=parent_id, step=step)
-        _warn(f"attn_probe: branched from the probe's run {parent} at step {step}: a checkpoint of another "
-              f"output_dir, whose run this run cannot continue or modify; logging continues from step {step} "
-              f"in a new run directory {log_dir}.")
+        self.parent_run = (saved.path, step)
+        self._set_identity(None, parent=saved.run_id, step=step)
+        where = f" ({saved.output_dir})" if saved.output_dir else ""
+        which = f" (run id {saved.run_id})" if saved.run_id else ""
+        _warn(f"attn_probe: branched from the probe's run {saved.path} at step {step}{which}: the checkpoint's "
+              f"run was recorded under another output_dir{where}, whose run this run cannot continue or modify; "
+              f"logging continues from step {step} in a new run directory {log_dir} (run id {self.run_id}).")
         return log_dir
 
     def _fresh_log_dir(self, args: Any, handler: Any, step: int, saved: str, problem: str,
@@ -394,9 +407,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             # in the way): a resumed run must not fail for that; continue in a fresh directory
             log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc), self._identity.get("run_id"))
             self.probe = build(log_dir)
-        self.run_log_dir = log_dir
-        self.run_log_dir_relative = relative_to(log_dir, args.output_dir) if log_dir is not None else None
-        self.run_output_dir = os.path.abspath(str(args.output_dir))
+        self._live_run.update(run_log_dir=log_dir, run_output_dir=os.path.abspath(str(args.output_dir)),
+                              run_log_dir_relative=relative_to(log_dir, args.output_dir) if log_dir is not None else None)
         if main and self.announce:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
         self.probe.snapshot(step)

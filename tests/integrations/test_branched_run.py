@@ -15,7 +15,7 @@ import hashlib
 import json
 import warnings
 
-from helpers import RandomTokens, make_args, tiny_bert
+from helpers import RandomTokens, make_args, tiny_bert, train_probed
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import Trainer
 
@@ -32,12 +32,7 @@ class OtherTokens(RandomTokens):
 
 
 def train(out, steps, resume=None, data=None, **options):
-    trainer = Trainer(model=tiny_bert(), args=make_args(out, steps), train_dataset=data or RandomTokens())
-    attn_probe.attach(trainer, every=1, **options)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+    return train_probed(make_args(out, steps), resume, data, **options)
 
 
 def files(root):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import REPO, SEQ, VOCAB, RandomTokens
+from helpers import REPO, SEQ, VOCAB, RandomTokens, lines_by_run
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -257,7 +257,39 @@ def test_resume_from_a_lightning_checkpoint_duplicates_no_step(tmp_path, capfd, 
         text = ea.Tensors("attn_probe/config/text_summary")[0].tensor_proto.string_val[0].decode()
         header = json.loads(text.split("**configuration**\n\n```\n", 1)[1].split("\n```", 1)[0])
         assert (header["parent_run"], header["parent_step"]) == (first_dir, 4)
+        (first_id,) = {run for run, _ in lines_by_run(os.path.join(first_dir, "attn_probe.jsonl"))}
+        (second_header,) = [json.loads(line)["run_header"] for _, line in
+                            lines_by_run(os.path.join(second_dir, "attn_probe.jsonl")) if b'"run_header"' in line]
+        assert second_header["parent_run"] == first_id and second_header["run_id"] != first_id  # by id
     assert_final_equals_score_model(table, module.model, 8)
+
+
+def test_resume_continues_its_own_run_by_id_and_keeps_another_run_in_the_same_log_dir(tmp_path):
+    """Run A and then another run B write one ``log_dir=`` (B's rows after A's); A resumed from its
+    step-4 checkpoint continues A (by the run id saved with the checkpoint), not the directory's
+    last run: every line of B stays as it was, and A's rows after step 4 are taken again."""
+    shared = str(tmp_path / "shared")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_epochs=1, save_top_k=-1,
+                           save_on_train_epoch_end=True)
+    fit(tmp_path / "a", AttnProbeCallback(every=2, log_dir=shared), validate=False, max_steps=6, callbacks=(ckpt,),
+        limit_train_batches=4)
+    (path,) = [p for p in os.listdir(tmp_path / "ckpt") if "step=4" in p]
+    (a_id,) = {run for run, _ in lines_by_run(os.path.join(shared, "attn_probe.jsonl"))}
+    saved = torch.load(tmp_path / "ckpt" / path, weights_only=False)["callbacks"]
+    assert [state["run_id"] for key, state in saved.items() if "AttnProbeCallback" in key] == [a_id]
+    fit(tmp_path / "b", AttnProbeCallback(every=2, log_dir=shared), validate=False, max_steps=4,
+        limit_train_batches=4)
+    before = lines_by_run(os.path.join(shared, "attn_probe.jsonl"))
+    b_lines = [line for run, line in before if run != a_id]
+    assert b_lines and {run for run, _ in before} - {a_id}
+    fit(tmp_path / "a", AttnProbeCallback(every=2, log_dir=shared), validate=False, max_steps=8,
+        ckpt_path=str(tmp_path / "ckpt" / path), limit_train_batches=4)
+    after = lines_by_run(os.path.join(shared, "attn_probe.jsonl"))
+    assert [line for run, line in after if run not in (a_id, None)] == b_lines  # B byte for byte
+    a_rows = [json.loads(line) for run, line in after if run == a_id and b'"run_header"' not in line]
+    assert sorted({r["step"] for r in a_rows}) == [0, 2, 4, 6, 8]
+    assert [r["step"] for r in a_rows if r["metric"] == "symmetry" and r["layer"] == 0 and r["head"] is None] \
+        == [0, 2, 4, 6, 8]  # no step twice: A's stale rows from step 4 on were cut, then taken again
 
 
 @pytest.mark.parametrize(("min_steps", "min_epochs", "stops_at"), [(None, None, 1), (3, 0, 3), (3, None, 8)])

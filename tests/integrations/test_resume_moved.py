@@ -12,14 +12,10 @@ import functools
 import json
 import os
 import shutil
-import warnings
 
 import pytest
-from helpers import RandomTokens, make_args, tiny_bert
+from helpers import make_args, train_probed
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import Trainer
-
-import attn_probe
 
 make_args = functools.partial(make_args, report_to=["tensorboard"], save_strategy="steps", save_steps=2)
 
@@ -36,12 +32,7 @@ def layer0_steps(path):
 
 
 def train(out, steps, resume=None):
-    trainer = Trainer(model=tiny_bert(), args=make_args(out, steps), train_dataset=RandomTokens())
-    attn_probe.attach(trainer, every=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    return [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+    return train_probed(make_args(out, steps), resume)
 
 
 def saved_probe_state(checkpoint):

@@ -78,12 +78,28 @@ def test_resume_continues_the_saved_run_by_id(tmp_path):
 
 
 def test_a_directory_holding_another_run_of_the_same_name_is_not_continued(tmp_path):
-    # the directory has the saved name but holds another run (two runs started in the same second):
-    # never written, a new run whose parent is the checkpoint's run
+    # the directory has the saved name but holds another run (two runs started in the same second, or
+    # its header edited): never written, a new run whose parent is the checkpoint's run; the problem
+    # names what the directory holds (not "another output_dir": the checkpoint's run was this one's)
     run = _run_dir(tmp_path / "runs" / "x", "other")
     choice = choose_run(7, SavedRun(run, "runs/x", str(tmp_path), "r1"), log_dir=None, output_dir=tmp_path)
-    assert (choice.kind, choice.directory, choice.run_id) == ("branch", None, None)
+    assert (choice.kind, choice.directory, choice.run_id) == ("fresh", None, None)
     assert (choice.parent_id, choice.parent_step) == ("r1", 7)
+    trajectory = os.path.join(run, TRAJECTORY_FILENAME)
+    assert choice.problem == (f"{trajectory} holds no header of run r1 saved with the checkpoint, only of other: "
+                              "another run's file, or that header was edited or damaged")
+    # the header deleted: said so
+    with open(trajectory, "rb") as fh:
+        rows = [line for line in fh if b'"run_header"' not in line]
+    with open(trajectory, "wb") as fh:
+        fh.writelines(rows)
+    choice = choose_run(7, SavedRun(run, "runs/x", str(tmp_path), "r1"), log_dir=None, output_dir=tmp_path)
+    assert (choice.kind, choice.parent_id) == ("fresh", "r1")
+    assert choice.problem == (f"{trajectory} holds no readable run header: the header of run r1 saved with the "
+                              "checkpoint was deleted or damaged")
+    os.remove(trajectory)
+    choice = choose_run(7, SavedRun(run, "runs/x", str(tmp_path), "r1"), log_dir=None, output_dir=tmp_path)
+    assert (choice.kind, choice.problem) == ("fresh", f"{trajectory} no longer exists")
 
 
 def test_a_moved_output_dir_keeps_its_run(tmp_path):
@@ -118,9 +134,10 @@ def test_a_deleted_run_gives_a_new_run(tmp_path):
     choice = choose_run(3, saved, log_dir=None, output_dir=tmp_path)
     assert (choice.kind, choice.run_id, choice.parent_id, choice.parent_step) == ("fresh", None, None, 3)
     assert choice.problem == "it no longer exists"
-    # with a run id, no directory holds that run: it is not this output_dir's to continue (a branch)
+    # with a run id: the same, the saved run its parent (it was this output_dir's run: not a branch)
     choice = choose_run(3, saved._replace(run_id="r1"), log_dir=None, output_dir=tmp_path)
-    assert (choice.kind, choice.parent_id, choice.parent_step) == ("branch", "r1", 3)
+    assert (choice.kind, choice.parent_id, choice.parent_step) == ("fresh", "r1", 3)
+    assert choice.problem == "it no longer exists"
 
 
 def test_an_explicit_log_dir_continues_only_its_own_run(tmp_path):
