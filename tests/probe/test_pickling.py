@@ -51,15 +51,22 @@ def steps_written(log_dir) -> list[int]:
     return sorted({r["step"] for r in rows})
 
 
-def child_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Run in a spawn child: the model's logits and the number of hooks it carries."""
-    return logits(model, ids), len(model._forward_pre_hooks)
+def child_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Run in a spawn child: a training forward (the copied counting hook is called), then the logits."""
+    model.train()
+    model(input_ids=ids)
+    return logits(model, ids)
+
+
+def watched(log_dir) -> tuple[torch.nn.Module, attn_probe.Probe]:
+    """A tiny Llama in training mode, its forwards counted by ``watch`` (no optimizer), every step."""
+    model = tiny_llama()
+    model.train()
+    return model, attn_probe.watch(model, every=1, log_dir=str(log_dir), random_range=False)
 
 
 def test_forward_counted_model_pickles_and_its_copy_never_advances_the_probe(tmp_path) -> None:
-    model = tiny_llama()
-    model.train()
-    probe = attn_probe.watch(model, every=1, log_dir=str(tmp_path / "run"), random_range=False)
+    model, probe = watched(tmp_path / "run")
     ids = batch(0)
     before = logits(model, ids)
 
@@ -92,7 +99,7 @@ def test_armed_model_and_counted_optimizer_pickle_and_copies_stay_inert(tmp_path
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
-    assert model._forward_pre_hooks  # armed for step 2: the capture's hooks are on the model
+    assert probe.attention.capture.armed  # for step 2: the capture's hooks are on the model
     before = logits(model, ids)
     copied = copy.deepcopy(model)
     assert torch.equal(logits(pickle.loads(pickle.dumps(model)), ids), before)
@@ -109,9 +116,7 @@ def test_armed_model_and_counted_optimizer_pickle_and_copies_stay_inert(tmp_path
 
 
 def test_model_saved_whole_while_watched_loads_where_attn_probe_cannot_be_imported(tmp_path) -> None:
-    model = tiny_llama()
-    model.train()
-    probe = attn_probe.watch(model, every=1, log_dir=str(tmp_path / "run"), random_range=False)
+    model, probe = watched(tmp_path / "run")
     model(input_ids=batch(0))
     ids = batch(1)
     torch.save(model, tmp_path / "model.pt")
@@ -152,15 +157,12 @@ def test_model_saved_whole_while_watched_loads_where_attn_probe_cannot_be_import
 
 
 def test_a_spawn_child_gets_the_watched_model(tmp_path) -> None:
-    model = tiny_llama()
-    model.train()
-    probe = attn_probe.watch(model, every=1, log_dir=str(tmp_path / "run"), random_range=False)
+    model, probe = watched(tmp_path / "run")
     ids = batch(2)
     want = logits(model, ids)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        got, hooks = pool.apply_async(child_logits, (model, ids)).get(timeout=300)
+        got = pool.apply_async(child_logits, (model, ids)).get(timeout=300)
     assert torch.equal(got, want)
-    assert hooks == 1  # the forward counter's entry, inert in the child
     assert probe.step == 0
     probe.close()
 
