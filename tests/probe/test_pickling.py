@@ -65,27 +65,35 @@ def watched(log_dir) -> tuple[torch.nn.Module, attn_probe.Probe]:
     return model, attn_probe.watch(model, every=1, log_dir=str(log_dir), random_range=False)
 
 
-def test_forward_counted_model_pickles_and_its_copy_never_advances_the_probe(tmp_path) -> None:
+def test_a_deep_copy_never_advances_the_original_probe(tmp_path) -> None:
+    model, probe = watched(tmp_path / "run")
+    teacher = copy.deepcopy(model)  # a teacher copy, run in training mode beside the student
+    for i in range(6):
+        model(input_ids=batch(i))
+        teacher(input_ids=batch(i))
+    assert probe.step == 5  # the step of the 6th forward: 5 forwards before it
+    probe.close()
+    assert steps_written(tmp_path / "run") == [0, 1, 2, 3, 4, 5, 6]  # 6 forwards, then close()'s step 6
+
+
+def test_forward_counted_model_pickles_and_saves_whole_and_its_copies_stay_inert(tmp_path) -> None:
     model, probe = watched(tmp_path / "run")
     ids = batch(0)
     before = logits(model, ids)
-
     loaded = pickle.loads(pickle.dumps(model))
     assert torch.equal(logits(loaded, ids), before)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
-    assert torch.equal(logits(torch.load(buffer, weights_only=False), ids), before)
-
-    teacher = copy.deepcopy(model)  # a teacher copy, run in training mode beside the student
-    teacher.train()
-    for i in range(6):
-        model(input_ids=batch(i))
-        teacher(input_ids=batch(i))
+    saved = torch.load(buffer, weights_only=False)
+    assert torch.equal(logits(saved, ids), before)
+    for i in range(3):
         loaded(input_ids=batch(i))
-    assert probe.step == 5  # the step of the 6th forward: 5 forwards before it
+        saved(input_ids=batch(i))
+    model(input_ids=ids)
+    assert probe.step == 0
     probe.close()
-    assert steps_written(tmp_path / "run") == [0, 1, 2, 3, 4, 5, 6]  # 6 forwards, then close()'s step 6
+    assert steps_written(tmp_path / "run") == [0, 1]
 
 
 def test_armed_model_and_counted_optimizer_pickle_and_copies_stay_inert(tmp_path) -> None:
