@@ -138,9 +138,9 @@ class Probe:
         #: resumed run keeps its rows: they sit at its first step, before any resume cut). Every
         #: rank computes it, before the probe's first collective: the same seeded draws, as many on
         #: every rank, so no rank waits in an agreement while another computes it
+        computes_range = cfg.random_range and self.step == 0 and (self.is_main_process or world_info().distributed)
         self._random_rows: list[Record] = (
-            random_range_records(cfg, layers, self.metrics, warn=self.is_main_process)
-            if cfg.random_range and self.step == 0 and (self.is_main_process or world_info().distributed) else [])
+            random_range_records(cfg, layers, self.metrics, warn=self.is_main_process) if computes_range else [])
         agreement = make_agreement(model, cfg.agreement_timeout)  # collective on a sharded run
         self.decision = StepDecision(cfg.schedule, cfg.image_schedule, agreement)
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
@@ -169,7 +169,7 @@ class Probe:
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
         if self.outputs is None:
-            self._random_rows = []  # computed for the same pace as the main process; written there
+            self._random_rows = []  # computed to keep the main process's pace; only the main process writes it
         # the attention stage (registering wrappers) last: nothing after it raises
         self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, self.ranks,
                                                             self.decision.measures_forwards, self.failure_log)
