@@ -81,6 +81,7 @@ from torch import nn
 
 from .extraction.architectures import unwrap
 from .extraction.base import AttentionLayer
+from .hooks import ProbeHook
 from .integrations import attention_functions as registry
 from .integrations.attention_functions import installed_wrappers, unavailable_reason
 from .isolation import Failures, safe_warn
@@ -374,9 +375,9 @@ class AttentionCapture:
     restored by the last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators,
     adds a forward pre-hook and an always-called forward hook on the model, for the forward's
     grad mode and 2D padding masks, and a pre-hook on each attention module for its input
-    norm), :meth:`disarm` ends it and removes the hooks, :meth:`collect` returns the step's
-    :class:`StepStats`. Raises ``ValueError`` with :func:`unavailable_reason`'s line when the
-    model cannot be measured.
+    norm; :class:`~attn_probe.hooks.ProbeHook` s, inert in a copy of the model), :meth:`disarm`
+    ends it and removes the hooks, :meth:`collect` returns the step's :class:`StepStats`. Raises
+    ``ValueError`` with :func:`unavailable_reason`'s line when the model cannot be measured.
 
     Which forwards count: with ``training_only`` (the probe's rule, ``docs/scores.md``) the
     calls inside a forward of ``model`` entered with gradients enabled (the forwards that
@@ -452,10 +453,12 @@ class AttentionCapture:
         self._reset()
         self._frames = []
         self._failed_step = False
-        self._hooks.append(self.root.register_forward_pre_hook(self._enter, with_kwargs=True))
-        self._hooks.append(self.root.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
+        self._hooks.append(self.root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
+        self._hooks.append(self.root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True,
+                                                           always_call=True))
         for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
+            self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._input_hook(i)),
+                                                                      with_kwargs=True))
         registry.arm(self)
         self._armed = True
 

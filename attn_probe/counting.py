@@ -8,7 +8,9 @@
 * the Trainer callback passes ``state.global_step`` (optimizer updates) itself.
 
 Each counter calls ``probe.on_update(step=None)`` and has ``remove()``; the probe keeps it
-as a hook handle and removes it at ``close()``.
+as a hook handle and removes it at ``close()``. The hooks on the model and the optimizer are
+:class:`~attn_probe.hooks.ProbeHook` s: a watched model or optimizer can be pickled, saved
+whole and deep-copied, and a copy's forwards never advance the probe.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from .hooks import ProbeHook
 
 __all__ = ["OptimizerUpdates", "ForwardPasses", "EngineSteps"]
 
@@ -34,7 +38,11 @@ class OptimizerUpdates:
     def __init__(self, optimizer: torch.optim.Optimizer, probe: Counted) -> None:
         if not hasattr(optimizer, "register_step_post_hook"):
             raise TypeError(f"{type(optimizer).__name__} has no register_step_post_hook; pass a torch optimizer")
-        self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: probe.on_update())
+        self.probe = probe
+        self._handle = optimizer.register_step_post_hook(ProbeHook(self._after_step))
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.probe.on_update()
 
     def remove(self) -> None:
         self._handle.remove()
@@ -48,17 +56,17 @@ class ForwardPasses:
     """
 
     def __init__(self, module: nn.Module, probe: Counted) -> None:
+        self.probe = probe
         self.base = probe.step
         self.count = 0
         self.final_step: int | None = None
+        self._handle = module.register_forward_pre_hook(ProbeHook(self._before_forward))
 
-        def pre_hook(mod: nn.Module, args: Any) -> None:
-            if mod.training:
-                probe.on_update(self.base + self.count)
-                self.count += 1
-                self.final_step = self.base + self.count
-
-        self._handle = module.register_forward_pre_hook(pre_hook)
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if module.training:
+            self.probe.on_update(self.base + self.count)
+            self.count += 1
+            self.final_step = self.base + self.count
 
     def remove(self) -> None:
         self._handle.remove()

@@ -73,6 +73,12 @@ class QKPair:
         self.metrics = tuple(WRITTEN_NAMES.get(self.prefix + m, self.prefix + m) for m in self.core_metrics)
         self.dtype = dtype
 
+    def __eq__(self, other: object) -> bool:  # by value (caches aside): a pickled config comes back equal
+        return type(other) is type(self) and self.__getstate__() == other.__getstate__()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.metrics, self._dtype()))
+
     def param_names(self, layer: AttentionLayer) -> tuple[str, ...]:
         return layer.param_names
 
@@ -115,6 +121,10 @@ class OVPair(QKPair):
     def __init__(self, metrics: Sequence[str] | None = None, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(metrics, dtype=dtype)
         self._layouts: dict[int, tuple[object, object]] = {}
+
+    def __getstate__(self) -> dict:
+        # the layouts are a cache of the watched modules (and closures): a copy or a pickle starts without
+        return {**self.__dict__, "_layouts": {}}
 
     def layout(self, layer: AttentionLayer):  # -> extraction.ov.OVLayout
         # keyed by the module alone: the distributed walk hands out the same layer renamed

@@ -10,9 +10,11 @@ At each counted step or hand-made snapshot, :class:`Probe` asks
 3. the assembly (:class:`~attn_probe.stages.assembly.Assembler`): records and statistics;
 4. the outputs (:class:`~attn_probe.stages.outputs.Outputs`): the sinks, main process only.
 
-On a fresh run the main process also computes, at attach, the random-matrix range of its layer
-shapes (:func:`random_range_records`), handed to the sinks once with the first published
-snapshot (``Snapshot.baselines``: the trajectory file writes it).
+On a fresh run every rank also computes, at attach and before the probe's first collective, the
+random-matrix range of its layer shapes (:func:`random_range_records`: seeded draws whose count
+follows from the shapes alone, so every rank spends the same work and none waits for another in
+an agreement); the main process hands it to the sinks once with the first published snapshot
+(``Snapshot.baselines``: the trajectory file writes it).
 
 It owns only the step counter, the hook handles and the lifecycle; every public method is
 isolated (:func:`attn_probe.isolation.never_raise`): once attached, the probe never stops
@@ -78,22 +80,27 @@ def _deliver_at_exit(seconds: float) -> None:
 at_interpreter_exit(_deliver_at_exit)
 
 
-def random_range_records(config: ProbeConfig, layers: list[AttentionLayer], metrics: list[str]) -> list[Record]:
+def random_range_records(config: ProbeConfig, layers: list[AttentionLayer], metrics: list[str],
+                         warn: bool = True) -> list[Record]:
     """The random-matrix range of ``layers`` as records (:func:`attn_probe.baselines.random_range.random_range_rows`).
 
-    Never raises: a failure is one warning and no records; shapes that got fewer draws within
-    the time budget, or none, are named in one warning.
+    No time budget: at most :data:`~attn_probe.baselines.random_range.PROBE_ENTRIES` drawn numbers,
+    so the draws, the values and the work are the same on every rank. Never raises: a failure is
+    one warning and no records; shapes that got fewer draws, or none, are named in one warning
+    (``warn=False``: no warnings, the other ranks').
     """
     try:
         rows, notes = random_range.random_range_rows(layers, metrics=metrics, per_head=config.per_head,
-                                                     num_std=config.num_std, budget=random_range.DEFAULT_BUDGET)
-        if notes:
+                                                     num_std=config.num_std, budget=None,
+                                                     max_entries=random_range.PROBE_ENTRIES)
+        if notes and warn:
             safe_warn(f"attn_probe: the random-matrix range: {'; '.join(notes)}. "
                       "(random_range=False turns it off.)")
         return [Record(*row) for row in rows]
     except Exception as exc:  # noqa: BLE001 - a reference range must never stop training
-        safe_warn(f"attn_probe: the random-matrix range could not be computed ({type(exc).__name__}: {exc}); "
-                  "it is not logged. Training and the scores are not affected.")
+        if warn:
+            safe_warn(f"attn_probe: the random-matrix range could not be computed ({type(exc).__name__}: {exc}); "
+                      "it is not logged. Training and the scores are not affected.")
         return []
 
 
@@ -126,12 +133,19 @@ class Probe:
         self.is_main_process = is_main_process() if cfg.is_main_process is None else cfg.is_main_process
         self.step = cfg.start_step
         self.failure_log = Failures()
+        self.metrics, alertable = metric_names(cfg, self.pairs, layers)
+        #: the random-matrix range, written once with the first snapshot a fresh run publishes (a
+        #: resumed run keeps its rows: they sit at its first step, before any resume cut). Every
+        #: rank computes it, before the probe's first collective: the same seeded draws, as many on
+        #: every rank, so no rank waits in an agreement while another computes it
+        computes_range = cfg.random_range and self.step == 0 and (self.is_main_process or world_info().distributed)
+        self._random_rows: list[Record] = (
+            random_range_records(cfg, layers, self.metrics, warn=self.is_main_process) if computes_range else [])
         agreement = make_agreement(model, cfg.agreement_timeout)  # collective on a sharded run
         self.decision = StepDecision(cfg.schedule, cfg.image_schedule, agreement)
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
                                        is_main_process=self.is_main_process, failures=self.failure_log)
         self.assembler = Assembler([pair.metrics for pair in self.pairs])
-        self.metrics, alertable = metric_names(cfg, self.pairs, layers)
         self.alerting = build_alerting(cfg, alertable, logged=self.metrics, layers=[lay.layer for lay in layers],
                                        is_main_process=self.is_main_process,
                                        failures=self.failure_log)  # ValueError: a rule that can never fire
@@ -142,6 +156,8 @@ class Probe:
             self.ranks = Agreement(cfg.agreement_timeout)
         if self.alerting is not None:
             self.alerting.ranks = self.ranks
+        if self.ranks is not None:
+            self.decision.timeout = self.ranks.timeout  # named when an agreement fails
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
@@ -152,11 +168,8 @@ class Probe:
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
-        #: the random-matrix range, written once with the first snapshot a fresh run publishes (a
-        #: resumed run keeps its rows: they sit at its first step, before any resume cut)
-        self._random_rows: list[Record] = (
-            random_range_records(cfg, layers, self.metrics)
-            if self.outputs is not None and cfg.random_range and not run.resume_step else [])
+        if self.outputs is None:
+            self._random_rows = []  # computed to keep the main process's pace; only the main process writes it
         # the attention stage (registering wrappers) last: nothing after it raises
         self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, self.ranks,
                                                             self.decision.measures_forwards, self.failure_log)

@@ -1,7 +1,9 @@
 """When to take a snapshot: a schedule is any callable ``step -> bool``.
 
 ``step`` counts optimizer updates (or training forward passes for the module hook), starting
-at 0 for the weights before training. Schedules are plain functions, trivially combined:
+at 0 for the weights before training. The built-in ones are small module-level classes
+(:class:`Every`, :class:`LogSpaced`, :class:`AnyOf`), so a config holding one pickles and
+compares by value; they are made by plain functions and trivially combined:
 
 >>> from attn_probe.schedules import every, log_spaced
 >>> s = every(100)
@@ -17,24 +19,113 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["Schedule", "every", "log_spaced", "as_schedule", "any_of", "is_deterministic"]
+__all__ = ["Schedule", "every", "log_spaced", "as_schedule", "any_of", "is_deterministic", "Every", "LogSpaced",
+           "AnyOf"]
 
 Schedule = Callable[[int], bool]
 ScheduleLike = int | Schedule
 
 
+class _BuiltIn:
+    """A built-in schedule: a module-level class, so it pickles (``ProbeConfig`` with it goes to a
+    spawn child, Lightning's ``ddp_spawn``) and compares by value; ``repr`` is how it is named in
+    the run header and the announcement (the same text as when schedules were closures)."""
+
+    __slots__ = ()
+    #: the answer depends on the step alone (:func:`is_deterministic`)
+    deterministic = True
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+    def __getstate__(self) -> tuple:
+        return self._key()
+
+    def __setstate__(self, state: tuple) -> None:
+        for name, value in zip(self.__slots__, state, strict=True):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+
+class Every(_BuiltIn):
+    """:func:`every`'s schedule."""
+
+    __slots__ = ("n", "offset")
+
+    def __init__(self, n: int, offset: int = 0) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"every= must be a positive integer, got {n!r}")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
+        self.__setstate__((n, offset))
+
+    def __call__(self, step: int) -> bool:
+        return step >= self.offset and (step - self.offset) % self.n == 0
+
+    def __repr__(self) -> str:
+        return f"every({self.n}, offset={self.offset})"
+
+
+class LogSpaced(_BuiltIn):
+    """:func:`log_spaced`'s schedule."""
+
+    __slots__ = ("per_decade", "start", "max_interval")
+
+    def __init__(self, per_decade: int = 10, start: int = 1, max_interval: int | None = None) -> None:
+        if per_decade < 1 or start < 1:
+            raise ValueError("per_decade and start must be positive integers")
+        if max_interval is not None and max_interval < 1:
+            raise ValueError("max_interval must be a positive integer or None")
+        self.__setstate__((per_decade, start, max_interval))
+
+    def _point(self, k: int) -> int:
+        return int(round(self.start * 10.0 ** (k / self.per_decade)))
+
+    def __call__(self, step: int) -> bool:
+        if step == 0:
+            return True
+        if step < self.start:
+            return False
+        if self.max_interval is not None and step % self.max_interval == 0:
+            return True
+        k = self.per_decade * math.log10(step / self.start)
+        return any(self._point(j) == step
+                   for j in (math.floor(k) - 1, math.floor(k), math.ceil(k), math.ceil(k) + 1) if j >= 0)
+
+    def __repr__(self) -> str:
+        return f"log_spaced(per_decade={self.per_decade}, start={self.start}, max_interval={self.max_interval})"
+
+
+class AnyOf(_BuiltIn):
+    """:func:`any_of`'s schedule: deterministic when all its parts are."""
+
+    __slots__ = ("schedules",)
+
+    def __init__(self, *schedules: Schedule) -> None:
+        self.__setstate__((tuple(schedules),))
+
+    @property
+    def deterministic(self) -> bool:  # type: ignore[override]
+        return all(is_deterministic(s) for s in self.schedules)
+
+    def __call__(self, step: int) -> bool:
+        return any(s(step) for s in self.schedules)
+
+    def __repr__(self) -> str:
+        return f"any_of({', '.join(getattr(s, '__qualname__', repr(s)) for s in self.schedules)})"
+
+
 def every(n: int, offset: int = 0) -> Schedule:
     """Fire at ``offset, offset + n, offset + 2n, ...``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"every= must be a positive integer, got {n!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
-
-    def schedule(step: int) -> bool:
-        return step >= offset and (step - offset) % n == 0
-
-    schedule.__qualname__ = f"every({n}, offset={offset})"
-    return _deterministic(schedule)
+    return Every(n, offset)
 
 
 def log_spaced(per_decade: int = 10, start: int = 1, max_interval: int | None = None) -> Schedule:
@@ -44,41 +135,13 @@ def log_spaced(per_decade: int = 10, start: int = 1, max_interval: int | None = 
     stop growing: once they would exceed it, the schedule also fires every ``max_interval``
     steps, so long runs keep a bounded resolution.
     """
-    if per_decade < 1 or start < 1:
-        raise ValueError("per_decade and start must be positive integers")
-    if max_interval is not None and max_interval < 1:
-        raise ValueError("max_interval must be a positive integer or None")
-
-    def point(k: int) -> int:
-        return int(round(start * 10.0 ** (k / per_decade)))
-
-    def schedule(step: int) -> bool:
-        if step == 0:
-            return True
-        if step < start:
-            return False
-        if max_interval is not None and step % max_interval == 0:
-            return True
-        k = per_decade * math.log10(step / start)
-        return any(point(j) == step for j in (math.floor(k) - 1, math.floor(k), math.ceil(k), math.ceil(k) + 1) if j >= 0)
-
-    schedule.__qualname__ = f"log_spaced(per_decade={per_decade}, start={start}, max_interval={max_interval})"
-    return _deterministic(schedule)
+    return LogSpaced(per_decade, start, max_interval)
 
 
 def any_of(*schedules: Schedule) -> Schedule:
-    """Fire when any of ``schedules`` fires (deterministic when all of them are)."""
-
-    def schedule(step: int) -> bool:
-        return any(s(step) for s in schedules)
-
-    schedule.__qualname__ = f"any_of({', '.join(getattr(s, '__qualname__', repr(s)) for s in schedules)})"
-    return _deterministic(schedule) if all(is_deterministic(s) for s in schedules) else schedule
-
-
-def _deterministic(schedule: Schedule) -> Schedule:
-    schedule.deterministic = True  # type: ignore[attr-defined]
-    return schedule
+    """Fire when any of ``schedules`` fires (deterministic when all of them are; picklable when
+    all of them are)."""
+    return AnyOf(*schedules)
 
 
 def is_deterministic(schedule: Schedule | None) -> bool:

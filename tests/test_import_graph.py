@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "attn_probe"
 #: lowest first; an entry names a module or a package (all its modules, unless listed themselves)
 LAYERS: list[tuple[str, ...]] = [
     # leaves: stdlib, torch, numpy only
-    ("isolation", "schedules", "logdir", "live_view", "formats", "asynchronous", "counting",
+    ("isolation", "schedules", "logdir", "live_view", "formats", "asynchronous", "hooks", "counting",
      "extraction.base", "resume_policy", "baselines.paper"),
     # architecture knowledge
     ("extraction", "intervention"),

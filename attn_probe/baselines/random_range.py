@@ -20,15 +20,19 @@ iid initialisation every head has the same distribution).
   exactly; its spread has no simple law and is measured per shape (each draw counted with its
   transpose, :class:`RandomRange`).
 
-Results are cached per process and shape (:func:`random_range`). A call is bounded in time
-(``budget`` seconds: fewer draws, said in :attr:`RandomRange.note`) and in memory (a shape whose
-one draw holds more than :data:`MAX_DRAW_ENTRIES` numbers is skipped, with the reason). Only torch
-and the core are imported; the generator is a local, seeded ``torch.Generator`` (the global RNG
-is never touched), so every rank and every run computes the same numbers.
+Results are cached per process and shape (:func:`random_range`). A call is bounded in the numbers
+it draws (``max_entries``: fewer draws, a count that follows from the shape alone), in time
+(``budget`` seconds: fewer draws, a count that depends on the machine's speed and load), both
+said in :attr:`RandomRange.note`, and in memory (a shape whose one draw holds more than
+:data:`MAX_DRAW_ENTRIES` numbers is skipped, with the reason). Only torch and the core are
+imported; the generator is a local, seeded ``torch.Generator`` (the global RNG is never
+touched), so with ``budget=None`` every rank and every run computes the same numbers: the live
+probe computes it that way on every rank (:data:`PROBE_ENTRIES`), so that no rank waits for another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -41,14 +45,19 @@ import torch
 
 from ..core import score_factor_stack
 
-__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "HEAD_SAMPLES", "MAX_DRAW_ENTRIES", "LayerShape", "RandomRange",
-           "draw_factors", "random_range", "random_range_rows", "clear_cache"]
+__all__ = ["CHUNK_ENTRIES", "DEFAULT_BUDGET", "DEFAULT_DRAWS", "HEAD_SAMPLES", "MAX_DRAW_ENTRIES", "PROBE_ENTRIES",
+           "LayerShape", "RandomRange", "draw_factors", "random_range", "random_range_rows", "clear_cache"]
 
 #: draws per shape (each gives one layer score and ``H`` head scores)
 DEFAULT_DRAWS = 32
-#: seconds the live probe gives the range of all its layer shapes at attach (one
-#: :func:`random_range` call: the draws stop when the next scored call would pass it; at least one)
+#: seconds a :func:`random_range` call gives its draws by default (they stop when the next scored
+#: call would pass it; at least one). Not the live probe's bound: see :data:`PROBE_ENTRIES`
 DEFAULT_BUDGET = 5.0
+#: numbers the live probe draws for the range of all its layer shapes together (``max_entries``
+#: of :func:`random_range_rows`, no time budget): the number of draws follows from the shapes
+#: alone, so every rank computes the same range in about the same time and none waits for another
+#: (docs/scores.md: d = 768 gets all 32 draws, d = 2048 with 8 KV heads 9, Llama-3-8B's layers 2)
+PROBE_ENTRIES = 3 << 24
 #: numbers (query + key factors) of one draw above which a shape is skipped: 2^26 float32 numbers
 #: are 256 MiB, and one such draw takes several seconds to score on a CPU
 MAX_DRAW_ENTRIES = 1 << 26
@@ -171,15 +180,19 @@ def clear_cache() -> None:
 def random_range(shape: LayerShape, *, draws: int = DEFAULT_DRAWS, seed: int = 0, num_std: float = 2.0,
                  per_head: bool = True, budget: float | None = DEFAULT_BUDGET,
                  dtype: torch.dtype = torch.float32, head_samples: int = HEAD_SAMPLES,
-                 cache: bool = True) -> RandomRange:
+                 cache: bool = True, max_entries: int | None = None) -> RandomRange:
     """The random range of ``shape`` (see the module docstring), cached per process.
 
     ``budget``: seconds for the draws (``None``: no limit); the draws stop when the next chunk
     would pass it, so a large shape gets fewer draws (at least one, two when the first fits in
-    half the budget), stated in ``note``. A shape whose one draw exceeds :data:`MAX_DRAW_ENTRIES`
-    numbers is skipped (``draws == 0``). ``dtype``: the core's computation dtype (the probe's is
-    float32). ``head_samples``: heads pooled for the head range (the first draws are scored per
-    head until that many). Raises ``ValueError`` for a bad shape or ``draws < 1``.
+    half the budget), stated in ``note``. ``max_entries``: numbers drawn at most, all draws'
+    factors together (``None``: no limit): ``draws`` becomes ``max(1, max_entries //
+    shape.draw_entries)`` when that is fewer, a count that depends on the shape alone (the same on
+    every rank and machine), stated in ``note``. A shape whose one draw exceeds
+    :data:`MAX_DRAW_ENTRIES` numbers is skipped (``draws == 0``). ``dtype``: the core's
+    computation dtype (the probe's is float32). ``head_samples``: heads pooled for the head range
+    (the first draws are scored per head until that many). Raises ``ValueError`` for a bad shape,
+    ``draws < 1`` or ``max_entries < 1``.
     """
     if not isinstance(shape, LayerShape):
         raise TypeError(f"shape must be a LayerShape, got {type(shape).__name__}")
@@ -187,13 +200,20 @@ def random_range(shape: LayerShape, *, draws: int = DEFAULT_DRAWS, seed: int = 0
         raise ValueError(f"draws must be an int >= 1, got {draws!r}")
     if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
         raise ValueError(f"budget must be a number of seconds > 0 or None, got {budget!r}")
-    key = (shape, draws, int(seed), float(num_std), bool(per_head), dtype, int(head_samples))
+    if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+                                    or max_entries < 1):
+        raise ValueError(f"max_entries must be an int >= 1 or None, got {max_entries!r}")
+    key = (shape, draws, int(seed), float(num_std), bool(per_head), dtype, int(head_samples), max_entries)
     if cache:
         with _LOCK:
             hit = _CACHE.get(key)
         if hit is not None:
             return hit
-    result = _compute(shape, draws, int(seed), float(num_std), per_head, budget, dtype, int(head_samples))
+    drawn = draws if max_entries is None else min(draws, max(1, max_entries // shape.draw_entries))
+    result = _compute(shape, drawn, int(seed), float(num_std), per_head, budget, dtype, int(head_samples))
+    if drawn < draws and result.draws == drawn:
+        result = dataclasses.replace(result, note=f"{drawn} of {draws} random draws of {shape.describe()} "
+                                                  f"within {max_entries:,} drawn numbers")
     if cache:
         with _LOCK:
             _CACHE.setdefault(key, result)
@@ -261,7 +281,7 @@ RangeRow = tuple[str, int, "int | None", str, float]
 
 def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head: bool, num_std: float = 2.0,
                       budget: float | None = DEFAULT_BUDGET, draws: int = DEFAULT_DRAWS,
-                      seed: int = 0) -> tuple[list[RangeRow], list[str]]:
+                      seed: int = 0, max_entries: int | None = None) -> tuple[list[RangeRow], list[str]]:
     """The range as trajectory rows for ``layers`` (objects with ``group``, ``layer``, ``hidden_size``,
     ``head_dim``, ``num_heads``, ``num_kv_heads``: :class:`attn_probe.extraction.AttentionLayer`).
 
@@ -269,8 +289,10 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
     ``random_directionality`` and ``..._sd`` when ``"directionality"`` is; ``head`` ``None`` for
     the layer matrix, and with ``per_head`` one row set per head ``h`` (the pooled head range: the
     same values for every head of a shape). Each distinct shape is computed once
-    (:func:`random_range`), ``budget`` seconds for all of them together. Returns the rows and the
-    notes of shapes that got fewer draws or were skipped (no rows).
+    (:func:`random_range`), ``budget`` seconds and ``max_entries`` drawn numbers for all of them
+    together: the first shape gets the whole of both (at least one draw), the next ones what is
+    left, in the order of ``layers`` (with ``budget=None`` the draws depend on the shapes alone).
+    Returns the rows and the notes of shapes that got fewer draws or were skipped (no rows).
     """
     wanted = [m for m in _SCORED if m in metrics]
     rows: list[RangeRow] = []
@@ -278,6 +300,7 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
     if not wanted:
         return rows, notes
     deadline = None if budget is None else time.perf_counter() + budget
+    entries_left = max_entries
     ranges: dict[LayerShape, RandomRange | None] = {}
     for lay in layers:
         shape = LayerShape(int(lay.hidden_size), int(lay.head_dim), int(lay.num_heads), int(lay.num_kv_heads))
@@ -288,7 +311,15 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
                 notes.append(f"skipped: no time left in the {budget:g} s budget for {shape.describe()}")
                 ranges[shape] = None
                 continue
-            found = random_range(shape, draws=draws, seed=seed, num_std=num_std, per_head=per_head, budget=left)
+            if ranges and entries_left is not None and entries_left < shape.draw_entries:
+                notes.append(f"skipped: fewer than one draw of {shape.describe()} left in the "
+                             f"{max_entries:,} drawn numbers")
+                ranges[shape] = None
+                continue
+            found = random_range(shape, draws=draws, seed=seed, num_std=num_std, per_head=per_head, budget=left,
+                                 max_entries=entries_left)
+            if entries_left is not None:
+                entries_left = max(0, entries_left - found.draws * shape.draw_entries)
             if found.note is not None:
                 notes.append(found.note)
             ranges[shape] = found if found.draws > 0 else None

@@ -9,6 +9,7 @@ that every rank enters the same gathers or none does.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import NamedTuple
 
 from torch import nn
@@ -42,6 +43,8 @@ class StepDecision:
     """The step decision: schedules, the last snapshot's step, the agreement between ranks.
 
     ``disabled`` is set after a failed agreement: this rank then issues no further collective.
+    ``timeout``: how long the ranks wait for each other in the probe's agreements (that of
+    ``agreement``'s group; the probe sets it for its own group on DDP), named in the warning.
     """
 
     def __init__(self, schedule: Schedule | None, image_schedule: Schedule | None,
@@ -51,6 +54,7 @@ class StepDecision:
         self.agreement = agreement
         self.last_step: int | None = None
         self.disabled = False
+        self.timeout: timedelta | None = agreement.timeout if agreement is not None else None
         #: the built-in schedules answer the same on every rank: a "no" needs no agreement
         self.deterministic = is_deterministic(schedule) and is_deterministic(image_schedule)
 
@@ -133,12 +137,11 @@ class StepDecision:
     def disable(self, reason: str) -> None:
         """A failed agreement: issue no further collective from this rank (warned once)."""
         self.disabled = True
-        timeout = self.agreement.timeout if self.agreement is not None else None
+        after = f" (after the agreement timeout, {self.timeout.total_seconds():g} s)" if self.timeout else ""
         safe_warn(
             f"attn_probe: an agreement between ranks failed on this rank ({reason}); the probe is disabled "
-            "here and issues no further collective. The other ranks time out in their next agreement "
-            f"(after agreement_timeout, {timeout}) and disable theirs too. Training continues; no "
-            "further snapshots are taken in this run."
+            f"here and issues no further collective. The other ranks time out in their next agreement{after} "
+            "and disable theirs too. Training continues; no further snapshots are taken in this run."
         )
 
     def close(self) -> None:

@@ -154,6 +154,34 @@ def test_a_time_budget_gives_fewer_draws_and_says_so():
     assert math.isfinite(got.symmetry)
 
 
+def test_drawn_numbers_bound_the_draws_by_the_shapes_alone():
+    """``max_entries``: a draw count from the shapes alone (the same on every rank and machine), the
+    same draws as asking for that many; shared over the shapes in the order of the layers."""
+    big, small = LayerShape(64, 16, 4, 4), LayerShape(32, 8, 4, 4)  # 8192 and 2048 numbers a draw
+    got = random_range(big, draws=32, budget=None, max_entries=3 * 8192 + 100, cache=False)
+    assert got.draws == 3 and got.note == "3 of 32 random draws of d=64, 4 heads of 16 within 24,676 drawn numbers"
+    want = random_range(big, draws=3, budget=None, cache=False)
+    np.testing.assert_array_equal(got.layer_samples, want.layer_samples)
+    assert random_range(big, draws=2, budget=None, max_entries=10**9, cache=False).note is None
+    assert random_range(big, draws=32, budget=None, max_entries=1, cache=False).draws == 1  # at least one
+
+    def layer(i, shape):
+        return type("Layer", (), dict(group="self", layer=i, hidden_size=shape.d_model, head_dim=shape.head_dim,
+                                      num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads))
+
+    rows, notes = random_range_rows([layer(0, big), layer(1, small)], metrics=["symmetry"], per_head=False,
+                                    budget=None, max_entries=3 * 8192 + 2047)
+    assert {r[1] for r in rows} == {0}  # 2047 numbers left: not one draw of the small shape
+    assert notes == ["3 of 32 random draws of d=64, 4 heads of 16 within 26,623 drawn numbers",
+                     "skipped: fewer than one draw of d=32, 4 heads of 8 left in the 26,623 drawn numbers"]
+    rows, notes = random_range_rows([layer(0, big), layer(1, small)], metrics=["symmetry"], per_head=False,
+                                    budget=None, max_entries=3 * 8192 + 2048)
+    assert {r[1] for r in rows} == {0, 1} and notes[1] == ("1 of 32 random draws of d=32, 4 heads of 8 within "
+                                                           "2,048 drawn numbers")
+    with pytest.raises(ValueError, match="max_entries"):
+        random_range(big, max_entries=0)
+
+
 def test_a_shape_too_large_is_skipped_without_drawing(monkeypatch):
     monkeypatch.setattr(rr, "MAX_DRAW_ENTRIES", 1000)
     got = random_range(LayerShape(64, 16, 4, 4), cache=False)

@@ -1,7 +1,8 @@
-"""A Lightning run with AttnProbeCallback: ``python lightning_worker.py OUT NPROC [stop]``.
+"""A Lightning run with AttnProbeCallback: ``python lightning_worker.py OUT NPROC [stop|spawn]``.
 
 ``stop``: an alert rule that fires at step 0 with ``stop_on_alert``, every step scheduled; each
-rank writes the step it stopped at to ``OUT/stopped_rank<R>.txt``.
+rank writes the step it stopped at to ``OUT/stopped_rank<R>.txt``. ``spawn``: ``strategy="ddp_spawn"``
+(the callback, its config and its ``log_spaced`` schedule are pickled into each spawned rank).
 
 NPROC=2: ``strategy="ddp"`` on 2 CPU processes (gloo; Lightning launches the second one), batch 2
 per rank; NPROC=1: one process, batch 4 (the same sequences per step: a non-shuffling
@@ -27,6 +28,7 @@ from helpers import SEQ, VOCAB, RandomTokens  # noqa: E402
 
 from attn_probe.alerts import AlertRule  # noqa: E402
 from attn_probe.lightning import AttnProbeCallback  # noqa: E402
+from attn_probe.schedules import log_spaced  # noqa: E402
 
 
 class LitGPT2(L.LightningModule):
@@ -50,11 +52,13 @@ class LitGPT2(L.LightningModule):
 
 def main() -> None:
     out, nproc = sys.argv[1], int(sys.argv[2])
-    stop = sys.argv[3:] == ["stop"]
+    stop, spawn = sys.argv[3:] == ["stop"], sys.argv[3:] == ["spawn"]
     batch = 4 // nproc
     options = (dict(every=1, stop_on_alert=True, alerts=[AlertRule("spectral_norm", above=0.0)]) if stop
+               else dict(every=log_spaced(per_decade=2)) if spawn
                else dict(every=2, attention_stats=True, per_head=True))
-    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)) if nproc > 1 else "auto"
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60),
+                           start_method="spawn" if spawn else "popen") if nproc > 1 else "auto"
     trainer = L.Trainer(callbacks=[AttnProbeCallback(**options)], max_steps=4,
                         accumulate_grad_batches=2, val_check_interval=2, check_val_every_n_epoch=None,
                         limit_val_batches=2, num_sanity_val_steps=0, logger=TensorBoardLogger(out),

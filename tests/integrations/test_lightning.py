@@ -363,6 +363,15 @@ def test_ddp_two_processes_write_once_with_single_process_values(tmp_path):
         assert ddp[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+def test_ddp_spawn_takes_a_log_spaced_schedule(tmp_path):
+    """strategy="ddp_spawn" pickles the callback, its ProbeConfig and its log_spaced schedule into
+    each rank (issue 35: a PicklingError before fit started): one trajectory, at the schedule's steps."""
+    run_worker(tmp_path, 2, "spawn", timeout=480)
+    runs = list(tmp_path.rglob("attn_probe.jsonl"))
+    assert len(runs) == 1, runs  # global zero only
+    assert raw_steps(str(runs[0].parent)) == [0, 1, 3, 4]  # log_spaced(2): 0, 1, 3 (10^0.5), then the last step
+
+
 def test_ddp_alert_stops_every_rank_at_the_same_step(tmp_path):
     """stop_on_alert under strategy="ddp": both ranks stop after step 1 (a rank going on alone would hang in
     DDP's all-reduce until the timeout)."""

@@ -140,19 +140,23 @@ def test_a_shape_over_the_limit_is_skipped_with_a_warning(tmp_path, monkeypatch)
     assert random_rows(rows) == [] and {r["step"] for r in rows} == {0, 1}
 
 
-def test_the_time_budget_bounds_attach(tmp_path, monkeypatch):
+def test_the_drawn_numbers_bound_attach_whatever_the_clock(tmp_path, monkeypatch):
+    """The probe's draws follow from the shapes and PROBE_ENTRIES alone (the same on every rank):
+    a time budget that has run out changes nothing."""
     rr.clear_cache()
-    monkeypatch.setattr(rr, "DEFAULT_BUDGET", 1e-6)
-    monkeypatch.setattr(rr, "CHUNK_ENTRIES", 1)  # one draw per scored call
+    shape = LayerShape(32, 8, 4, 4)  # tiny_bert's layers: 2048 numbers per draw
+    monkeypatch.setattr(rr, "PROBE_ENTRIES", 3 * shape.draw_entries + 5)
+    monkeypatch.setattr(rr, "DEFAULT_BUDGET", 1e-6)  # the library's time budget: not the probe's
     try:
-        with pytest.warns(RuntimeWarning, match=r"1 of 32 random draws of d=32, 4 heads of 8 within the 1e-06 s"):
-            train(tiny_bert(), tmp_path, 1, every=1)
+        with pytest.warns(RuntimeWarning, match=r"3 of 32 random draws of d=32, 4 heads of 8 within 6,149 drawn numbers"):
+            train(tiny_bert(), tmp_path, 1, every=1, per_head=True)
     finally:
         rr.clear_cache()
+    want = random_range(shape, draws=3, budget=None, per_head=True, cache=False)
     found = random_rows(rows_of(tmp_path))
-    by = {r["metric"]: r["value"] for r in found if r["layer"] == 0}
-    assert by["random_symmetry_sd"] is None  # one draw: no sd (NaN, written as null)
-    assert by["random_directionality"] == 0.0 and by["random_symmetry"] is not None
+    by = {r["metric"]: r["value"] for r in found if r["layer"] == 0 and r["head"] is None}
+    assert by["random_symmetry"] == pytest.approx(want.symmetry, rel=1e-6)
+    assert by["random_symmetry_sd"] == pytest.approx(want.symmetry_sd, rel=1e-6)
 
 
 def test_alert_rules_cannot_name_the_range_and_fire_only_on_the_scores(tmp_path):
