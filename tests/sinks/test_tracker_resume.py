@@ -537,16 +537,16 @@ def test_accelerator_wandb_resumed_into_its_run_holds_each_step_once(tmp_path, w
         model = tiny_bert(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         model, opt = acc.prepare(model, opt)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught:  # until close: W&B's guard is made on its lane
             warnings.simplefilter("always")
             probe = attn_probe.watch(model, accelerator=acc, optimizer=opt, every=2, log_dir=str(log_dir),
                                      start_step=start_step)
-        for i in range(updates):
-            ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
-            acc.backward(model(input_ids=ids, labels=ids).loss)
-            opt.step()
-            opt.zero_grad()
-        probe.close()
+            for i in range(updates):
+                ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
+                acc.backward(model(input_ids=ids, labels=ids).loss)
+                opt.step()
+                opt.zero_grad()
+            probe.close()
         acc.end_training()
         return resume_notes(caught)
 
