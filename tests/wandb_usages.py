@@ -31,6 +31,15 @@ LOST = re.compile(r"(\d+) of the probe's (\d+) snapshots did not reach")
 MAYBE = re.compile(r"; (\d+) more may not have")
 
 
+def probe_run_id(user_run_id: str, prefix: str = "attn_probe") -> str:
+    """The id of the probe's own run beside ``user_run_id`` (the code's own rule where it has one)."""
+    try:
+        from attn_probe.sinks.wandb import probe_run_id as rule
+    except ImportError:  # a checkout from before issue 35
+        return f"{user_run_id}-{prefix}"
+    return rule(user_run_id, prefix)
+
+
 def run_file_history(root: Path, run_id: str, timeout: float = 60.0) -> list[dict]:
     """History rows of offline W&B run ``run_id`` under ``root``, once its ``exit`` record is written."""
     from tracker_servers import wandb_records
@@ -150,7 +159,7 @@ def one_usage(usage: str, mode: str, out: Path, steps: int = UPDATES) -> dict:
     from tracker_servers import expected_metrics, tiny_bert
 
     import attn_probe
-    from attn_probe.sinks.wandb import WandbSink, probe_run_id
+    from attn_probe.sinks.wandb import WandbSink
 
     root = out / f"{usage}-{mode}"
     root.mkdir(parents=True)
@@ -181,7 +190,7 @@ def one_usage(usage: str, mode: str, out: Path, steps: int = UPDATES) -> dict:
     got = probe_rows(history)
     result.update(snapshots=sorted(want), reached=sorted(got), wrong_values=wrong_values(got, want),
                   probe_keys_in_user_run=any(k.startswith("attn_probe") for r in run_file_history(out, run.id) for k in r))
-    if sink is not None and sink.joined is not None:
+    if getattr(sink, "joined", None) is not None:
         result.update(lost=sink.joined.lost, maybe_lost=sink.joined.maybe_lost)
     if mode == "separate":
         result["probe_run_group"] = run_group(out, probe_run_id(run.id))
@@ -195,12 +204,16 @@ def trainer_usage(mode: str, root: Path, out: Path, steps: int) -> dict:
     from transformers import Trainer
 
     import attn_probe
-    from attn_probe.sinks.wandb import probe_run_id
 
     args = make_args(root / "out", steps, report_to=["wandb"], logging_steps=3)
     trainer = Trainer(model=tiny_bert(), args=args, train_dataset=RandomTokens())
     if mode != "none":
-        attn_probe.attach(trainer, every=1, wandb_separate_run=(mode == "separate"))
+        try:
+            attn_probe.attach(trainer, every=1, wandb_separate_run=(mode == "separate"))
+        except TypeError:  # a checkout from before issue 35: its only way
+            trainer.callback_handler.callbacks = [cb for cb in trainer.callback_handler.callbacks
+                                                  if type(cb).__name__ != "AttnProbeCallback"]
+            attn_probe.attach(trainer, every=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.monotonic()
@@ -233,7 +246,7 @@ def pair_attempt(i: int, out: Path, steps: int = 10) -> dict:
     from tracker_servers import expected_metrics, tiny_bert
 
     import attn_probe
-    from attn_probe.sinks.wandb import WandbSink, probe_run_id
+    from attn_probe.sinks.wandb import WandbSink
 
     mode = "separate" if i % 2 == 0 else "join"
     root = out / f"pair{i}"

@@ -220,12 +220,21 @@ class WandbSink(TrackerSink):
     def _open(self, run_info: RunInfo) -> None:
         wandb = self._import()
         self.run, self.owns_run, self._ready = None, False, False
-        user = self._user_run(wandb)
+        self.joined, self.probe_run_kwargs, self.namespace = None, None, PREFIX
+        found_by_tracker = callable(self._given) and not hasattr(self._given, "log")
+        try:
+            user = self._user_run(wandb)
+        except Exception as exc:  # noqa: BLE001 - the tracker's own set-up failed: never stop training for it
+            if not found_by_tracker:
+                raise
+            user, why = None, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "the tracker did not start one"
         self.user_run = user
-        if user is None and callable(self._given) and not hasattr(self._given, "log"):
+        if user is None and found_by_tracker:
             self.mode = None
-            safe_warn("attn_probe: found no W&B run to log beside (the tracker did not start one); the probe "
-                      "sends nothing to W&B (attn_probe.jsonl and TensorBoard hold every snapshot).")
+            safe_warn(f"attn_probe: found no W&B run to log beside ({why}); the probe sends nothing to W&B "
+                      "(attn_probe.jsonl and TensorBoard hold every snapshot).")
             return
         if user is None:
             self.mode = "own"
@@ -261,12 +270,11 @@ class WandbSink(TrackerSink):
 
     def _separate_kwargs(self, user: Any, run_info: RunInfo) -> dict[str, Any]:
         """``wandb.init`` arguments of the probe's own run: beside the user's run, in its group."""
-        suffix = "" if self.namespace == PREFIX else self.namespace[len(PREFIX):]
         config: dict[str, Any] = {f"{PREFIX}/user_run": str(user.id)}
         if self._log_config:
             config.update(self._config_value(run_info))
         kwargs: dict[str, Any] = {
-            "reinit": "create_new", "resume": "allow", "job_type": JOB_TYPE + suffix,
+            "reinit": "create_new", "resume": "allow", "job_type": JOB_TYPE,
             "id": probe_run_id(str(user.id), self.namespace), "project": user.project,
             "entity": getattr(user, "entity", None) or None,
             "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}", "config": config,
