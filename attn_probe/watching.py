@@ -38,7 +38,7 @@ def watch(
     * ``watch(model, accelerator=accelerator, every=100)``: counts real optimizer updates of
       the prepared optimizers (``optimizer=opt`` names the one to count), writes into the
       accelerator's TensorBoard run if any, and sends the values to its other trackers
-      (``trackers=``/``trackers_per_head=``, :mod:`attn_probe.integrations.accelerate`);
+      (``trackers=``/``trackers_per_head=``/``wandb_separate_run=``, :mod:`attn_probe.integrations.accelerate`);
     * ``watch(model, every=100)``: counts training-mode forward passes of ``model``.
 
     ``every`` is an int or a callable ``step -> bool`` (:mod:`attn_probe.schedules`). The

@@ -194,15 +194,16 @@ def wandb_records(path: str | Path) -> list[Any]:
     return records
 
 
-def finished_wandb_records(run_dir: str | Path, timeout: float = 60.0) -> list[Any]:
-    """The records of the one offline run under ``run_dir``, once its ``exit`` record is written.
+def finished_wandb_records(run_dir: str | Path, timeout: float = 60.0, run_id: str | None = None) -> list[Any]:
+    """The records of the one offline run under ``run_dir`` (``run_id``: of that run), once its
+    ``exit`` record is written.
 
     ``run.finish()`` can return before W&B's service process has written the end of the file
     (seen on a loaded machine), so this waits for the final ``exit`` record.
     """
     deadline = time.monotonic() + timeout
     while True:
-        files = sorted(Path(run_dir).rglob("run-*.wandb"))
+        files = sorted(p for p in Path(run_dir).rglob(f"run-{run_id or '*'}.wandb") if "latest-run" not in p.parts)
         if len(files) > 1:
             raise AssertionError(f"expected one .wandb file under {run_dir}, found {files}")
         try:
@@ -216,10 +217,11 @@ def finished_wandb_records(run_dir: str | Path, timeout: float = 60.0) -> list[A
         time.sleep(0.1)
 
 
-def wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The history rows of the one offline run under ``run_dir`` (each a ``{key: value}`` dict)."""
+def wandb_history(run_dir: str | Path, run_id: str | None = None) -> list[dict[str, Any]]:
+    """The history rows of the one offline run under ``run_dir`` (``run_id``: of that run; each a
+    ``{key: value}`` dict)."""
     rows = []
-    for record in finished_wandb_records(run_dir):
+    for record in finished_wandb_records(run_dir, run_id=run_id):
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})

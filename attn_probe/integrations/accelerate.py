@@ -15,11 +15,11 @@ Writes go through the accelerator's TensorBoard tracker's writer when one is ini
 tracker given to ``Accelerator(log_with=...)`` and initialised by ``init_trackers`` (W&B,
 MLflow, trackio, Comet, ...) gets the per-layer values and the across-layer median/q25/q75
 through its public ``GeneralTracker.log`` (:func:`accelerator_targets`), called on the
-training thread (MLflow's fluent API keeps its active run per thread). W&B gets the probe's
-own step axis (``attn_probe/step``, as :class:`~attn_probe.sinks.wandb.WandbSink`) instead of
-``step=``, because W&B drops a log whose step is below the last one it saw, which would drop
-the user's or the probe's values when their counters differ. ``trackers=False`` turns this
-off, a list of tracker names narrows it, ``trackers_per_head=True`` adds per-head values.
+training thread (MLflow's fluent API keeps its active run per thread). W&B is a
+:class:`~attn_probe.sinks.wandb.WandbSink` beside the accelerator's W&B run: a run of the
+probe's own in its group (``wandb_separate_run=False``: joining its rows, losses counted).
+``trackers=False`` turns this off, a list of tracker names narrows it,
+``trackers_per_head=True`` adds per-head values.
 
 Optimizer: ``watch(model, accelerator=acc, optimizer=opt)`` hooks ``opt`` (the inner torch
 optimizer of an ``AcceleratedOptimizer``, its public ``optimizer`` attribute). Without
@@ -47,7 +47,7 @@ from ..isolation import safe_warn
 from ..probe import Probe
 
 #: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
-ACCELERATE_OPTIONS = ("trackers", "trackers_per_head")
+ACCELERATE_OPTIONS = ("trackers", "trackers_per_head", "wandb_separate_run")
 
 __all__ = ["ACCELERATE_OPTIONS", "accelerator_targets", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
 
@@ -77,30 +77,25 @@ def other_trackers(accelerator: Any, which: bool | Sequence[str] = True) -> list
 
 def accelerator_targets(trackers: Sequence[Any]) -> list[Any]:
     """The accelerator's trackers as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of the
-    probe's tracker fan-out: each gets the values through its public ``GeneralTracker.log``
-    (W&B on the probe's own step axis, the others with ``step=``), and its run is identified
-    through ``GeneralTracker.tracker`` (:func:`accelerate_tracker_run`) for the resume guard.
+    probe's tracker fan-out (W&B apart: :func:`watch_accelerated` gives it a ``WandbSink``): each
+    gets the values through its public ``GeneralTracker.log`` with ``step=``, and its run is
+    identified through ``GeneralTracker.tracker`` (:func:`accelerate_tracker_run`) for the resume guard.
     """
     from ..sinks.trackers import TrackerTarget
 
     def target(tracker: Any) -> TrackerTarget:
-        wandb = _tracker_name(tracker) == "wandb"
-        send = ((lambda values, step: tracker.log(values)) if wandb
-                else (lambda values, step: tracker.log(values, step=step)))
-        return TrackerTarget(_tracker_name(tracker), lambda: accelerate_tracker_run(tracker), send,
-                             step_axis=tracker.tracker if wandb else None)
+        return TrackerTarget(_tracker_name(tracker), lambda: accelerate_tracker_run(tracker),
+                             lambda values, step: tracker.log(values, step=step))
 
     return [target(t) for t in trackers]
 
 
 def accelerate_tracker_run(tracker: Any) -> Any:
     """The :class:`~attn_probe.tracker_record.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
-    from ..tracker_record import TrackerRun, mlflow_run, trackio_run, wandb_run
+    from ..tracker_record import TrackerRun, mlflow_run, trackio_run
 
     name = _tracker_name(tracker)
     run = getattr(tracker, "tracker", None)
-    if name == "wandb" and run is not None:
-        return wandb_run(run, label=f"the accelerator's W&B run {run.id}")
     if name == "mlflow" and run is not None:
         import mlflow
 
@@ -143,13 +138,15 @@ def watch_accelerated(
     optimizer: Any = None,
     trackers: bool | Sequence[str] = True,
     trackers_per_head: bool = False,
+    wandb_separate_run: bool = True,
 ) -> Probe:
     """Build a :class:`Probe` counting the accelerator's real optimizer updates; snapshot step 0.
 
     ``optimizer`` is the optimizer to count (prepared or not); without it, the accelerator's
     prepared optimizers (read from the private ``accelerator._optimizers``, for want of a
     public accessor). ``trackers``/``trackers_per_head`` choose what the accelerator's
-    non-TensorBoard trackers get. ``config`` is passed whole; this adds the accelerator's
+    non-TensorBoard trackers get; ``wandb_separate_run`` how W&B gets it
+    (:class:`~attn_probe.sinks.wandb.WandbSink`'s ``separate_run``). ``config`` is passed whole; this adds the accelerator's
     TensorBoard writer (without ``log_dir``), its main-process flag (unless given) and the
     tracker fan-out to it.
     """
@@ -175,11 +172,20 @@ def watch_accelerated(
     if main:
         _warn_if_trackers_not_started(accelerator, log_dir, trackers)
         others = other_trackers(accelerator, trackers)
+        on_wandb = [t for t in others if _tracker_name(t) == "wandb" and getattr(t, "tracker", None) is not None]
+        others = [t for t in others if t not in on_wandb]
+        added: list[Any] = []
         if others:
             from ..sinks.trackers import TrackerFanOut
 
-            changes["sinks"] = [*(config.sinks or []),
-                                TrackerFanOut(accelerator_targets(others), per_head=trackers_per_head)]
+            added.append(TrackerFanOut(accelerator_targets(others), per_head=trackers_per_head))
+        if on_wandb:
+            from ..sinks.wandb import WandbSink
+
+            added.extend(WandbSink(t.tracker, separate_run=bool(wandb_separate_run), per_head=trackers_per_head,
+                                   log_config=bool(wandb_separate_run)) for t in on_wandb)
+        if added:
+            changes["sinks"] = [*(config.sinks or []), *added]
     probe = Probe(model, config.replace(**changes))
     try:
         if engine_wrapper is not None:

@@ -38,11 +38,12 @@ from ..probe import Probe
 from ..resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
 from ..schedules import ScheduleLike
 from ..stages.alerting import print_line
+from .trainer_trackers import reporting_callbacks, trainer_targets, trainer_wandb_sink, wandb_callbacks
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
 
 #: options of the callback itself, beside the ProbeConfig fields
-CALLBACK_OPTIONS = ("trackers", "trackers_per_head")
+CALLBACK_OPTIONS = ("trackers", "trackers_per_head", "wandb_separate_run")
 #: options of how the probe writes, left out of the checkpoint state (as before they were fields)
 _WRITING_OPTIONS = ("background", "sink_queue", "sink_timeout", "async_scoring", "async_max_bytes")
 #: key that :meth:`AttnProbeCallback.state` adds to the saved args: a Trainer restoring callback
@@ -106,7 +107,10 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     TensorBoard directory; ``sinks`` adds sinks; ``trackers`` (default ``True``) also sends
     the values to the Trainer's other reporting integrations (W&B, MLflow, trackio, ...; a
     list of integration names narrows them, ``False`` turns it off) and ``trackers_per_head``
-    adds per-head values there; ``announce=False`` leaves out the one-line status (what is
+    adds per-head values there; W&B (``report_to=["wandb"]``) gets them in a W&B run of the
+    probe's own beside the Trainer's, in its group, unless ``wandb_separate_run=False``: then
+    they join the Trainer's rows and those that cannot are counted
+    (:class:`~attn_probe.sinks.wandb.WandbSink`); ``announce=False`` leaves out the one-line status (what is
     watched, and its TensorBoard command) printed at the start, for a caller that prints its own;
     every other option is a field of
     :class:`~attn_probe.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
@@ -159,6 +163,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         sinks: Sequence[Any] | None = None,
         trackers: bool | Sequence[str] = True,
         trackers_per_head: bool = False,
+        wandb_separate_run: bool = True,
         announce: bool = True,
         **options: Any,
     ) -> None:
@@ -175,6 +180,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         self.sinks = list(sinks) if sinks is not None else None
         self.trackers = trackers
         self.trackers_per_head = bool(trackers_per_head)
+        #: W&B: a run of the probe's own beside the Trainer's (``True``) or joining its rows (``False``)
+        self.wandb_separate_run = bool(wandb_separate_run)
         #: print the one-line "watching ..." status (with its TensorBoard command) at the start
         self.announce = bool(announce)
         self.probe: Probe | None = None
@@ -192,7 +199,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         #: the run headers' identity fields of this run (run_id, parent_run_id, parent_step, ...)
         self._identity: dict[str, Any] = {}
         self._json_args = _json_safe_options(every=every, log_dir=log_dir, trackers=trackers,
-                                             trackers_per_head=trackers_per_head,
+                                             trackers_per_head=trackers_per_head, wandb_separate_run=wandb_separate_run,
                                              **{k: v for k, v in options.items() if k not in _WRITING_OPTIONS})
 
     # -- checkpoints (transformers' ExportableState) ------------------------------------------
@@ -369,12 +376,18 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 log_dir, from_checkpoint = self._choose_log_dir(args, state, handler)
             if step > 0:
                 purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
-            trackers = _reporting_callbacks(handler, self.trackers)
-            if trackers:
+            trackers = reporting_callbacks(handler, self.trackers)
+            begin = {"model": model, **kwargs}
+            on_wandb = wandb_callbacks(trackers)
+            others = [cb for cb in trackers if cb not in on_wandb]
+            if others:
                 from ..sinks.trackers import TrackerFanOut
 
-                sinks.append(TrackerFanOut(trainer_targets(trackers, args, state, begin_kwargs={"model": model, **kwargs}),
+                sinks.append(TrackerFanOut(trainer_targets(others, args, state, begin_kwargs=begin),
                                            per_head=self.trackers_per_head))
+            sinks.extend(trainer_wandb_sink(cb, args, state, separate_run=self.wandb_separate_run,
+                                            per_head=self.trackers_per_head, begin_kwargs=begin)
+                         for cb in on_wandb)
         from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         if restart and previous_id is not None:  # the same run, started over at this step
@@ -579,92 +592,6 @@ def _point_tensorboard(handler: Any, log_dir: str) -> None:
     for cb in _tensorboard_callbacks(handler):
         if getattr(cb, "tb_writer", None) is None:
             cb.logging_dir = log_dir  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
-
-
-def _reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]:
-    """The Trainer's reporting integration callbacks other than TensorBoard (the probe writes that)."""
-    if handler is None or which is False:
-        return []
-    from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback
-
-    wanted = [cls for name, cls in INTEGRATION_TO_CALLBACK.items()
-              if cls is not TensorBoardCallback and (which is True or name in which)]
-    return [cb for cb in handler.callbacks if isinstance(cb, tuple(wanted))]
-
-
-def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
-                    begin_kwargs: dict[str, Any] | None = None) -> list[Any]:
-    """The Trainer's tracker callbacks as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of
-    the probe's tracker fan-out: each gets the values through its own ``on_log``.
-
-    Each tracker applies its own conventions (W&B's ``train/`` prefix and its
-    ``train/global_step`` axis, MLflow's step, ...) in the Trainer's own run. Nothing goes
-    through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
-    TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
-    Its run is identified (:func:`trainer_tracker_run`) before its first snapshot; a callback
-    that has not set itself up yet (with :func:`attach` the probe's ``on_train_begin`` runs
-    first) gets the ``on_train_begin`` it was about to get, with the Trainer's arguments
-    (``begin_kwargs``: the model, ...), so that its run exists.
-    """
-    import copy
-
-    from transformers import TrainerControl
-
-    from ..sinks.trackers import TrackerTarget
-
-    begin = dict(begin_kwargs or {})
-
-    def target(cb: Any) -> TrackerTarget:
-        def run() -> Any:
-            if getattr(cb, "_initialized", None) is False and not getattr(state, "is_hyper_param_search", False):
-                cb.on_train_begin(args, state, TrainerControl(), **begin)
-            return trainer_tracker_run(cb)
-
-        def send(values: dict[str, float], step: int) -> None:
-            at = copy.copy(state)
-            at.global_step = step
-            cb.on_log(args, at, TrainerControl(), logs=values)
-
-        return TrackerTarget(type(cb).__name__, run, send)
-
-    return [target(cb) for cb in callbacks]
-
-
-def trainer_tracker_run(cb: Any) -> Any:
-    """The :class:`~attn_probe.tracker_record.TrackerRun` a Trainer integration callback logs into.
-
-    W&B: the current run (recorded by its id; the Trainer's W&B values have no probe step key
-    to read back); MLflow: the active run (read back); trackio: the current run (recorded);
-    any other integration: its class name (recorded).
-    """
-    import transformers.integrations as integrations
-
-    from ..tracker_record import TrackerRun, mlflow_run, trackio_run, wandb_run
-
-    def kind(class_name: str) -> bool:
-        cls = getattr(integrations, class_name, None)
-        return isinstance(cls, type) and isinstance(cb, cls)
-
-    name = type(cb).__name__
-    if kind("WandbCallback"):
-        run = getattr(sys.modules.get("wandb"), "run", None)
-        if run is not None:
-            return wandb_run(run, step_key=None, label=f"the Trainer's W&B run {run.id}")
-    elif kind("MLflowCallback"):
-        mlflow = sys.modules.get("mlflow")
-        active = mlflow.active_run() if mlflow is not None else None
-        if active is not None:
-            run_id = active.info.run_id
-            client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
-            return mlflow_run(client, run_id, label=f"the Trainer's MLflow run {run_id}")
-    elif kind("TrackioCallback"):
-        from ..sinks.trackers import current_trackio_run
-
-        trackio = sys.modules.get("trackio")
-        run = current_trackio_run(trackio) if trackio is not None else None
-        if run is not None:
-            return trackio_run(run, label=f"the Trainer's trackio run {getattr(run, 'name', None)!r}")
-    return TrackerRun(f"trainer:{name}", None, f"the Trainer's {name}")
 
 
 def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> AttnProbeCallback:

@@ -275,8 +275,10 @@ def test_alert_reaches_the_wandb_run(tmp_path, capfd, wandb_offline):
                      report_to=["wandb"])
     Trainer(model=model, args=args, train_dataset=Data(same=True), callbacks=[Grow(), cb]).train()
     assert "attn_probe alert at step 3" in capfd.readouterr().err
+    trainer_run = wandb.run.id
     wandb.run.finish()
-    alerts = [r.alert for r in finished_wandb_records(wandb_offline) if r.WhichOneof("record_type") == "alert"]
+    alerts = [r.alert for r in finished_wandb_records(wandb_offline, run_id=trainer_run)
+              if r.WhichOneof("record_type") == "alert"]
     assert [a.title for a in alerts] == ["attn_probe: max_logit in layer 0"]
     assert alerts[0].text.startswith("attn_probe alert at step 3: max_logit = ")
 

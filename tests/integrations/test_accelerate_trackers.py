@@ -1,9 +1,10 @@
 """``watch(model, accelerator=acc)`` sends the probe's values to the accelerator's trackers.
 
 A real ``Accelerator(log_with=["wandb", "tensorboard"])`` (W&B offline, read back from the
-``.wandb`` file): W&B gets the per-layer values and median/q25/q75 at the probe's steps on the
-probe's own step axis, equal to the JSONL, beside the user's loss logged with
-``accelerator.log`` under a counter that runs far ahead of the probe's; TensorBoard (written
+``.wandb`` files): a W&B run of the probe's own, beside the accelerator's, gets the per-layer
+values and median/q25/q75 at the probe's steps on the probe's own step axis, equal to the
+JSONL; the accelerator's run holds the user's loss logged with ``accelerator.log`` under a
+counter that runs far ahead of the probe's, and nothing of the probe's; TensorBoard (written
 by the probe itself) holds each probe tag once per step. ``optimizer=`` picks the optimizer.
 """
 
@@ -18,6 +19,7 @@ from tracker_servers import SEQ, VOCAB, expected_metrics, tiny_bert, wandb_histo
 
 import attn_probe
 from attn_probe.sinks.trackers import STEP_KEY
+from attn_probe.sinks.wandb import probe_run_id
 
 UPDATES = 5
 
@@ -54,13 +56,14 @@ def test_accelerator_wandb_tracker_gets_the_probe_values(tmp_path, fresh_acceler
         logged.append((user_step, loss.item()))
     assert probe.step == UPDATES
     probe.close()
+    acc_run_id = acc.get_tracker("wandb", unwrap=True).id
     acc.end_training()
 
     want = expected_metrics(probe.log_dir)
     assert sorted(want) == [0, 2, 4, 5]
-    history = wandb_history(wandb_offline)
+    # the probe's values: a W&B run of the probe's own beside the accelerator's, every snapshot a row
     got: dict[int, dict[str, float]] = {}
-    for row in history:
+    for row in wandb_history(wandb_offline, run_id=probe_run_id(acc_run_id)):
         if STEP_KEY in row:
             step = int(row[STEP_KEY])
             assert step not in got, f"probe step {step} in two rows"
@@ -70,6 +73,8 @@ def test_accelerator_wandb_tracker_gets_the_probe_values(tmp_path, fresh_acceler
         assert sorted(got[step]) == sorted(want[step])
         assert all(same(got[step][k], v) for k, v in want[step].items()), step
     assert any(k.endswith("/symmetry/median") for k in got[0]) and not any("/head_" in k for k in got[0])
+    history = wandb_history(wandb_offline, run_id=acc_run_id)
+    assert not any(k.startswith("attn_probe") for row in history for k in row)  # nothing of the probe's
     # the user's losses all survive (W&B drops a log whose step= is below the last one it saw)
     losses = sorted((row["_step"], row["loss"]) for row in history if "loss" in row)
     assert [s for s, _ in losses] == [s for s, _ in logged]

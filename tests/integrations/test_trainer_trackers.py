@@ -2,10 +2,10 @@
 
 ``attn_probe.attach(trainer, every=2)`` (and ``callbacks=[AttnProbeCallback(...)]`` once) with
 ``report_to=["mlflow"]`` (a local tracking server, read back with ``MlflowClient``) and
-``report_to=["wandb"]`` (offline, read back from the ``.wandb`` file). The tracker holds the
+``report_to=["wandb"]`` (offline, read back from the ``.wandb`` files). The tracker holds the
 per-layer values and the across-layer stats at the probe's steps (the final step included),
-equal to the JSONL, in exactly one run, beside the Trainer's own loss; nothing of the probe
-lands in ``trainer.state.log_history``.
+equal to the JSONL: MLflow in the Trainer's run, beside its own loss; W&B in a run of the
+probe's own beside the Trainer's. Nothing of the probe lands in ``trainer.state.log_history``.
 """
 
 from __future__ import annotations
@@ -114,27 +114,34 @@ def wandb_offline(monkeypatch, tmp_path):
     yield from wandb_offline_env(monkeypatch, tmp_path, WANDB_PROJECT="attn-probe-trainer", WANDB_LOG_MODEL="false", WANDB_WATCH="false")
 
 
-def test_trainer_reporting_to_wandb_gets_the_probe_values_in_its_run(tmp_path, wandb_offline):
+def test_trainer_reporting_to_wandb_gets_the_probe_values_in_a_run_of_its_own(tmp_path, wandb_offline):
+    """``report_to=["wandb"]``: the probe's values go into a W&B run of its own beside the Trainer's
+    (issue 35; was: into the Trainer's run through its callback's ``on_log``), in its group, finished
+    at train end; the Trainer's run holds its own loss and nothing of the probe's."""
     import wandb
+    from tracker_servers import finished_wandb_records
+
+    from attn_probe.sinks.trackers import STEP_KEY
+    from attn_probe.sinks.wandb import probe_run_id
 
     out = tmp_path / "out"
     trainer = build(out, ["wandb"], "attach")
     trainer.train()
-    assert wandb.run is not None  # the Trainer's run, still open: the probe opened no other
+    assert wandb.run is not None  # the Trainer's run, still open and still wandb.run
+    trainer_run = wandb.run.id
     wandb.run.finish()
 
-    history = wandb_history(wandb_offline)  # asserts exactly one .wandb file
-    prefix = "train/attn_probe/"  # the WandbCallback's own convention: train/ prefix, train/global_step axis
     got: dict[int, dict[str, float]] = {}
-    losses = []
-    for row in history:
-        probe = {k[len("train/"):]: v for k, v in row.items() if k.startswith(prefix)}
-        if probe:
-            step = int(row["train/global_step"])
+    for row in wandb_history(wandb_offline, run_id=probe_run_id(trainer_run)):  # finished: its exit record
+        if STEP_KEY in row:
+            step = int(row[STEP_KEY])
             assert step not in got, f"probe step {step} in two rows"
-            got[step] = probe
-        if "train/loss" in row:
-            losses.append(int(row["train/global_step"]))
+            got[step] = {k: v for k, v in row.items() if k.startswith("attn_probe/") and k != STEP_KEY}
     assert_same_series(got, expected_metrics(probe_run_dir(out)))
-    assert losses == list(range(1, STEPS + 1))
+    run_record = next(r.run for r in finished_wandb_records(wandb_offline, run_id=probe_run_id(trainer_run))
+                      if r.WhichOneof("record_type") == "run")
+    assert run_record.job_type == "attn_probe" and trainer_run in run_record.config.SerializeToString().decode("latin-1")
+    history = wandb_history(wandb_offline, run_id=trainer_run)
+    assert not any(k.startswith("attn_probe") or "/attn_probe/" in k for row in history for k in row)
+    assert [int(row["train/global_step"]) for row in history if "train/loss" in row] == list(range(1, STEPS + 1))
     no_probe_values_in_log_history(trainer)

@@ -46,6 +46,7 @@ from tracker_servers import (
 import attn_probe
 from attn_probe.sinks import RunInfo
 from attn_probe.sinks.trackers import STEP_KEY
+from attn_probe.sinks.wandb import probe_run_id
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, tracker_servers
 #: the probe's record of the last step each tracker run got, beside attn_probe.jsonl
@@ -339,7 +340,8 @@ def wandb_probe_rows(rows: list[dict], step_key: str = STEP_KEY, prefix: str = "
 @pytest.mark.parametrize("whose", ["sink's", "user's"])
 def test_wandb_offline_resumed_into_its_run_holds_each_step_once(tmp_path, wandb_offline, whose):
     """Offline, the resumed run's summary is empty: the probe's record, keyed by the run id, says
-    which steps the run holds."""
+    which steps the run holds. Beside a run of the user's, the probe logs into a W&B run of its own
+    whose id is derived from the user's (issue 35): the user's resumed run resumes the probe's too."""
     import wandb
 
     from attn_probe.sinks.wandb import WandbSink
@@ -360,13 +362,12 @@ def test_wandb_offline_resumed_into_its_run_holds_each_step_once(tmp_path, wandb
 
     before, after, notes = crash_and_resume(tmp_path / "run", sink(), _Lazy(sink), end_users_run)
     end_users_run()
-    got = wandb_probe_rows(wandb_resumed_history(wandb_offline, run_id, files=2))
+    probe_id = run_id if whose == "sink's" else probe_run_id(run_id)
+    got = wandb_probe_rows(wandb_resumed_history(wandb_offline, probe_id, files=2))
     want = kept_then_resumed(before, after, FIRST)
-    # the user logs no row of their own, without step=: the probe commits its own rows, so the
-    # user's run holds every snapshot too (issue 29; before, each run kept only its last one)
     assert_same_series(got, want)
     assert len(notes) == 1, notes
-    assert f"W&B run {run_id} already holds the probe's snapshots up to step {FIRST} (as recorded in" in notes[0]
+    assert f"W&B run {probe_id} already holds the probe's snapshots up to step {FIRST} (as recorded in" in notes[0]
     assert SENT_FILENAME in notes[0]
 
 
@@ -505,14 +506,13 @@ def test_trainer_resumed_from_a_checkpoint_wandb_offline_holds_each_step_once(tm
     after = expected_metrics(probe_run_dir(out))
     assert sorted(after) == [0, 2, 4, 6, 8, 10]
 
-    def probe_rows(run_id, files):
-        rows = wandb_resumed_history(wandb_trainer_env, run_id, files=files)
-        return wandb_probe_rows(rows, step_key="train/global_step", prefix="train/attn_probe/")
+    def probe_rows(run_id, files):  # the probe's own W&B run beside the Trainer's (issue 35)
+        return wandb_probe_rows(wandb_resumed_history(wandb_trainer_env, probe_run_id(run_id), files=files))
 
     if tracker_run == "same":
         assert_same_series(probe_rows(first, 2), kept_then_resumed(before, after, TRAINER_FIRST), rel=1e-6)
         assert len(notes) == 1, notes
-        assert f"the Trainer's W&B run {first} already holds the probe's snapshots up to step 6" in notes[0]
+        assert f"W&B run {probe_run_id(first)} already holds the probe's snapshots up to step 6" in notes[0]
     else:
         assert notes == []
         assert_same_series(probe_rows(second, 1), {s: v for s, v in after.items() if s >= TRAINER_CKPT}, rel=1e-6)
@@ -537,16 +537,16 @@ def test_accelerator_wandb_resumed_into_its_run_holds_each_step_once(tmp_path, w
         model = tiny_bert(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         model, opt = acc.prepare(model, opt)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught:  # until close: W&B's guard is made on its lane
             warnings.simplefilter("always")
             probe = attn_probe.watch(model, accelerator=acc, optimizer=opt, every=2, log_dir=str(log_dir),
                                      start_step=start_step)
-        for i in range(updates):
-            ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
-            acc.backward(model(input_ids=ids, labels=ids).loss)
-            opt.step()
-            opt.zero_grad()
-        probe.close()
+            for i in range(updates):
+                ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(i))
+                acc.backward(model(input_ids=ids, labels=ids).loss)
+                opt.step()
+                opt.zero_grad()
+            probe.close()
         acc.end_training()
         return resume_notes(caught)
 
@@ -556,9 +556,9 @@ def test_accelerator_wandb_resumed_into_its_run_holds_each_step_once(tmp_path, w
     after = expected_metrics(log_dir)
     assert sorted(before) == [0, 2, 4, 6] and sorted(after) == [0, 2, 4, 6, 8, 10]
     assert_values_differ(before, after, 4)
-    got = wandb_probe_rows(wandb_resumed_history(wandb_offline, run_id, files=2))
+    got = wandb_probe_rows(wandb_resumed_history(wandb_offline, probe_run_id(run_id), files=2))
     assert_same_series(got, kept_then_resumed(before, after, 6))
-    assert len(notes) == 1 and f"the accelerator's W&B run {run_id} already holds" in notes[0], notes
+    assert len(notes) == 1 and f"W&B run {probe_run_id(run_id)} already holds" in notes[0], notes
 
 
 # --------------------------------------------------------------------------- trackio (own process: TRACKIO_DIR is read at import)

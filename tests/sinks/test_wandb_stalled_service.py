@@ -1,10 +1,10 @@
 """Issue 23 item 2: a hung W&B service must not stall training.
 
 A real offline W&B run; after a few steps its service process (``wandb-core``, a child of the
-training process) is stopped with SIGSTOP. The W&B sink runs on its own lane and never reads
-``run.step`` (a blocking round-trip to the service, 30 s per call when it hangs), so every
-training step (the probe's snapshot included) stays fast and ``close()`` is bounded by
-``sink_timeout``. Once the service continues, the snapshots taken meanwhile reach the run.
+training process) is stopped with SIGSTOP. The W&B sink makes every W&B call after its start on
+its own lane (by default it logs into a W&B run of its own beside the user's, created there), so
+every training step (the probe's snapshot included) stays fast and ``close()`` is bounded by
+``sink_timeout``. Once the service continues, the snapshots taken meanwhile reach the probe's run.
 The script runs in a subprocess: a stopped service must not be able to hang pytest.
 """
 
@@ -30,7 +30,7 @@ import json, os, signal, sys, time, warnings
 sys.path.insert(0, {tests!r})
 import torch, wandb
 import attn_probe
-from attn_probe.sinks.wandb import WandbSink
+from attn_probe.sinks.wandb import WandbSink, probe_run_id
 from tracker_servers import VOCAB, SEQ, child_pids, tiny_bert, wandb_history
 
 torch.set_num_threads(1)
@@ -65,7 +65,8 @@ try:
 finally:
     os.kill(service[0], signal.SIGCONT)
 run.finish()
-out["probe_steps"] = sorted(int(r["attn_probe/step"]) for r in wandb_history(os.environ["WANDB_DIR"])
+out["probe_steps"] = sorted(int(r["attn_probe/step"])
+                            for r in wandb_history(os.environ["WANDB_DIR"], run_id=probe_run_id(run.id))
                             if "attn_probe/step" in r)
 print("RESULT " + json.dumps(out), flush=True)
 """
