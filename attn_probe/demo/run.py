@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..live_view import tensorboard_command
+from ..live_view import figure_url, tensorboard_command
 from .data import prepare_data, unigram_entropy
 from .host import CpuBudget, cpu_budget, plan_threads
 from .presets import SIZES, DemoConfig, DemoError, default_preset, resolve_preset
@@ -202,6 +202,8 @@ def _run_demo(cfg: DemoConfig, log: Callable[[str], None], budget: CpuBudget | N
         for command in commands:
             log(f"  {command}")
     log(f"both models and the paper's matching runs in TensorBoard: {tensorboard_command(root)}")
+    log(f"  the paper's figure is the first chart of Custom Scalars: {figure_url()} "
+        "(or the port TensorBoard prints, if 6006 is taken)")
     return result
 
 
