@@ -192,7 +192,7 @@ def test_disk_full_then_freed_both_sinks_resume(tmp_path, request, mode, backgro
         outages = outages_of(lost, taken)
         mine = [m for m in msgs if f"logging to {name}" in m]
         assert len(mine) == 2 * len(outages), (mine, outages)
-        for (stopped, resumed), outage in zip(zip(mine[::2], mine[1::2]), outages):
+        for (stopped, resumed), outage in zip(zip(mine[::2], mine[1::2], strict=True), outages, strict=True):
             after = taken[taken.index(outage[-1]) + 1]  # the snapshot that got through again
             assert f"stopped at step {outage[0]}" in stopped, (stopped, outage)
             assert f"resumed at step {after}; lost {steps_text(outage)} while it failed" in resumed, (resumed, outage)
