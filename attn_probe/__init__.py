@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run time the names are lazy)
-    from .core import factored_scores
+    from .alerts import Alert, AlertRule
+    from .analysis.export import export_trajectory
+    from .analysis.loading import load_trajectory, read_table
+    from .analysis.plots import plot_dynamics, plot_heatmap
+    from .analysis.summary import layer_quantiles, summarize
+    from .checkpoint import CheckpointError, score_checkpoint
+    from .config import ProbeConfig
+    from .core import factored_scores, score_factors
     from .extraction import (
         AttentionLayer,
         UnsupportedModelError,
@@ -19,23 +26,16 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run ti
         register_adapter,
         unregister_adapter,
     )
+    from .integrations.transformers import AttnProbeCallback, attach
+    from .intervention import symmetric_init_
+    from .probe import LogDirError, Probe
     from .reference import directionality_score, symmetry_score
+    from .schedules import every, log_spaced
     from .scoring import score_model
+    from .watching import watch
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"  # the one place the version is written: setup.cfg reads it (attr:)
 
-__all__ = [
-    "AttentionLayer",
-    "UnsupportedModelError",
-    "directionality_score",
-    "factored_scores",
-    "find_attention",
-    "register_adapter",
-    "score_model",
-    "symmetry_score",
-    "unregister_adapter",
-    "__version__",
-]
 
 # Names served lazily so that `import attn_probe` stays light.
 _LAZY = {
@@ -70,6 +70,43 @@ _LAZY = {
     "AlertRule": ("attn_probe.alerts", "AlertRule"),
     "Alert": ("attn_probe.alerts", "Alert"),
 }
+
+#: what ``from attn_probe import *`` gives: every lazily served public name, and the version
+#: (tests/cli/test_smoke.py keeps the two lists equal). A star import resolves each name, so it
+#: loads torch; a plain ``import attn_probe`` does not.
+__all__ = [
+    "AttentionLayer",
+    "UnsupportedModelError",
+    "find_attention",
+    "register_adapter",
+    "unregister_adapter",
+    "factored_scores",
+    "directionality_score",
+    "symmetry_score",
+    "score_model",
+    "AttnProbeCallback",
+    "attach",
+    "watch",
+    "ProbeConfig",
+    "score_factors",
+    "Probe",
+    "every",
+    "log_spaced",
+    "load_trajectory",
+    "export_trajectory",
+    "summarize",
+    "plot_dynamics",
+    "plot_heatmap",
+    "score_checkpoint",
+    "CheckpointError",
+    "LogDirError",
+    "read_table",
+    "layer_quantiles",
+    "symmetric_init_",
+    "AlertRule",
+    "Alert",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,18 +9,10 @@ from torch import nn
 
 from .config import config_from_options
 from .integrations.accelerate import ACCELERATE_OPTIONS, watch_accelerated
-from .isolation import safe_warn
 from .probe import Probe
 from .schedules import ScheduleLike
 
 __all__ = ["watch"]
-
-
-def announce(probe: Probe, *, every: Any, unit: str) -> None:
-    """Deprecated (never called; issue 30): use :meth:`attn_probe.probe.Probe.announce`."""
-    safe_warn("attn_probe.watching.announce is deprecated: call probe.announce(every=..., unit=...)",
-              DeprecationWarning)
-    probe.announce(every=every, unit=unit)
 
 
 def watch(

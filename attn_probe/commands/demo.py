@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..demo import ARCHITECTURES, DECODER_OBJECTIVES, PRECISIONS, PRESETS, SIZES, TOKENS, DemoConfig
+from ..demo.presets import ARCHITECTURES, DECODER_OBJECTIVES, PRECISIONS, PRESETS, SIZES, TOKENS, DemoConfig
 
 _D = DemoConfig()
 

@@ -44,73 +44,44 @@ are imported inside the functions that need them.
 
 from __future__ import annotations
 
-from .data import (
-    BlockDataset,
-    build_model,
-    char_tokenizer,
-    init_output_bias_to_unigram_,
-    load_texts,
-    make_blocks,
-    make_collator,
-    make_tokenizer,
-    prepare_data,
-    shakespeare_texts,
-    train_tokenizer,
-    unigram_entropy,
-    unigram_log_frequencies,
-)
-from .host import (
-    CpuBudget,
-    ThreadPlan,
-    cgroup_cpu_quota,
-    cpu_budget,
-    plan_threads,
-)
-from .presets import (
-    ARCHITECTURES,
-    DECODER_OBJECTIVES,
-    DOCS,
-    GPU_SECTION,
-    MODEL_KINDS,
-    PRECISIONS,
-    PRESETS,
-    SIZES,
-    SPECIAL_TOKENS,
-    TOKENS,
-    Architecture,
-    DemoConfig,
-    DemoError,
-    default_preset,
-    resolve_preset,
-)
-from .processes import (
-    train_models,
-)
-from .results import (
-    MEASURED_CPU_GAP,
-    MEASURED_CPU_GAPS,
-    MEASURED_GPU,
-    MEASURED_GPU_ENCODER,
-    MEASURED_GPU_ENCODER_IQR,
-    MEASURED_GPU_PLATEAU_EXIT,
-    PAPER_4LAYER_ENCODER,
-    PLATEAU_LOGS,
-    PLATEAU_MARGIN,
-    DemoResult,
-    ModelResult,
-    comparison_table,
-    interpret,
-    measured_differences,
-    plateau_exit,
-)
-from .run import (
-    config_from_args,
-    final_model_commands,
-    run_demo,
-)
-from .training import (
-    train_model,
-)
+import importlib
+import importlib.util
+from typing import Any
+
+# Each public name is served from its submodule on first use (PEP 562), so that importing
+# ``attn_probe.demo.presets`` (what ``attn-probe --help`` needs for the demo's flags) does not
+# import torch and transformers through the training modules.
+_SUBMODULE_NAMES: dict[str, tuple[str, ...]] = {
+    "data": (
+        "BlockDataset", "build_model", "char_tokenizer", "init_output_bias_to_unigram_", "load_texts",
+        "make_blocks", "make_collator", "make_tokenizer", "prepare_data", "shakespeare_texts",
+        "train_tokenizer", "unigram_entropy", "unigram_log_frequencies",
+    ),
+    "host": (
+        "CpuBudget", "ThreadPlan", "cgroup_cpu_quota", "cpu_budget", "plan_threads",
+    ),
+    "presets": (
+        "ARCHITECTURES", "DECODER_OBJECTIVES", "DOCS", "GPU_SECTION", "MODEL_KINDS", "PRECISIONS",
+        "PRESETS", "SIZES", "SPECIAL_TOKENS", "TOKENS", "Architecture", "DemoConfig", "DemoError",
+        "default_preset", "resolve_preset",
+    ),
+    "processes": (
+        "train_models",
+    ),
+    "results": (
+        "MEASURED_CPU_GAP", "MEASURED_CPU_GAPS", "MEASURED_GPU", "MEASURED_GPU_ENCODER",
+        "MEASURED_GPU_ENCODER_IQR", "MEASURED_GPU_PLATEAU_EXIT", "PAPER_4LAYER_ENCODER", "PLATEAU_LOGS",
+        "PLATEAU_MARGIN", "DemoResult", "ModelResult", "comparison_table", "interpret",
+        "measured_differences", "plateau_exit",
+    ),
+    "run": (
+        "config_from_args", "final_model_commands", "run_demo",
+    ),
+    "training": (
+        "train_model",
+    ),
+}
+_SUBMODULE_OF = {name: module for module, names in _SUBMODULE_NAMES.items() for name in names}
 
 __all__ = [
     "SIZES",
@@ -167,3 +138,18 @@ __all__ = [
     "PLATEAU_MARGIN",
     "config_from_args",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _SUBMODULE_OF.get(name)
+    if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # `attn_probe.demo.training`, as when eager
+        raise AttributeError(f"module 'attn_probe.demo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBMODULE_OF))

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import torch
-
 #: size -> (layers, hidden size, heads, feed-forward size). ``mini`` is the paper's 4-layer model
 #: (bert-mini), ``base`` its 12-layer one; ``mini-128`` is the same 4 layers at width 128 (the
 #: BERT miniature L=4/H=128, the ``cpu`` preset's); ``tiny`` exists for tests.
@@ -203,6 +201,8 @@ def resolve_preset(name: str) -> dict[str, Any]:
 
 
 def _bf16_supported() -> bool:
+    import torch  # here, not at the top: `attn-probe --help` builds the demo's flags from this module
+
     try:
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     except Exception:  # noqa: BLE001  (a broken CUDA install: fall back to fp32)
@@ -211,6 +211,8 @@ def _bf16_supported() -> bool:
 
 def default_preset() -> tuple[str, str]:
     """``(preset, reason)`` when the user names none: ``paper-small`` with CUDA, else ``cpu``."""
+    import torch
+
     if torch.cuda.is_available():
         try:
             device = torch.cuda.get_device_name(0)

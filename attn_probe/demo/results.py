@@ -50,6 +50,17 @@ class ModelResult:
         """Median across layers of the final layer-level score."""
         return self._stats(metric)["median"]
 
+    def showcase_layer(self) -> tuple[int, str, float] | None:
+        """``(layer, metric, value)`` of the layer whose heatmap shows this model's kind best: an
+        encoder's most symmetric layer, a decoder's most directional one (largest ``|d|``); the
+        lowest layer on a tie. None when the final rows lack that score."""
+        metric = "symmetry" if self.kind == "encoder" else "directionality"
+        rows = [r for r in self.rows if r.get("head") is None and metric in r]
+        if not rows:
+            return None
+        best = max(rows, key=lambda r: float(r[metric]) if metric == "symmetry" else abs(float(r[metric])))
+        return int(best["layer"]), metric, float(best[metric])
+
     def quartiles(self, metric: str) -> tuple[float, float]:
         """``(q25, q75)`` across layers of the final layer-level score."""
         stats = self._stats(metric)
@@ -253,7 +264,7 @@ def interpret(result: DemoResult, *, cuda: bool | None = None) -> list[str]:
         lines.append("decoder objective: paper-mlm (the released code's masked-LM collator fed to the causal LM); "
                      "its loss is not comparable with a next-token loss")
     if "encoder" not in result.models:
-        return lines + paper_side_by_side(result)
+        return lines + paper_side_by_side(result) + directionality_reading(result)
     encoder = result.models["encoder"].median("symmetry")
     if cfg.preset == "paper-small":
         low, high = PAPER_4LAYER_ENCODER
@@ -270,6 +281,7 @@ def interpret(result: DemoResult, *, cuda: bool | None = None) -> list[str]:
                          f"+{MEASURED_GPU_ENCODER:.2f} alone says little")
     left = result.plateau_exits.get("encoder") is not None
     lines.extend(paper_side_by_side(result))
+    lines.extend(directionality_reading(result))
     if cfg.preset == "cpu":
         lines.extend(_cpu_phase(result, encoder, left, differences, cuda))
     elif left:
@@ -329,6 +341,42 @@ def paper_side_by_side(result: DemoResult) -> list[str]:
         n = rr.distance(value)
         lines.append(f"  {kind} {value:+.3f} is {_sds(n)} sd {'above' if n >= 0 else 'below'} the random range "
                      f"({rr.mean:+.3f} \u00b1 {rr.sd:.3f})")
+    return lines
+
+
+#: a score this many standard deviations of a random layer's from the random mean is told apart from chance
+RANDOM_SDS = 2.0
+
+
+def directionality_reading(result: DemoResult) -> list[str]:
+    """What directionality shows at the models' width: each model's median layer directionality
+    against its run's own random range (``random_directionality`` rows), in random-layer sd.
+
+    A random W_qk's directionality is 0 on average with a spread that shrinks with ``d``
+    (0.40 at d = 128, 0.16 at d = 768: docs/scores.md), so at a small width a decoder's
+    column dominance can lie inside what random layers do: then the run does not show it.
+    Nothing when no run logged the range (or no directionality).
+    """
+    width = SIZES[result.config.size][1]
+    lines = []
+    for kind, r in result.models.items():
+        rr = random_range(r.run_dir, "directionality")
+        if rr is None or not any("directionality" in row for row in r.rows):
+            continue
+        value = r.median("directionality")
+        n = rr.distance(value)
+        if abs(n) < RANDOM_SDS:
+            reading = (f"inside the random range: at d = {width} directionality does not tell this model from "
+                       "random weights")
+        elif value < 0:
+            reading = "beyond it, negative: a few keys (columns) dominate, the paper's signature of a decoder"
+        else:
+            reading = "beyond it, positive: a few queries (rows) dominate"
+        lines.append(f"  {kind} directionality {value:+.3f} is {_sds(n)} sd {'above' if n >= 0 else 'below'} the "
+                     f"random range ({rr.mean:+.3f} \u00b1 {rr.sd:.3f} at d = {width}): {reading}")
+    if lines:
+        lines.insert(0, f"directionality (median across layers; a random layer's sd at d = {width}, more than "
+                        f"{RANDOM_SDS:.0f} sd away tells it from chance):")
     return lines
 
 

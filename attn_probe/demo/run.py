@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from ..live_view import tensorboard_command
+from ..live_view import figure_url, tensorboard_command
 from .data import prepare_data, unigram_entropy
 from .host import CpuBudget, cpu_budget, plan_threads
 from .presets import SIZES, DemoConfig, DemoError, default_preset, resolve_preset
 from .processes import train_models
 from .reference import matching_runs, write_paper_runs
-from .results import DemoResult, comparison_table, interpret, plateau_exit
+from .results import DemoResult, ModelResult, comparison_table, interpret, plateau_exit
 from .training import last_checkpoint, logging_steps
 
 #: what the demo writes into a model's run directory (anything else there: not the demo's)
@@ -67,19 +67,35 @@ def _prepare_run_dirs(cfg: DemoConfig, root: Path, log: Callable[[str], None]) -
 
 
 def final_model_commands(result: DemoResult) -> list[str]:
-    """``attn-probe score`` of each saved final model and ``attn-probe heatmap`` of the first one's last layer."""
+    """``attn-probe score`` of each saved final model, then ``attn-probe heatmap`` of the layer that
+    shows each model best (:meth:`ModelResult.showcase_layer`: the encoder's most symmetric layer,
+    the decoder's most directional one)."""
     import shlex
 
-    dirs = [r.model_dir for r in result.models.values() if r.model_dir is not None]
-    if not dirs:
-        return []
-    layers = SIZES[result.config.size][0]
-    first = dirs[0]
-    figure = result.root / f"{first.parent.name}_layer{layers - 1}.png"
-    return [
-        *(f"attn-probe score {shlex.quote(str(d))}" for d in dirs),
-        f"attn-probe heatmap {shlex.quote(str(first))} --layer {layers - 1} -o {shlex.quote(str(figure))}",
-    ]
+    saved = [r for r in result.models.values() if r.model_dir is not None]
+    commands = [f"attn-probe score {shlex.quote(str(r.model_dir))}" for r in saved]
+    for r in saved:
+        layer = _heatmap_layer(result, r)[0]
+        figure = result.root / f"{r.kind}_layer{layer}.png"
+        commands.append(f"attn-probe heatmap {shlex.quote(str(r.model_dir))} --layer {layer} -o {shlex.quote(str(figure))}")
+    return commands
+
+
+def _heatmap_layer(result: DemoResult, r: ModelResult) -> tuple[int, str]:
+    """The layer :func:`final_model_commands` draws for ``r`` and why, in words (the last layer when
+    the final rows lack the score)."""
+    best = r.showcase_layer()
+    if best is None:
+        return SIZES[result.config.size][0] - 1, f"the {r.kind}'s last layer"
+    layer, metric, value = best
+    most = "symmetric" if metric == "symmetry" else "directional"
+    return layer, f"the {r.kind}'s most {most} layer ({layer}: {metric} {value:+.3f})"
+
+
+def heatmap_reasons(result: DemoResult) -> str:
+    """The heatmaps :func:`final_model_commands` suggests, in words: ``the encoder's most symmetric
+    layer (0: symmetry +0.752) and the decoder's ...``."""
+    return " and ".join(_heatmap_layer(result, r)[1] for r in result.models.values() if r.model_dir is not None)
 
 
 @contextlib.contextmanager
@@ -198,10 +214,13 @@ def _run_demo(cfg: DemoConfig, log: Callable[[str], None], budget: CpuBudget | N
     commands = final_model_commands(result)
     if commands:
         log("final models (config.json, weights, tokenizer) in "
-            + ", ".join(str(r.model_dir) for r in results.values() if r.model_dir) + "; score them, or draw a layer:")
+            + ", ".join(str(r.model_dir) for r in results.values() if r.model_dir)
+            + f"; score them, or draw {heatmap_reasons(result)}:")
         for command in commands:
             log(f"  {command}")
     log(f"both models and the paper's matching runs in TensorBoard: {tensorboard_command(root)}")
+    log(f"  the paper's figure is the first chart of Custom Scalars: {figure_url()} "
+        "(or the port TensorBoard prints, if 6006 is taken)")
     return result
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from ..alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
 from ..config import ProbeConfig
 from ..distributed import Agreement, AgreementError
-from ..isolation import Failures
+from ..isolation import Failures, print_line
 from ..sinks import Snapshot
 
 __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]
@@ -37,14 +37,6 @@ __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_aler
 EVERY_RANK = ("max_logit", "entropy")
 #: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound)
 DERIVED = ("logit_bound_ratio",)
-
-
-def print_line(line: str) -> None:
-    """One line on stderr, never raising (a closed stderr loses it)."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - reporting must never stop training
-        pass
 
 
 class Alerting:

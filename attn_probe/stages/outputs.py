@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ProbeConfig
 from ..extraction import AttentionLayer, unwrap
-from ..live_view import tensorboard_command
+from ..live_view import run_command
 from ..logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir, printable
 from ..sinks import RunInfo, Sink, Snapshot
 from ..sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
@@ -167,8 +167,9 @@ def _describe_schedule(every: Any, unit: str) -> str:
 def announce_line(model: nn.Module, layers: int, log_dir: str | None, *, every: Any, unit: str) -> str:
     """What is watched, how often, where it goes, and the ``tensorboard`` command of the live view.
 
-    The command is :func:`attn_probe.live_view.tensorboard_command` (an explicit
-    ``--samples_per_plugin scalars=N``: TensorBoard's server keeps only 1,000 points per scalar
+    The command is :func:`attn_probe.live_view.run_command`: ``--logdir`` names the directory
+    holding the run (there the run has its name, not ``.``), with an explicit
+    ``--samples_per_plugin scalars=N`` (TensorBoard's server keeps only 1,000 points per scalar
     tag without it, and ``N = 0`` keeps none).
     """
     root = type(getattr(model, "module", model)).__name__
@@ -176,5 +177,5 @@ def announce_line(model: nn.Module, layers: int, log_dir: str | None, *, every: 
     line = (f"attn_probe: watching {layers} attention layer{'s' if layers != 1 else ''} of {root} "
             f"{_describe_schedule(every, unit)} -> {where}")
     if log_dir is not None:
-        line += f"  (live view: {tensorboard_command(log_dir)})"
+        line += f"  (live view: {run_command(log_dir)})"
     return printable(line)  # control characters in a model or directory name are escaped

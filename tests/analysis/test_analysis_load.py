@@ -20,8 +20,8 @@ import pytest
 from attn_probe import load_trajectory, summarize
 from attn_probe.analysis.summary import layer_quantiles
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError, TrajectoryWarning, find_runs
+from attn_probe.core import DEFAULT_METRICS
 from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
-from attn_probe.metrics import DEFAULT_METRICS
 from attn_probe.tags import scalar_tag
 
 pytest.importorskip("tensorboard")

@@ -36,6 +36,24 @@ def test_old_path_gives_the_same_object_with_one_warning(old, new, name):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["same"]
     assert [w[0] for w in got["warnings"]] == ["DeprecationWarning"], got["warnings"]
+    # the one warning says where the name lives now and the release that removes the old path
+    message = got["warnings"][0][1]
+    assert f"import {name} from attn_probe.{new}" in message, message
+    assert "removed in 0.5.0" in message, message
+
+
+def test_the_removal_release_is_the_changelogs():
+    """The version the warnings name is the one CHANGELOG.md announces for these paths."""
+    from pathlib import Path
+
+    import attn_probe.metrics as old_metrics
+    import attn_probe.scores as old_scores
+
+    changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text(encoding="utf-8")
+    deprecated = changelog.split("### Deprecated", 1)[1].split("\n## ", 1)[0]
+    for module in (old_metrics, old_scores):
+        assert module.REMOVED_IN == "0.5.0"
+        assert f"`{module.__name__}`" in deprecated and module.REMOVED_IN in deprecated
 
 
 def test_unknown_names_are_attribute_errors():

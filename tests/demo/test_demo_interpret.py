@@ -99,6 +99,66 @@ def test_verdict_states_the_distance_from_the_runs_own_random_range(tmp_path):
     assert "  decoder +0.000 is 2.0 sd below the random range (+0.020 \u00b1 0.010)" in _text(result)
 
 
+def _random_directionality_rows(run_dir: Path, sd: float, layers: int = 4) -> None:
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": 0, "group": "self", "layer": i, "head": None, "metric": m, "value": v}
+            for i in range(layers) for m, v in (("random_directionality", 0.0), ("random_directionality_sd", sd))]
+    with (run_dir / "attn_probe.jsonl").open("a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _directionality(result, kind, values):
+    for row, value in zip(result.models[kind].rows, values, strict=True):
+        row["directionality"] = value
+
+
+def test_verdict_says_what_directionality_shows_at_this_width(tmp_path):
+    """The decoder's median directionality -0.164 against d = 128's random spread (sd 0.40): inside it,
+    so the run does not show the decoder's direction; against a narrow spread it does."""
+    result = _result(demo.DemoConfig(), (0.46, 0.46, 0.48, 0.48), (0.0, 0.0, 0.0, 0.0))
+    _directionality(result, "decoder", (-0.3, -0.2, -0.128, 0.1))  # median -0.164
+    _directionality(result, "encoder", (0.01, 0.03, 0.05, 0.07))  # median +0.040
+    for kind in ("encoder", "decoder"):
+        result.models[kind].run_dir = tmp_path / kind
+    assert "directionality" not in _text(result)  # no random range logged: nothing said
+    _random_directionality_rows(tmp_path / "encoder", 0.40)
+    _random_directionality_rows(tmp_path / "decoder", 0.40)
+    text = _text(result)
+    assert ("directionality (median across layers; a random layer's sd at d = 128, more than 2 sd away tells it "
+            "from chance):") in text
+    # -0.164 / 0.40 = 0.41 sd; +0.040 / 0.40 = 0.1 sd
+    assert ("  decoder directionality -0.164 is 0.4 sd below the random range (+0.000 \u00b1 0.400 at d = 128): "
+            "inside the random range: at d = 128 directionality does not tell this model from random weights") in text
+    assert "  encoder directionality +0.040 is 0.1 sd above the random range (+0.000 \u00b1 0.400 at d = 128)" in text
+    (tmp_path / "decoder" / "attn_probe.jsonl").unlink()
+    _random_directionality_rows(tmp_path / "decoder", 0.05)  # -0.164 / 0.05 = 3.3 sd
+    assert ("  decoder directionality -0.164 is 3.3 sd below the random range (+0.000 \u00b1 0.050 at d = 128): "
+            "beyond it, negative: a few keys (columns) dominate, the paper's signature of a decoder") in _text(result)
+
+
+def test_suggested_heatmaps_are_the_most_symmetric_encoder_and_most_directional_decoder_layer(tmp_path):
+    result = _result(demo.DemoConfig(), (0.19, 0.75, 0.30, 0.75), (0.0, 0.0, 0.0, 0.0))
+    _directionality(result, "encoder", (0.9, 0.0, 0.0, 0.0))  # not the encoder's criterion
+    _directionality(result, "decoder", (-0.10, 0.05, -0.41, 0.30))
+    result = dataclasses.replace(result, root=tmp_path)
+    for kind in ("encoder", "decoder"):
+        result.models[kind].model_dir = tmp_path / kind / "model"
+    assert demo.final_model_commands(result) == [
+        f"attn-probe score {tmp_path}/encoder/model",
+        f"attn-probe score {tmp_path}/decoder/model",
+        # symmetry +0.75 at layers 1 and 3: the lower one
+        f"attn-probe heatmap {tmp_path}/encoder/model --layer 1 -o {tmp_path}/encoder_layer1.png",
+        # |directionality| 0.41 at layer 2
+        f"attn-probe heatmap {tmp_path}/decoder/model --layer 2 -o {tmp_path}/decoder_layer2.png",
+    ]
+    from attn_probe.demo.run import heatmap_reasons
+
+    assert heatmap_reasons(result) == ("the encoder's most symmetric layer (1: symmetry +0.750) and the decoder's "
+                                       "most directional layer (2: directionality -0.410)")
+
+
 def test_changed_settings_get_no_measured_range():
     cfg = dataclasses.replace(demo.DemoConfig(), steps=300, arch="bert", symmetric_init=True)
     text = _text(_result(cfg, (0.1, 0.1, 0.1, 0.1)))

@@ -101,7 +101,15 @@ def test_the_printed_commands_run_on_the_final_models(tmp_path, capsys):
                 assert r["symmetry"] == pytest.approx(final[(r["layer"], None, "symmetry")], rel=1e-5, abs=1e-6)
     # ... and the commands it prints run, exactly as printed
     commands = [ln.strip() for ln in out.splitlines() if ln.startswith("  attn-probe ")]
-    assert [c.split()[1] for c in commands] == ["score", "score", "heatmap"]
+    assert [c.split()[1] for c in commands] == ["score", "score", "heatmap", "heatmap"]
+    # the heatmaps: the encoder's most symmetric layer and the decoder's most directional one, from the
+    # scores of the models as loaded here (the lowest layer on a tie)
+    layer_rows = {kind: [r for r in rows if r["head"] is None] for kind, rows in result_rows.items()}
+    enc_best = max(layer_rows["encoder"], key=lambda r: r["symmetry"])["layer"]
+    dec_best = max(layer_rows["decoder"], key=lambda r: abs(r["directionality"]))["layer"]
+    assert f"encoder/model --layer {enc_best} -o " in commands[2] and f"decoder/model --layer {dec_best} -o " in commands[3]
+    assert f"the encoder's most symmetric layer ({enc_best}: symmetry " in out
+    assert f"the decoder's most directional layer ({dec_best}: directionality " in out
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     for command in commands:
         done = subprocess.run(command, shell=True, capture_output=True, text=True, env=env, timeout=300)
@@ -111,10 +119,11 @@ def test_the_printed_commands_run_on_the_final_models(tmp_path, capsys):
             for r in result_rows[kind]:  # the scores of the model as loaded here
                 if r["head"] is None:
                     assert f"{r['symmetry']:+.3f}" in done.stdout or f"{r['symmetry']:.3f}" in done.stdout, done.stdout
-    figure = tmp_path / "con" / "encoder_layer1.png"
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for figure in (tmp_path / "con" / f"encoder_layer{enc_best}.png", tmp_path / "con" / f"decoder_layer{dec_best}.png"):
+        assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # ... and so does its one TensorBoard command: both models and the paper's matching runs
     (tensorboard,) = set(re.findall(r"(tensorboard --logdir \S+ --samples_per_plugin scalars=\d+)$", out, re.M))
+    assert "the paper's figure is the first chart of Custom Scalars: http://localhost:6006/#custom_scalars" in out
     served = _serve_as_printed(tensorboard, env, scalar_tag("self", "symmetry", stat="median"))
     assert set(served) == {"encoder", "decoder", "paper-4-layer-encoder-wikipedia", "paper-4-layer-decoder-wikipedia"}
     assert [step for _, step, _ in served["encoder"]] == [0, 2, 4, 6]
@@ -155,6 +164,12 @@ def _serve_as_printed(command: str, env: dict, tag: str, timeout: float = 120) -
             if len(served) >= 4:
                 break
             time.sleep(1)
+        # the printed figure address: the Custom Scalars dashboard is on, its first chart the paper's figure
+        with urllib.request.urlopen(f"{base}/data/plugins_listing", timeout=10) as resp:
+            assert json.loads(resp.read())["custom_scalars"]["enabled"]
+        with urllib.request.urlopen(f"{base}/data/plugin/custom_scalars/layout", timeout=10) as resp:
+            first = json.loads(resp.read())["category"][0]
+        assert first["title"] == "attn_probe/self: symmetry, the paper's figure", first
         return served
     finally:
         stop_process_group(proc)  # the server and its children

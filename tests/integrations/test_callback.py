@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
-from attn_probe.metrics import DEFAULT_METRICS
+from attn_probe.core import DEFAULT_METRICS
 from attn_probe.tags import scalar_tag, stats_for
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import RandomTokens, make_args, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 from transformers import Trainer, TrainerCallback
 
 import attn_probe
@@ -41,6 +44,12 @@ def test_attach_puts_the_callback_first_and_logs_into_the_trainers_tensorboard_r
     ea.Reload()
     assert "train/loss" in ea.Tags()["scalars"]
     assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == [0, 2, 4, 6]
+    # the printed live view names the directory holding the run: TensorBoard reads the run there
+    # under its own name (given the run directory itself, it would call the run ".")
+    (logdir,) = re.findall(r"\(live view: tensorboard --logdir (\S+) --samples_per_plugin", err)
+    assert Path(logdir) == tmp_path / "runs"
+    served = EventMultiplexer().AddRunsFromDirectory(logdir)
+    assert served.Runs().keys() == {runs[0].name}
 
 
 class Order(TrainerCallback):

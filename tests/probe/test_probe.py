@@ -12,7 +12,7 @@ from helpers import SEQ, VOCAB, tiny_bert, tiny_model
 
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
-from attn_probe.metrics import DEFAULT_METRICS
+from attn_probe.core import DEFAULT_METRICS
 from attn_probe.probe import LogDirError, Probe, render_heatmap
 from attn_probe.sinks.tensorboard import custom_scalars_layout
 from attn_probe.tags import parse_tag

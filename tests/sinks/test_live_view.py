@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import torch
 from helpers import stop_process_group, tiny_model
 
 import attn_probe
-from attn_probe.live_view import SCALARS_PER_TAG, tensorboard_command
+from attn_probe.live_view import SCALARS_PER_TAG, figure_url, run_command, tensorboard_command
 from attn_probe.tags import scalar_tag
 
 SNAPSHOTS = 1_500  # above TensorBoard's default of 1,000 points per tag
@@ -33,6 +34,17 @@ STARTUP_TIMEOUT_S = 180
 def test_the_command_keeps_points_and_quotes_the_directory():
     assert SCALARS_PER_TAG >= 100_000 and SCALARS_PER_TAG < 2**63 - 1
     assert tensorboard_command("runs/a b") == f"tensorboard --logdir 'runs/a b' --samples_per_plugin scalars={SCALARS_PER_TAG}"
+
+
+def test_a_runs_command_names_the_directory_holding_it(tmp_path, monkeypatch):
+    """TensorBoard names a run by its path under --logdir: the run directory itself would be '.'."""
+    tail = f" --samples_per_plugin scalars={SCALARS_PER_TAG}"
+    assert run_command("out/runs/Nov23") == "tensorboard --logdir out/runs" + tail
+    assert run_command("out/runs/Nov23/") == "tensorboard --logdir out/runs" + tail
+    assert run_command("run") == "tensorboard --logdir ." + tail
+    monkeypatch.chdir(tmp_path)
+    assert run_command(".") == f"tensorboard --logdir {shlex.quote(str(tmp_path.parent))}" + tail
+    assert figure_url() == "http://localhost:6006/#custom_scalars"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +86,8 @@ def get_json(url: str) -> object:
 @pytest.mark.parametrize("extra", ["", " --load_fast=false"], ids=["load_fast_default", "load_fast_false"])
 def test_printed_command_serves_every_point(long_run, extra):
     log_dir, printed = long_run
-    assert printed == tensorboard_command(log_dir)
+    assert printed == tensorboard_command(log_dir.parent)  # the run is served under its own name
+    run = log_dir.name
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     proc = subprocess.Popen(printed + extra, shell=True, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
@@ -84,7 +97,7 @@ def test_printed_command_serves_every_point(long_run, extra):
         steps = list(range(SNAPSHOTS + 1))
 
         points = poll(lambda: get_json(f"{base}/data/plugin/scalars/scalars?" +
-                                       urllib.parse.urlencode({"run": ".", "tag": tag})), len(steps))
+                                       urllib.parse.urlencode({"run": run, "tag": tag})), len(steps))
         assert [p[1] for p in points] == steps
         values = [p[2] for p in points]
         assert values[-1] != values[0]
@@ -92,7 +105,7 @@ def test_printed_command_serves_every_point(long_run, extra):
         def time_series():
             (series,) = post_form(f"{base}/data/plugin/timeseries/timeSeries",
                                   requests=json.dumps([{"plugin": "scalars", "tag": tag}]))
-            return series["runToSeries"].get(".", [])
+            return series["runToSeries"].get(run, [])
 
         assert [p["step"] for p in poll(time_series, len(steps))] == steps
 
@@ -102,7 +115,7 @@ def test_printed_command_serves_every_point(long_run, extra):
         regex = next(c["multiline"]["tag"][0] for c in charts if "multiline" in c and "symmetry" in c["title"])
         for wanted in (margin["value"], margin["lower"], regex):
             data = get_json(f"{base}/data/plugin/custom_scalars/scalars?" +
-                            urllib.parse.urlencode({"run": ".", "tag": wanted}))
+                            urllib.parse.urlencode({"run": run, "tag": wanted}))
             assert data["regex_valid"]
             assert data["tag_to_events"], wanted
             for events in data["tag_to_events"].values():

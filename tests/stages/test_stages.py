@@ -18,7 +18,7 @@ import attn_probe
 from attn_probe.config import ProbeConfig
 from attn_probe.logdir import LogDirInUseError
 from attn_probe.pairs import QKPair
-from attn_probe.scores import symmetry_score
+from attn_probe.reference import symmetry_score
 from attn_probe.sinks import Record, RunInfo
 from attn_probe.stages.assembly import Assembler, layer_statistics, snapshot_from_rows
 from attn_probe.stages.decision import StepDecision
