@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
 import threading
 from typing import Any
 
-from ..isolation import safe_warn
+from ..isolation import print_line, safe_warn
 from ..tags import PREFIX
 from ..tracker_record import STEP_KEY, TrackerRun, wandb_run
 from . import RunInfo, Snapshot
@@ -346,8 +345,6 @@ class WandbSink(TrackerSink):
 
 
 def _status(text: str) -> None:
-    try:  # one status line, printed like the probe's own start line
-        print(f"attn_probe: {text}", file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - a status line must never stop training
-        pass
+    """One status line, printed like the probe's own start line (clear of progress bars, never raising)."""
+    print_line(f"attn_probe: {text}")
 
