@@ -33,7 +33,7 @@ def _cell(median: float, below: float, above: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..baselines.paper import paper_final, paper_runs
-    from ..baselines.pretrained import pretrained_family, pretrained_rows
+    from ..baselines.pretrained import KINDS, pretrained_family, pretrained_row, pretrained_rows
     from ..cli import CommandError
 
     if args.family is not None:
@@ -42,16 +42,21 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CommandError(str(exc)) from None
     else:
-        rows = pretrained_rows(distinct=not args.all)
+        # by kind, family and size (the CSV's order is the released tables' two-column layout)
+        rows = sorted(pretrained_rows(distinct=not args.all),
+                      key=lambda r: (KINDS.index(r.kind), r.family, r.layers is None, (r.layers or 0) * (r.width or 0) ** 2))
     print(f"The paper's pretrained models ({len(rows)} rows): median [q25, q75] across layers "
           "(Saponati et al., ICML 2025; docs/scores.md says how the released table's faults are treated)")
     print(f"  {'model':<40} {'kind':<8} {'family':<10} {'L x d':>11}  {'symmetry':<21} {'directionality':<21} notes")
     for r in rows:
         notes = [f"also {', '.join(r.aliases)}"] if r.aliases and not args.all else []
         notes += list(r.faults)
+        if not args.all:  # the faults of the names folded into this row (llama3.2-8b's under llama3.2-1b)
+            notes += [f"{alias}: {fault}" for alias in r.aliases for fault in pretrained_row(alias).faults
+                      if not fault.startswith("identical values")]
         print(f"  {r.name:<40} {r.kind:<8} {r.family:<10} {r.shape_text():>11}  "
               f"{_cell(r.symmetry, r.symmetry_below, r.symmetry_above):<21} "
-              f"{_cell(r.directionality, r.directionality_below, r.directionality_above):<21} {'; '.join(notes)}")
+              f"{_cell(r.directionality, r.directionality_below, r.directionality_above):<21} {'; '.join(notes)}".rstrip())
     if args.family is not None:
         return 0
     print()
