@@ -125,6 +125,8 @@ def _num(value: Any, spec: str) -> str:
 def format_paper_context(context: dict[str, Any]) -> str:
     """The block ``attn-probe score`` prints: one line per group, its random range, the nearest rows."""
     family = context["family"] or "no family of the paper's table"
+    if context["family"] and context["nearest"] and all(r["family"] != context["family"] for r in context["nearest"]):
+        family += f" (no {context['kind']} of this family in the table: the nearest {context['kind']}s)"
     lines = [f"beside the paper's pretrained models ({context['kind'] or 'kind unknown'}, {family}; "
              "`attn-probe reference` lists them), median across layers:"]
     lines.append(f"  {'':<34} {'L x d':>11}  {'symmetry':>15}  {'directionality':>15}")

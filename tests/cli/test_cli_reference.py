@@ -109,3 +109,25 @@ def test_reference_lists_the_table_and_the_paper_runs():
     assert names == {n for n in table if n.lower().startswith(("llama", "meta-llama/"))}
     bad = subprocess.run([*cmd, "reference", "--family", "bart"], capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no family 'bart'" in bad.stderr
+
+
+@pytest.mark.parametrize("model_type, extra, header, families", [
+    ("gpt2", {}, "(decoder, gpt2;", {"gpt2"}),
+    ("bert", {"is_decoder": True}, "(decoder, bert (no decoder of this family in the table", None),
+], ids=["gpt2", "bert-decoder"])
+def test_score_block_picks_rows_of_the_kind_and_family(model_type, extra, header, families, tmp_path, capsys):
+    from helpers import tiny_model
+
+    tiny_model(model_type, None, **extra).save_pretrained(tmp_path / "ckpt")
+    capsys.readouterr()
+    assert main(["score", str(tmp_path / "ckpt")]) == 0
+    block = capsys.readouterr().out.split("beside the paper's pretrained models", 1)[1].splitlines()
+    assert header in block[0]
+    table = csv_table()
+    names = [line.split()[0] for line in block[4:]]  # after the header, this model and its random range
+    assert len(names) == 4 and all(n in table for n in names)
+    decoders = {n for n in table if n.lower().startswith(("gpt", "distilbert/distilgpt2", "openai-gpt", "eleutherai/",
+                                                          "llama", "meta-llama/", "mistralai/", "facebook/", "microsoft/phi"))}
+    assert set(names) <= decoders
+    if families == {"gpt2"}:
+        assert set(names) <= {n for n in table if "gpt2" in n}
