@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         rows, many, checkpoints = _score_gguf(args, gguf), False, []
     else:
         rows, many, checkpoints = _score_checkpoints(args)
-    wants_context = args.paper or not args.json  # the text output always ends with it
+    # the text output ends with it, when the paper's two W_qk scores were computed
+    wants_context = (args.paper or not args.json) and any("symmetry" in r or "directionality" in r for r in rows)
     context = _paper_context(checkpoints[0][1], rows) if wants_context and not gguf and not many else None
     if args.json:
         # NaN as null, the trajectory file's rule
