@@ -129,7 +129,8 @@ _NOT_RELEASED = {"llama3.2-8b": "not a released model (Llama 3.2 has 1B and 3B t
 #: Hugging Face ``model_type`` -> (kind, family) of the paper's table
 _MODEL_TYPES = {
     "bert": ("encoder", "bert"), "distilbert": ("encoder", "bert"), "roberta": ("encoder", "roberta"),
-    "xlm-roberta": ("encoder", "roberta"), "albert": ("encoder", "albert"),
+    "xlm-roberta": ("encoder", "roberta"), "roberta-prelayernorm": ("encoder", "roberta"),
+    "albert": ("encoder", "albert"),
     "modernbert": ("encoder", "modernbert"), "gpt2": ("decoder", "gpt2"),
     "openai-gpt": ("decoder", "openai-gpt"), "gpt_neo": ("decoder", "gpt-neo"), "gptj": ("decoder", "gpt-j"),
     "llama": ("decoder", "llama"), "mistral": ("decoder", "mistral"), "mixtral": ("decoder", "mistral"),
@@ -250,16 +251,21 @@ def pretrained_family(family: str, distinct: bool = True) -> list[PretrainedRow]
     return sorted(rows, key=lambda r: (r.layers is None, (r.layers or 0) * (r.width or 0) ** 2))
 
 
-def kind_and_family(model_type: str | None, *, is_decoder: bool = False,
-                    is_encoder_decoder: bool = False) -> tuple[str | None, str | None]:
-    """The (kind, family) of a Hugging Face config: ``model_type`` and its ``is_decoder`` /
-    ``is_encoder_decoder`` flags. A BERT with ``is_decoder`` is a decoder of family ``bert``; a
-    ``model_type`` the table does not hold has family ``None`` (and kind ``None`` when nothing says)."""
+def kind_and_family(model_type: str | None, *, is_decoder: bool = False, is_encoder_decoder: bool = False,
+                    architectures: list[str] | tuple[str, ...] = ()) -> tuple[str | None, str | None]:
+    """The (kind, family) of a Hugging Face config: ``model_type``, its ``is_decoder`` /
+    ``is_encoder_decoder`` flags and its ``architectures``. A BERT with ``is_decoder`` is a decoder
+    of family ``bert``; a ``model_type`` the table does not hold has family ``None``, and its kind
+    from an architecture named ``...ForCausalLM`` / ``...LMHeadModel`` (decoder) or ``...ForMaskedLM``
+    (encoder), else ``None``."""
     if is_encoder_decoder:
         return "encoder-decoder part", None
     kind, family = _MODEL_TYPES.get(str(model_type or "").lower(), (None, None))
-    if is_decoder:
+    names = [str(a) for a in architectures or ()]
+    if is_decoder or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in names):
         kind = "decoder"
+    elif kind is None and any(a.endswith("ForMaskedLM") for a in names):
+        kind = "encoder"
     return kind, family
 
 

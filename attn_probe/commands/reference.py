@@ -79,7 +79,8 @@ def paper_context(path: str | Path, rows: list[dict[str, Any]]) -> dict[str, Any
 
     config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
     kind, family = kind_and_family(config.get("model_type"), is_decoder=bool(config.get("is_decoder")),
-                                   is_encoder_decoder=bool(config.get("is_encoder_decoder")))
+                                   is_encoder_decoder=bool(config.get("is_encoder_decoder")),
+                                   architectures=config.get("architectures") or ())
     layers, _ = open_checkpoint(path)
     groups = []
     for entry in summarize_rows(rows):

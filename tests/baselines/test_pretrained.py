@@ -148,6 +148,11 @@ def test_kind_and_family_of_configs():
     assert kind_and_family("llama") == ("decoder", "llama")
     assert kind_and_family("t5", is_encoder_decoder=True) == ("encoder-decoder part", None)
     assert kind_and_family("mpnet") == (None, None)
+    assert kind_and_family("mpnet", architectures=["MPNetForMaskedLM"]) == ("encoder", None)
+    # the demo's models: a pre-LN RoBERTa, its decoder saved as ...ForCausalLM
+    assert kind_and_family("roberta-prelayernorm", architectures=["RobertaPreLayerNormForCausalLM"]) == \
+        ("decoder", "roberta")
+    assert kind_and_family("roberta-prelayernorm") == ("encoder", "roberta")
 
 
 def test_nearest_rows():
