@@ -100,6 +100,9 @@ def test_faults_are_flagged():
     assert fake.values() == pretrained_row("llama3.2-1b").values()
     assert fake.faults and "not a released model" in fake.faults[0]
     assert fake.layers is None and fake.width is None
+    # the counts the docs state: 6 models whose two rows disagree (12 rows), 13 pairs of agreeing names
+    assert sum(any("disagrees" in f for f in r.faults) for r in pretrained_rows()) == 12
+    assert sum(1 for r in pretrained_rows() if r.aliases and not r.faults) == 26
     # rows without a fault: one model, one name, or two names that agree
     assert pretrained_row("gpt2").faults == () and pretrained_row("bert-base").faults == ()
 
