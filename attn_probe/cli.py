@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "heatmap": ("attn_probe.commands.heatmap", "heatmap of one layer's W_qk from a checkpoint"),
     "demo": ("attn_probe.commands.demo", "train an encoder and a decoder and compare their W_qk"),
     "models": ("attn_probe.commands.models", "list the attention layouts attn_probe reads and how to add one"),
+    "reference": ("attn_probe.commands.reference", "list the paper's scores of pretrained models and its training runs"),
 }
 
 

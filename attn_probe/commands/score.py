@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the step of a single checkpoint folder not named checkpoint-N")
     parser.add_argument("--per-head", action="store_true", help="also score every head's matrix (W_q^h W_k^hT, ...)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON array")
+    parser.add_argument("--paper", action="store_true",
+                        help="with --json and one checkpoint folder: print {\"rows\": [...], \"paper\": {...}}, the "
+                             "comparison with the paper's pretrained models the text output ends with")
     parser.add_argument(
         "--metric", action="append", dest="metrics", metavar="NAME",
         help="metric to compute, named without a pair prefix; repeatable; default all six "
@@ -101,10 +104,17 @@ def run(args: argparse.Namespace) -> int:
         rows, many, checkpoints = _score_gguf(args, gguf), False, []
     else:
         rows, many, checkpoints = _score_checkpoints(args)
+    # the text output ends with it, when the paper's two W_qk scores were computed
+    wants_context = (args.paper or not args.json) and any("symmetry" in r or "directionality" in r for r in rows)
+    context = _paper_context(checkpoints[0][1], rows) if wants_context and not gguf and not many else None
     if args.json:
         # NaN as null, the trajectory file's rule
-        print(json.dumps([{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()}
-                          for r in rows], allow_nan=False))
+        out: Any = [{k: encode_value(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+        if args.paper:
+            from .reference import json_safe
+
+            out = {"rows": out, "paper": json_safe(context)}
+        print(json.dumps(out, allow_nan=False))
         return 0
     if many:
         for step, _path in checkpoints:
@@ -115,7 +125,26 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     print()
     print(format_summary(summarize_rows(rows)))
+    if context is not None:
+        from .reference import format_paper_context
+
+        print()
+        print(format_paper_context(context))
     return 0
+
+
+def _paper_context(path: Any, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """:func:`.reference.paper_context`, or ``None`` with a one-line note on stderr when it cannot be made."""
+    import sys
+
+    from ..checkpoint import CheckpointError
+    from .reference import paper_context
+
+    try:
+        return paper_context(path, rows)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"attn-probe score: no comparison with the paper: {exc}", file=sys.stderr)
+        return None
 
 
 def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any]]:
