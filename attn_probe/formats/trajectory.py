@@ -44,14 +44,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from .runs import MAX_HEADER, Unreadable
+
 __all__ = [
     "FIELDS",
     "HEADER_KEY",
+    "MAX_HEADER",
     "MAX_LINE",
     "SCAN_CHUNK",
     "TRAJECTORY_FILENAME",
     "Cut",
     "RunHeader",
+    "Unreadable",
     "cut_run",
     "cut_trajectory",
     "decode_value",
@@ -163,10 +167,10 @@ SCAN_CHUNK = 4 << 20
 #: a line longer than this is unreadable (dropped, skipped through without holding it); default
 #: of ``max_line=``
 MAX_LINE = 16 << 20
+#: the first bytes of an overlong line kept to tell a header from a row
+_HEAD = 4096
 #: the step of a line as the trajectory sink writes it (``{"step": 12, "wall_time": ...``)
 _STEP_AT_START = re.compile(rb'\{"step": (-?\d{1,19})[,}]')
-#: the same after a newline: found in a whole chunk with a fast literal search
-_STEP_AFTER_NEWLINE = re.compile(rb'\n\{"step": (-?\d{1,19})[,}]')
 
 
 def _line_step(line: bytes) -> int | None:
@@ -181,45 +185,51 @@ def _line_step(line: bytes) -> int | None:
 
 def _header_in(line: bytes) -> RunHeader | None:
     """The header of one complete line when it is a header record (cheap reject first)."""
-    if _HEADER_MARK not in line:
+    if _HEADER_MARK not in line or len(line) > MAX_HEADER:
         return None
     return parse_header(_loads(line))
 
 
 def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE, *,
-                keep_torn: bool = False) -> Iterator[tuple[int, bytes | None]]:
+                keep_torn: bool = False) -> Iterator[tuple[int, bytes | Unreadable]]:
     """``(offset, block)`` of complete lines of a binary file, in order, reading ``chunk_size``
-    bytes at once; ``(offset, None)`` for an unreadable part: a line over ``max_line`` bytes
-    (skipped through without holding it) or a torn last line. With ``keep_torn`` a torn last
-    line that is not blank is yielded as it is (the readers count it as a corrupt line)."""
+    bytes at once; ``(offset, Unreadable)`` for an unreadable part: a line over ``max_line`` bytes
+    (skipped through without holding it; its size and first bytes are kept) or a torn last line.
+    With ``keep_torn`` a torn last line that is not blank is yielded as it is (the readers count
+    it as a corrupt line)."""
     offset = 0  # file offset of ``buf[0]``
     buf = b""
-    skipping = False  # inside an overlong line, already reported
+    long_at: int | None = None  # the offset of the overlong line being skipped through
+    long_head = b""
     while True:
         chunk = fh.read(chunk_size)
         if not chunk:
             break
-        if skipping:
+        if long_at is not None:
             nl = chunk.find(b"\n")
             if nl < 0:
                 offset += len(chunk)
                 continue
             offset += nl + 1
-            chunk, skipping = chunk[nl + 1:], False
+            yield long_at, Unreadable(offset - long_at, False, long_head)
+            chunk, long_at = chunk[nl + 1:], None
+        if len(buf) + len(chunk) > max_line and b"\n" not in chunk:  # inside a line over max_line
+            long_at, long_head = offset, (buf[:_HEAD] + chunk[:_HEAD])[:_HEAD]
+            offset += len(buf) + len(chunk)
+            buf = b""
+            continue
         buf += chunk
         end = buf.rfind(b"\n") + 1
         if end == 0:
-            if len(buf) > max_line:
-                yield offset, None
-                offset += len(buf)
-                buf, skipping = b"", True
             continue
         yield offset, buf[:end]
         offset += end
         buf = buf[end:]
-    if buf and not skipping:  # a torn last line
+    if long_at is not None:
+        yield long_at, Unreadable(offset - long_at, True, long_head)
+    elif buf:  # a torn last line
         if not keep_torn:
-            yield offset, None
+            yield offset, Unreadable(len(buf), True, buf[:_HEAD])
         elif buf.strip():
             yield offset, buf
 
@@ -259,175 +269,9 @@ def file_runs(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
         return out
     with fh:
         for _offset, block in line_blocks(fh, chunk_size, max_line):
-            if block is not None and _HEADER_MARK in block:
+            if isinstance(block, bytes) and _HEADER_MARK in block:
                 out.extend(h for _, _, h in _split_at_headers(block) if h is not None)
     return out
 
 
-def _scan(fh: Any, resume_step: int, target: str | None, chunk_size: int,
-          max_line: int) -> Iterator[tuple[int, bytes, bool, int]]:
-    """``(offset, data, keep, lines)`` pieces covering the file in order (``data`` empty when dropped).
-
-    Rows of the run ``target`` (``None``: the rows before the first header) are dropped from
-    ``resume_step`` on, with that run's unreadable lines and its headers at or past it; every
-    line of other runs is kept as it is. A torn last line and lines over ``max_line`` bytes are
-    dropped. Whole chunks of canonical rows are decided at once from their steps' range.
-    """
-    current: str | None = None  # the run of the rows being read
-    for offset, block in line_blocks(fh, chunk_size, max_line):
-        if block is None:
-            yield offset, b"", False, 1
-            continue
-        for start, stop, header in _split_at_headers(block):
-            piece = block[start:stop]
-            if header is not None:
-                current = header.run_id
-                keep = current != target or header.step < resume_step
-                yield offset + start, piece if keep else b"", keep, 1
-                continue
-            lines = piece.count(b"\n")
-            if current != target:
-                yield offset + start, piece, True, lines
-                continue
-            steps = _STEP_AFTER_NEWLINE.findall(b"\n" + piece)
-            if len(steps) == lines == piece.count(b"}\n"):  # all canonical: decide at once if uniform
-                ints = list(map(int, steps))
-                lo, hi = min(ints), max(ints)
-                if hi < resume_step or lo >= resume_step:
-                    keep = hi < resume_step
-                    yield offset + start, piece if keep else b"", keep, lines
-                    continue
-            at = 0
-            while at < len(piece):
-                nl = piece.index(b"\n", at) + 1
-                line = piece[at:nl]
-                step = _line_step(line) if nl - at <= max_line else None
-                keep = step is not None and step < resume_step
-                yield offset + start + at, line if keep else b"", keep, 1
-                at = nl
-
-
-@dataclass(frozen=True)
-class Cut:
-    """What :func:`cut_run` did: lines dropped, the run cut (``None``: rows without a header),
-    whether that run was the one asked for, and how many other runs the file keeps."""
-
-    dropped: int
-    run_id: str | None
-    found: bool
-    other_runs: int
-
-
-def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None, *,
-            otherwise: str = "last", chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE) -> Cut:
-    """Drop one run's lines at ``step >= resume_step`` from a trajectory file, in constant memory.
-
-    The run cut is ``run_id`` when the file holds a header of it; else, by ``otherwise``:
-    ``"last"`` the file's last run (the run of its last header; in a file without headers,
-    every row: a file written before run headers), ``"unidentified"`` the rows before the first
-    header (a run resumed from a checkpoint written before run ids), ``"none"`` no run (a new
-    run: nothing of it is in the file). Every line of every other run is kept byte for byte. Also dropped: that run's
-    lines without a readable step, a torn last line, lines over ``max_line`` bytes (16 MiB). When every kept line
-    comes before the first dropped one the file is cut at that line's byte offset in place
-    (no free space needed); otherwise the kept lines are streamed into a temporary file beside
-    it, which replaces it (and is removed if that fails). A missing file cuts nothing. Every
-    failure is a :class:`~attn_probe.logdir.LogDirError` naming the file and the cause.
-    ``chunk_size`` (bytes read at once) and ``max_line`` bound the memory used, as in
-    :func:`file_runs`.
-    """
-    from ..logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
-
-    path = os.fspath(path)
-    resume_step = int(resume_step)
-
-    def failed(exc: BaseException) -> LogDirError:
-        reason = "out of memory" if isinstance(exc, MemoryError) else os_error_reason(exc) \
-            if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        return log_dir_error(f"attn_probe cannot cut its trajectory file {path!r} back to the resume step "
-                      f"{resume_step}: {reason}. The run's earlier steps are untouched; free the cause "
-                      "or resume with a fresh log_dir=", getattr(exc, "errno", None))
-
-    tmp: str | None = None
-    try:
-        if not os.path.lexists(path):
-            return Cut(0, run_id, False, 0)
-        headers = file_runs(path, chunk_size=chunk_size, max_line=max_line)
-        ids = {h.run_id for h in headers}
-        found = run_id is not None and run_id in ids
-        if otherwise not in ("last", "unidentified", "none"):
-            raise ValueError(f"otherwise must be 'last', 'unidentified' or 'none', got {otherwise!r}")
-        legacy = _has_rows_before_first_header(path)
-        target: str | None
-        if found:
-            target = run_id
-        elif otherwise == "last":
-            target = headers[-1].run_id if headers else None
-        elif otherwise == "unidentified" and legacy:
-            target = None
-        else:  # nothing of this run in the file
-            return Cut(0, None, False, len(ids) + (1 if legacy else 0))
-        others = len(ids - {target}) + (1 if legacy and target is not None else 0)
-        cut: int | None = None
-        dropped = 0
-        rewrite = False
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            for offset, _data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
-                if not keep:
-                    cut = offset if cut is None else cut
-                    dropped += lines
-                elif cut is not None:
-                    rewrite = True
-                    break
-        if cut is None:
-            return Cut(0, target, found, others)
-        if not rewrite:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, cut)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return Cut(dropped, target, found, others)
-        check_log_dir(os.path.dirname(path) or ".", need_bytes=size)
-        tmp = f"{path}.tmp{os.getpid()}"
-        dropped = 0
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            with open(path, "rb") as fh:
-                for _offset, data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
-                    if keep:
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.write(fd, view):]
-                    else:
-                        dropped += lines
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-        return Cut(dropped, target, found, others)
-    except LogDirError:
-        raise
-    except (OSError, MemoryError) as exc:
-        raise failed(exc) from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-
-
-def _has_rows_before_first_header(path: str) -> bool:
-    """Whether the file starts with rows written before run headers existed (an unidentified run)."""
-    with open(path, "rb") as fh:
-        first = fh.readline(1 << 16)
-    return bool(first.strip()) and _HEADER_MARK not in first
-
-
-def cut_trajectory(path: str | os.PathLike, resume_step: int, *, chunk_size: int = SCAN_CHUNK,
-                   max_line: int = MAX_LINE) -> int:
-    """:func:`cut_run` of the file's last run; returns the number of lines dropped."""
-    return cut_run(path, resume_step, chunk_size=chunk_size, max_line=max_line).dropped
+from .cutting import Cut, cut_run, cut_trajectory  # noqa: E402  (the cut reads with the helpers above)
