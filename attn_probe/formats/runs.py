@@ -234,8 +234,9 @@ def run_label(key: RunKey) -> str | None:
     return key[1] if key[2] == 1 else f"{key[1]}#{key[2]}"
 
 
-def describe_events(events: list[Event], counts: dict[str, int]) -> str:
-    """One sentence per kind of event, naming the lines kept (bounded)."""
+def describe_events(events: list[Event], counts: dict[str, int] | None = None) -> str:
+    """One clause per kind of event, naming the first lines of each (``counts``: how many there
+    were of each kind, default those in ``events``)."""
     texts = {
         "damaged header": "a run header that cannot be read",
         "long header": "a run header too long to read",
@@ -244,10 +245,10 @@ def describe_events(events: list[Event], counts: dict[str, int]) -> str:
     }
     parts: list[str] = []
     for kind, what in texts.items():
-        n = counts.get(kind, 0)
+        shown = [e for e in events if e.kind == kind]
+        n = len(shown) if counts is None else counts.get(kind, 0)
         if not n:
             continue
-        shown = [e for e in events if e.kind == kind]
         lines = ", ".join(f"line {e.line} ({e.detail})" for e in shown[:3])
         more = f" and {n - len(shown[:3])} more" if n > len(shown[:3]) else ""
         parts.append(f"{what} at {lines}{more}")

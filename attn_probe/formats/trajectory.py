@@ -1,9 +1,11 @@
 """The lossless trajectory file written beside the event files: ``attn_probe.jsonl``.
 
-The one home of the format: record encoding, the run header, reading records back, scanning
-for run headers and the resume cut. The sink (:mod:`attn_probe.sinks.trajectory`), the resume
-(:func:`cut_run`) and the readers (:mod:`attn_probe.analysis.reading`) all use it. Only the
-standard library is imported here (and :mod:`attn_probe.logdir` for its errors).
+The one home of the format: record encoding, the run header, reading records back and scanning
+for run headers; which run each line belongs to is :mod:`attn_probe.formats.runs`, the resume
+cut (:func:`cut_run`, re-exported here) :mod:`attn_probe.formats.cutting`. The sink
+(:mod:`attn_probe.sinks.trajectory`), the resume and the readers
+(:mod:`attn_probe.analysis.reading`) all use it. Only the standard library is imported here
+(and :mod:`attn_probe.logdir` for its errors).
 
 One JSON object per line and per value::
 
@@ -29,7 +31,9 @@ written by a resumed run (its id may be new when the run it continues had none: 
 written before run ids existed). A run branched from another run's checkpoint names that run's
 id and step in ``parent_run``/``parent_step`` (``parent_dir``: its directory). ``config`` and
 ``model`` are the summary the TensorBoard run header holds. Rows before the first header
-(files written before run headers existed) belong to no identified run.
+(files written before run headers existed) belong to no identified run. A header that cannot
+be read, a missing one, and an id used by two runs are read by the rules of
+:mod:`attn_probe.formats.runs`: a run's rows are never given to another run.
 """
 
 from __future__ import annotations
@@ -197,8 +201,9 @@ def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE,
     (skipped through without holding it; its size and first bytes are kept) or a torn last line.
     With ``keep_torn`` a torn last line that is not blank is yielded as it is (the readers count
     it as a corrupt line)."""
-    offset = 0  # file offset of ``buf[0]``
-    buf = b""
+    offset = 0  # file offset of the first byte not yielded yet
+    parts: list[bytes] = []  # the start of a line read so far (joined once its end is read: linear time)
+    pending = 0  # bytes in ``parts``
     long_at: int | None = None  # the offset of the overlong line being skipped through
     long_head = b""
     while True:
@@ -213,25 +218,42 @@ def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE,
             offset += nl + 1
             yield long_at, Unreadable(offset - long_at, False, long_head)
             chunk, long_at = chunk[nl + 1:], None
-        if len(buf) + len(chunk) > max_line and b"\n" not in chunk:  # inside a line over max_line
-            long_at, long_head = offset, (buf[:_HEAD] + chunk[:_HEAD])[:_HEAD]
-            offset += len(buf) + len(chunk)
-            buf = b""
-            continue
-        buf += chunk
-        end = buf.rfind(b"\n") + 1
+            if not chunk:
+                continue
+        end = chunk.rfind(b"\n") + 1
         if end == 0:
+            if pending + len(chunk) > max_line:  # inside a line over max_line: skip through it
+                long_at, long_head = offset, _head(parts + [chunk])
+                offset += pending + len(chunk)
+                parts, pending = [], 0
+            else:
+                parts.append(chunk)
+                pending += len(chunk)
             continue
-        yield offset, buf[:end]
-        offset += end
-        buf = buf[end:]
+        block = b"".join([*parts, chunk[:end]]) if parts else chunk[:end]
+        yield offset, block
+        offset += len(block)
+        rest = chunk[end:]
+        parts, pending = ([rest], len(rest)) if rest else ([], 0)
     if long_at is not None:
         yield long_at, Unreadable(offset - long_at, True, long_head)
-    elif buf:  # a torn last line
+    elif parts:  # a torn last line
+        buf = b"".join(parts)
         if not keep_torn:
             yield offset, Unreadable(len(buf), True, buf[:_HEAD])
         elif buf.strip():
             yield offset, buf
+
+
+def _head(parts: list[bytes]) -> bytes:
+    """The first :data:`_HEAD` bytes of the concatenation of ``parts``."""
+    out, size = [], 0
+    for part in parts:
+        out.append(part[:_HEAD - size])
+        size += len(out[-1])
+        if size >= _HEAD:
+            break
+    return b"".join(out)
 
 
 def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None]]:
