@@ -87,44 +87,81 @@ def _header_like_lines(block: bytes) -> Iterator[tuple[int, int]]:
         pos = stop
 
 
-def _row_pieces(offset: int, piece: bytes, line_no: int, tracker: RunTracker, max_line: int) -> Iterator[Piece]:
-    """The pieces of a run of non-header lines: whole when its rows plainly continue the run."""
-    lines = piece.count(b"\n")
-    if tracker.headed:
+class _Walk:
+    """The state of one walk through the file beside its tracker: the file (to read back the
+    values of a run's rows, :meth:`fill`) and where the current header-less run's rows have not
+    been added to its values seen yet (rows above the run's first step need no look at their
+    values: :meth:`RunSplitter.continues`; they are read only when a later row could start a run)."""
+
+    def __init__(self, fd: int, tracker: RunTracker, chunk_size: int, max_line: int) -> None:
+        self.fd, self.tracker, self.chunk_size, self.max_line = fd, tracker, chunk_size, max_line
+        self.unseen_from: int | None = None
+
+    def fill(self, upto: int) -> None:
+        """Add the values of the rows from :attr:`unseen_from` to ``upto`` to the run's values seen."""
+        start, self.unseen_from = self.unseen_from, None
+        if start is None:
+            return
+        seen = self.tracker.splitter.seen
+        carry = b""
+        while start < upto:
+            data = os.pread(self.fd, min(self.chunk_size, upto - start), start)
+            if not data:
+                break
+            start += len(data)
+            data = carry + data
+            end = data.rfind(b"\n") + 1
+            carry = data[end:] if len(data) - end <= self.max_line else b""
+            block = data[:end]
+            rows = _ROW.findall(block)
+            if len(rows) == block.count(b"\n"):
+                seen.update(r[1:] for r in rows)
+                continue
+            for line in block.splitlines(keepends=True):
+                value = _value_of(line)[1] if len(line) <= self.max_line else None
+                if value is not None:
+                    seen.add(value)
+
+    def rows(self, offset: int, piece: bytes, line_no: int) -> Iterator[Piece]:
+        """The pieces of a run of non-header lines: whole when its rows plainly continue the run."""
+        tracker = self.tracker
+        lines = piece.count(b"\n")
         steps = _STEP_AFTER_NEWLINE.findall(b"\n" + piece)
         if len(steps) == lines == piece.count(b"}\n"):
             ints = list(map(int, steps))
-            if (tracker.last is None or ints[0] >= tracker.last) and all(map(operator.le, ints, ints[1:])):
-                key = tracker.row_step(ints[-1], line_no + lines)
-                yield offset, piece, key, lines, ints[0], ints[-1], False
-                return
-    elif tracker.key is not None:
-        rows = _ROW.findall(piece)
-        if len(rows) == lines:
-            ints = [int(r[0]) for r in rows]
-            if tracker.splitter.continues((r[1:] for r in rows), min(ints)):
+            if tracker.headed:
+                if (tracker.last is None or ints[0] >= tracker.last) and all(map(operator.le, ints, ints[1:])):
+                    key = tracker.row_step(ints[-1], line_no + lines)
+                    yield offset, piece, key, lines, ints[0], ints[-1], False
+                    return
+            elif tracker.key is not None and min(ints) > tracker.splitter.first:
+                if self.unseen_from is None:
+                    self.unseen_from = offset
                 yield offset, piece, tracker.key, lines, min(ints), max(ints), False
                 return
-    at, n = 0, line_no
-    while at < len(piece):
-        nl = piece.index(b"\n", at) + 1
-        n += 1
-        step, value = _value_of(piece[at:nl]) if nl - at <= max_line else (None, None)
-        if step is None:
-            key = tracker.key
-        elif tracker.headed:
-            key = tracker.row_step(step, n)
-        elif value is None:
-            key = tracker.key if tracker.key is not None else tracker.new_legacy()
-        else:
-            key = tracker.legacy_row(value, step)
-        yield offset + at, piece[at:nl], key, 1, step, step, False
-        at = nl
+        if not tracker.headed:
+            self.fill(offset)
+        at, n = 0, line_no
+        while at < len(piece):
+            nl = piece.index(b"\n", at) + 1
+            n += 1
+            step, value = _value_of(piece[at:nl]) if nl - at <= self.max_line else (None, None)
+            if step is None:
+                key = tracker.key
+            elif tracker.headed:
+                key = tracker.row_step(step, n)
+            elif value is None:
+                key = tracker.key if tracker.key is not None else tracker.new_legacy()
+            else:
+                key = tracker.legacy_row(value, step)
+            yield offset + at, piece[at:nl], key, 1, step, step, False
+            at = nl
 
 
 def _pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Iterator[Piece]:
     """The file in order as pieces, each given to its run by ``tracker``."""
     line_no = 0  # lines before the current piece
+    walk = _Walk(fh.fileno(), tracker, chunk_size, max_line)
     for offset, block in line_blocks(fh, chunk_size, max_line):
         if isinstance(block, Unreadable):
             line_no += 1
@@ -137,7 +174,7 @@ def _pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Ite
         start = 0
         for line_start, line_stop in _header_like_lines(block):
             if line_start > start:
-                yield from _row_pieces(offset + start, block[start:line_start], line_no, tracker, max_line)
+                yield from walk.rows(offset + start, block[start:line_start], line_no)
                 line_no += block.count(b"\n", start, line_start)
             line = block[line_start:line_stop]
             line_no += 1
@@ -150,7 +187,7 @@ def _pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Ite
                 yield offset + line_start, line, key, 1, None, None, False
             start = line_stop
         if start < len(block):
-            yield from _row_pieces(offset + start, block[start:], line_no, tracker, max_line)
+            yield from walk.rows(offset + start, block[start:], line_no)
             line_no += block.count(b"\n", start)
     tracker.end()
 
