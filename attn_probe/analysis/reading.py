@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.events import has_event_files, is_event_file, scan_event_file
-from ..formats.runs import RunTracker, Unreadable, describe_events, looks_like_header, run_label
+from ..formats.lines import Unreadable
+from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label
 from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from ..tags import parse_tag
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas

@@ -17,17 +17,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .runs import HEADER_SIGNS, MAX_HEADER, Event, RunKey, RunTracker, Unreadable, looks_like_header
-from .trajectory import (
+from .lines import (
     HEADER_KEY,
     MAX_LINE,
     SCAN_CHUNK,
-    _is_int64,
-    _line_step,
-    _loads,
+    Unreadable,
+    is_int64,
     line_blocks,
+    line_step,
+    loads,
     parse_header,
 )
+from .runs import HEADER_SIGNS, MAX_HEADER, Event, RunKey, RunTracker, looks_like_header
 
 __all__ = ["Cut", "cut_run", "cut_trajectory"]
 
@@ -49,13 +50,13 @@ def _value_of(line: bytes) -> tuple[int | None, tuple | None]:
     m = _ROW.match(line.rstrip(b"\n"))
     if m is not None:
         return int(m.group(1)), m.groups()[1:]
-    step = _line_step(line)
-    rec = _loads(line) if step is not None else None
+    step = line_step(line)
+    rec = loads(line) if step is not None else None
     if not isinstance(rec, dict):
         return step, None
     group, layer, head, metric = rec.get("group"), rec.get("layer"), rec.get("head"), rec.get("metric")
-    if not (isinstance(group, str) and isinstance(metric, str) and _is_int64(layer)
-            and (head is None or _is_int64(head))):
+    if not (isinstance(group, str) and isinstance(metric, str) and is_int64(layer)
+            and (head is None or is_int64(head))):
         return step, None
     return step, (group.encode(), str(layer).encode(), b"null" if head is None else str(head).encode(),
                   metric.encode())
@@ -65,7 +66,7 @@ def _damage(line: bytes) -> str:
     """Why a header-like line is not a readable header."""
     if len(line) > MAX_HEADER:
         return f"{len(line)} bytes, over the {MAX_HEADER}-byte limit of a header"
-    rec = _loads(line)
+    rec = loads(line)
     if not isinstance(rec, dict):
         return "not valid JSON"
     if HEADER_KEY not in rec:
@@ -139,6 +140,18 @@ class _Walk:
                     self.unseen_from = offset
                 yield offset, piece, tracker.key, lines, min(ints), max(ints), False
                 return
+            elif not tracker.headed and len(ints) > 1:
+                # rows that could start a run come first (a run's first snapshot): read those one by
+                # one, the rest (all above the run's first step, which only goes down) at once
+                first = tracker.splitter.first if tracker.key is not None else min(ints)
+                low = max(i for i, v in enumerate(ints) if v <= first) + 1
+                if low < len(ints):
+                    split = 0
+                    for _ in range(low):
+                        split = piece.index(b"\n", split) + 1
+                    yield from self.rows(offset, piece[:split], line_no)
+                    yield from self.rows(offset + split, piece[split:], line_no + low)
+                    return
         if not tracker.headed:
             self.fill(offset)
         at, n = 0, line_no
@@ -178,7 +191,7 @@ def _pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Ite
                 line_no += block.count(b"\n", start, line_start)
             line = block[line_start:line_stop]
             line_no += 1
-            header = parse_header(_loads(line)) if len(line) <= MAX_HEADER else None
+            header = parse_header(loads(line)) if len(line) <= MAX_HEADER else None
             if header is not None:
                 key = tracker.header(header.run_id, header.step, header.resumed, line_no)
                 yield offset + line_start, line, key, 1, header.step, header.step, True
@@ -216,7 +229,7 @@ def _scan(fh: Any, resume_step: int, target: RunKey | None, chunk_size: int,
             at = 0
             while at < len(data):
                 nl = data.index(b"\n", at) + 1
-                step = _line_step(data[at:nl])
+                step = line_step(data[at:nl])
                 keep = step is not None and step < resume_step
                 yield offset + at, data[at:nl] if keep else b"", keep, 1
                 at = nl

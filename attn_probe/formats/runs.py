@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lines import Unreadable  # noqa: F401  (part of what the rules are about; re-exported)
+
 __all__ = ["HEADER_SIGNS", "MAX_HEADER", "Event", "RunSplitter", "RunTracker", "Unreadable", "describe_events",
            "looks_like_header", "run_label"]
 
@@ -48,16 +50,6 @@ def looks_like_header(line: bytes | str) -> bool:
     if isinstance(line, str):
         return any(sign.decode() in line for sign in HEADER_SIGNS)
     return any(sign in line for sign in HEADER_SIGNS)
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A part of the file no reader holds: a line of ``size`` bytes over the readable length, or
-    a torn last line (``torn``); ``head`` is its first bytes (to tell a header from a row)."""
-
-    size: int
-    torn: bool = False
-    head: bytes = b""
 
 
 class RunSplitter:

@@ -41,14 +41,26 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .runs import MAX_HEADER, Unreadable
+from .cutting import Cut, cut_run, cut_trajectory  # noqa: F401  (re-exported)
+from .lines import (  # noqa: F401  (re-exported: the format's names stay importable from here)
+    HEADER_KEY,
+    MAX_ID,
+    MAX_LINE,
+    SCAN_CHUNK,
+    RunHeader,
+    Unreadable,
+    is_int64,
+    line_blocks,
+    line_step,
+    loads,
+    parse_header,
+)
+from .runs import MAX_HEADER
 
 __all__ = [
     "FIELDS",
@@ -74,12 +86,8 @@ __all__ = [
 
 TRAJECTORY_FILENAME = "attn_probe.jsonl"
 FIELDS = ("step", "wall_time", "group", "layer", "head", "metric", "value")
-#: the key of a header record's run object
-HEADER_KEY = "run_header"
 #: the format version a header records
 VERSION = 1
-#: the longest run id a reader accepts (ours are 32 hex digits)
-MAX_ID = 128
 #: a header line holds this literal (headers are found in a chunk by a fast substring search)
 _HEADER_MARK = b'"' + HEADER_KEY.encode() + b'": '
 
@@ -97,17 +105,6 @@ def decode_value(value: Any) -> float:
 def new_run_id() -> str:
     """A fresh random run id (32 hex digits): never derived from a time or a directory name."""
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class RunHeader:
-    """What a header record says about the run whose rows follow it."""
-
-    run_id: str
-    step: int
-    resumed: bool = False
-    parent_run: str | None = None
-    parent_step: int | None = None
 
 
 def encode_rows(snapshots: Sequence[Any]) -> bytes:
@@ -134,126 +131,15 @@ def encode_header(run_id: str, step: int, *, wall_time: float, resumed: bool = F
     return (json.dumps(rec, allow_nan=False, default=str) + "\n").encode("utf-8")
 
 
-def _is_int64(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
-
-
-def _is_id(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= MAX_ID and v.isprintable()
-
-
-def parse_header(rec: Any) -> RunHeader | None:
-    """The :class:`RunHeader` of a decoded line, or ``None`` when it is not a valid header record."""
-    if not isinstance(rec, dict):
-        return None
-    run = rec.get(HEADER_KEY)
-    step = rec.get("step")
-    if not isinstance(run, dict) or not _is_int64(step) or not _is_id(run.get("run_id")):
-        return None
-    parent, parent_step = run.get("parent_run"), run.get("parent_step")
-    return RunHeader(run["run_id"], step, run.get("resumed") is True,
-                     parent if _is_id(parent) else None, parent_step if _is_int64(parent_step) else None)
-
-
-def _loads(line: bytes) -> Any:
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError, OverflowError, TypeError, MemoryError):
-        return None
-
-
 # --------------------------------------------------------------------------------------------
 # Scanning and cutting, in constant memory
 # --------------------------------------------------------------------------------------------
-
-#: bytes read at once while scanning the trajectory file (default of ``chunk_size=``)
-SCAN_CHUNK = 4 << 20
-#: a line longer than this is unreadable (dropped, skipped through without holding it); default
-#: of ``max_line=``
-MAX_LINE = 16 << 20
-#: the first bytes of an overlong line kept to tell a header from a row
-_HEAD = 4096
-#: the step of a line as the trajectory sink writes it (``{"step": 12, "wall_time": ...``)
-_STEP_AT_START = re.compile(rb'\{"step": (-?\d{1,19})[,}]')
-
-
-def _line_step(line: bytes) -> int | None:
-    """The step of one complete row, or ``None`` when it has none (torn, corrupt, no ``step``)."""
-    m = _STEP_AT_START.match(line)
-    if m is not None and line.endswith(b"}\n"):
-        return int(m.group(1))
-    rec = _loads(line)
-    step = rec.get("step") if isinstance(rec, dict) else None
-    return step if _is_int64(step) else None
-
 
 def _header_in(line: bytes) -> RunHeader | None:
     """The header of one complete line when it is a header record (cheap reject first)."""
     if _HEADER_MARK not in line or len(line) > MAX_HEADER:
         return None
-    return parse_header(_loads(line))
-
-
-def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE, *,
-                keep_torn: bool = False) -> Iterator[tuple[int, bytes | Unreadable]]:
-    """``(offset, block)`` of complete lines of a binary file, in order, reading ``chunk_size``
-    bytes at once; ``(offset, Unreadable)`` for an unreadable part: a line over ``max_line`` bytes
-    (skipped through without holding it; its size and first bytes are kept) or a torn last line.
-    With ``keep_torn`` a torn last line that is not blank is yielded as it is (the readers count
-    it as a corrupt line)."""
-    offset = 0  # file offset of the first byte not yielded yet
-    parts: list[bytes] = []  # the start of a line read so far (joined once its end is read: linear time)
-    pending = 0  # bytes in ``parts``
-    long_at: int | None = None  # the offset of the overlong line being skipped through
-    long_head = b""
-    while True:
-        chunk = fh.read(chunk_size)
-        if not chunk:
-            break
-        if long_at is not None:
-            nl = chunk.find(b"\n")
-            if nl < 0:
-                offset += len(chunk)
-                continue
-            offset += nl + 1
-            yield long_at, Unreadable(offset - long_at, False, long_head)
-            chunk, long_at = chunk[nl + 1:], None
-            if not chunk:
-                continue
-        end = chunk.rfind(b"\n") + 1
-        if end == 0:
-            if pending + len(chunk) > max_line:  # inside a line over max_line: skip through it
-                long_at, long_head = offset, _head(parts + [chunk])
-                offset += pending + len(chunk)
-                parts, pending = [], 0
-            else:
-                parts.append(chunk)
-                pending += len(chunk)
-            continue
-        block = b"".join([*parts, chunk[:end]]) if parts else chunk[:end]
-        yield offset, block
-        offset += len(block)
-        rest = chunk[end:]
-        parts, pending = ([rest], len(rest)) if rest else ([], 0)
-    if long_at is not None:
-        yield long_at, Unreadable(offset - long_at, True, long_head)
-    elif parts:  # a torn last line
-        buf = b"".join(parts)
-        if not keep_torn:
-            yield offset, Unreadable(len(buf), True, buf[:_HEAD])
-        elif buf.strip():
-            yield offset, buf
-
-
-def _head(parts: list[bytes]) -> bytes:
-    """The first :data:`_HEAD` bytes of the concatenation of ``parts``."""
-    out, size = [], 0
-    for part in parts:
-        out.append(part[:_HEAD - size])
-        size += len(out[-1])
-        if size >= _HEAD:
-            break
-    return b"".join(out)
+    return parse_header(loads(line))
 
 
 def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None]]:
@@ -295,5 +181,3 @@ def file_runs(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
                 out.extend(h for _, _, h in _split_at_headers(block) if h is not None)
     return out
 
-
-from .cutting import Cut, cut_run, cut_trajectory  # noqa: E402  (the cut reads with the helpers above)
