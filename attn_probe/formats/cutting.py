@@ -127,7 +127,8 @@ class _Walk:
         """The pieces of a run of non-header lines: whole when its rows plainly continue the run."""
         tracker = self.tracker
         lines = piece.count(b"\n")
-        steps = _STEP_AFTER_NEWLINE.findall(b"\n" + piece)
+        # taken at once only when no line can be over max_line (else line by line, which drops it)
+        steps = _STEP_AFTER_NEWLINE.findall(b"\n" + piece) if len(piece) <= self.max_line else ()
         if len(steps) == lines == piece.count(b"}\n"):
             ints = list(map(int, steps))
             if tracker.headed:
