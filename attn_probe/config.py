@@ -51,6 +51,62 @@ def _str_tuple(name: str, value: Iterable[str] | str | None) -> tuple[str, ...] 
     return out
 
 
+#: the most bytes ``extra_config`` may take in the run header (as JSON); a header line stays
+#: well under the readers' limit (:data:`attn_probe.formats.runs.MAX_HEADER`)
+MAX_EXTRA_CONFIG = 256 << 10
+#: how deep ``extra_config`` may nest
+_MAX_DEPTH = 32
+
+
+def _check_extra_config(extra: Mapping[str, Any]) -> None:
+    """Refuse, with one line naming the key, what the run header cannot hold exactly as JSON: NaN
+    and infinities, objects that are not JSON (str/int/float/bool/None, lists, dicts with string
+    keys), nesting deeper than 32, more than :data:`MAX_EXTRA_CONFIG` bytes in all."""
+    import json
+
+    def where(path: tuple) -> str:
+        return "extra_config" + "".join(f"[{p!r}]" for p in path)
+
+    def check(value: Any, path: tuple) -> None:
+        if len(path) > _MAX_DEPTH:
+            raise ValueError(f"{where(path[:_MAX_DEPTH])} nests deeper than {_MAX_DEPTH} levels: the run header "
+                             "cannot hold it")
+        if value is None or isinstance(value, (bool, int, str)):
+            return
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError(f"{where(path)} is {value!r}: the run header is JSON, which has no NaN or "
+                                 "infinity; pass a finite number, None or a string")
+            return
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{where(path)} has the key {k!r} ({type(k).__name__}): the run header is "
+                                    "JSON, whose keys are strings")
+                check(v, (*path, k))
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check(v, (*path, i))
+            return
+        raise TypeError(f"{where(path)} is a {type(value).__name__} ({_short(value)}): the run header is JSON; "
+                        "pass str, int, float, bool, None, or lists and dicts of them (str(value) for other objects)")
+
+    check(extra, ())
+    size = len(json.dumps(extra, allow_nan=False))
+    if size > MAX_EXTRA_CONFIG:
+        raise ValueError(f"extra_config takes {size} bytes as JSON, over the {MAX_EXTRA_CONFIG} the run header "
+                         "holds; store large data beside the run and name its path in extra_config")
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails must not hide the message
+        text = object.__repr__(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     """What the probe measures and when. All fields are keyword options of ``watch`` and the callback.
@@ -83,7 +139,8 @@ class ProbeConfig:
 
     * ``log_dir``, ``writer`` (a ``SummaryWriter`` to write into), ``sinks`` (more sinks),
       ``purge_stale``; ``is_main_process`` (default: global rank 0); ``extra_config`` (added
-      to the run header); ``restart``: the run starts over at ``start_step`` even when it is
+      to the run header: JSON values only, finite numbers, at most 256 KiB; anything else is
+      refused here with one line naming the key); ``restart``: the run starts over at ``start_step`` even when it is
       0 (a Trainer re-entering its loop): trajectory rows from there on are dropped;
     * ``background``, ``sink_queue``, ``sink_timeout``: the sinks' lanes
       (:class:`~attn_probe.sinks.dispatch.SinkDispatcher`);
@@ -190,8 +247,10 @@ class ProbeConfig:
             set_(self, "sinks", tuple(self.sinks))
         if self.is_main_process is not None:
             set_(self, "is_main_process", bool(self.is_main_process))
-        if self.extra_config is not None and not isinstance(self.extra_config, Mapping):
-            raise TypeError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
+        if self.extra_config is not None:
+            if not isinstance(self.extra_config, Mapping):
+                raise TypeError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
+            _check_extra_config(self.extra_config)
 
     @property
     def schedule(self) -> Schedule | None:

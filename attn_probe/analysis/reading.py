@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.events import has_event_files, is_event_file, scan_event_file
+from ..formats.lines import Unreadable
+from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label
 from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from ..tags import parse_tag
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas
@@ -98,39 +100,6 @@ def lines_of(fh: Any) -> Iterator[str | None]:
             yield None
             continue
         yield raw.decode("utf-8", errors="replace")
-
-
-class _RunSplitter:
-    """Tells apart the unidentified runs of rows written before run headers existed, row by row.
-
-    A probe's steps only increase, and a resumed run first cuts the file before its resume step
-    (:func:`attn_probe.formats.trajectory.cut_run`), so a value (``group, layer, head,
-    metric``) is written again at a step at or before its last one only where a fresh run was
-    started in a ``log_dir`` that already held one (its sink warns and appends), and such a run
-    counts from step 0. A value written again at a step ``s`` starts a new run when ``s`` is at or
-    before the first step of the current run, and otherwise continues it: a resume appended
-    without the cut, whose rows from ``s`` on replace the earlier ones (the value written last
-    counts, :func:`normalize`). Values are compared one by one, so rows in any order within a
-    run (a file written by hand metric by metric) stay one run. Files with run headers need no
-    guess: every row belongs to the run of the header before it.
-    """
-
-    def __init__(self) -> None:
-        self._first = 0  # the current run's first step
-        self._last: dict[tuple, int] = {}  # (group, layer, head, metric) -> its last step in the current run
-
-    def starts_run(self, row: tuple, fresh: bool) -> bool:
-        """Whether ``row`` starts a new run (``fresh``: no unidentified run is open yet)."""
-        group, step, layer, head, metric, _ = row
-        key = (group, layer, head, metric)
-        last = self._last.get(key)
-        new = fresh or (last is not None and step <= last and step <= self._first)
-        if new:
-            self._last.clear()
-            self._first = step
-        self._first = min(self._first, step)
-        self._last[key] = step
-        return new
 
 
 class FileRuns:
@@ -222,12 +191,12 @@ _CANONICAL_LINES = re.compile(r"^" + _ROW + r"$", re.MULTILINE)
 _READ_BLOCK = 4 << 20
 
 
-def _text_blocks(fh: Any) -> Iterator[str | None]:
-    """Blocks of complete lines of a binary file as text (bad UTF-8 replaced); ``None`` for a
-    line over :data:`_MAX_LINE` without a newline in reach (skipped through); a torn last line
-    is read (and refused) as a line."""
+def _text_blocks(fh: Any) -> Iterator[str | Unreadable]:
+    """Blocks of complete lines of a binary file as text (bad UTF-8 replaced); an
+    :class:`~attn_probe.formats.runs.Unreadable` for a line over :data:`_MAX_LINE` without a
+    newline in reach (skipped through); a torn last line is read (and refused) as a line."""
     for _offset, block in line_blocks(fh, _READ_BLOCK, _MAX_LINE, keep_torn=True):
-        yield None if block is None else block.decode("utf-8", errors="replace")
+        yield block if isinstance(block, Unreadable) else block.decode("utf-8", errors="replace")
 
 
 def _canonical_block(block: str, out: FileRuns) -> tuple[Any, ...] | None:
@@ -254,35 +223,52 @@ def _canonical_block(block: str, out: FileRuns) -> tuple[Any, ...] | None:
     return (codes(group), step.astype(np.int64), layer.astype(np.int64), heads, missing, codes(metric), values)
 
 
-def _read_trajectory_file(path: Path) -> FileRuns:
-    """The valid rows of a trajectory file, tagged by run.
+class _FileReader:
+    """Reads one trajectory file into a :class:`FileRuns`, each row given to its run by a
+    :class:`~attn_probe.formats.runs.RunTracker` (the rules the resume cut follows too).
 
-    A header record (:mod:`attn_probe.formats.trajectory`) starts the rows of its run (the run
-    it names when that id came before: a resumption; a resumed header of a new id continues
-    the unidentified run before it: a resume from a checkpoint written before run ids).
-    Rows before any header are split into runs by :class:`_RunSplitter`. Blocks of rows as the
-    sink writes them are parsed at once (a regular expression and numpy); other lines are parsed
-    and validated one by one.
+    A valid header record starts its run's rows; a header that cannot be read, or a row whose
+    step goes back after a header, starts a run without an id; a header reusing an earlier run's
+    id starts ``<id>#2``; rows before any header are split by their steps starting again
+    (:class:`~attn_probe.formats.runs.RunSplitter`). Blocks of rows as the sink writes them are
+    parsed at once (a regular expression and numpy); other lines one by one.
     """
-    import numpy as np
 
-    out = FileRuns()
-    splitter = _RunSplitter()
-    by_id: dict[str, int] = {}
-    current: int | None = None  # the run the next row belongs to
-    identified = False  # inside a header's rows
-    bad = 0
-    nan = float("nan")
-    isfinite = math.isfinite
-    match = _CANONICAL.fullmatch
+    def __init__(self) -> None:
+        self.out = FileRuns()
+        self.tracker = RunTracker()
+        self.index: dict[tuple, int] = {}  # run key -> run index in ``out``
+        self.line = 0  # lines read before the current block
+        self.bad = 0
 
-    def runs_of(group: Any, step: Any, layer: Any, head: Any, missing: Any, metric: Any) -> Any:
-        """The run index of each row of a block (before any header: the steps starting again start a run)."""
-        nonlocal current
-        if identified:
-            return np.full(len(step), current, dtype=np.int64)
-        first, last = splitter._first, splitter._last
-        ids, parents, parent_steps = out.ids, out.parents, out.parent_steps
+    def run_of(self, key: tuple | None, parent: str | None = None, parent_step: int | None = None) -> int:
+        if key is None:  # a row before any header or row: cannot happen (the tracker opens a run)
+            key = self.tracker.new_legacy()
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = self.out.new_run(run_label(key), parent, parent_step)
+        return i
+
+    def header(self, rec: dict, text: str) -> None:
+        """A header-like line at :attr:`line` (``rec``: its JSON, or ``None``)."""
+        header = parse_header(rec) if len(text) <= _MAX_LINE else None
+        tracker = self.tracker
+        if header is None:
+            why = ("not valid JSON" if rec is None else f"no {HEADER_KEY} object" if HEADER_KEY not in rec
+                   else f"its {HEADER_KEY} has no valid run_id or step")
+            tracker.unreadable_header(self.line, why)
+            return
+        key = tracker.header(header.run_id, header.step, header.resumed, self.line)
+        i = self.run_of(key, header.parent_run, header.parent_step)
+        if key[0] == "legacy" and self.out.ids[i] is None:  # resumed from a checkpoint written before run ids
+            self.out.ids[i] = header.run_id
+
+    def legacy_runs(self, group: Any, step: Any, layer: Any, head: Any, missing: Any, metric: Any) -> Any:
+        """The run index of each row of a block before any header (the steps starting again start a run)."""
+        import numpy as np
+
+        tracker = self.tracker
+        split = tracker.splitter
         # each row's value (group, layer, head, metric) as one small int, found by numpy
         pd = require_pandas()
         combined = np.zeros(len(step), dtype=np.int64)
@@ -295,87 +281,126 @@ def _read_trajectory_file(path: Path) -> FileRuns:
         keys = [(g, la, None if hm else h, m) for g, la, h, hm, m in zip(
             group[at].tolist(), layer[at].tolist(), head[at].tolist(), missing[at].tolist(), metric[at].tolist(),
             strict=True)]
+        if tracker.key is not None and split.continues(keys, int(step.min())):  # no row starts a run
+            return np.full(len(step), self.run_of(tracker.key), dtype=np.int64)
+        first, seen = split.first, split.seen
+        current = None if tracker.key is None else self.run_of(tracker.key)
         runs = []
         for k, s in zip(inverse.tolist(), step.tolist(), strict=True):
             key = keys[k]
-            prev = last.get(key)
-            if current is None or (prev is not None and s <= prev and s <= first):
-                ids.append(None)
-                parents.append(None)
-                parent_steps.append(None)
-                current = len(ids) - 1
-                last.clear()
+            if current is None or (s <= first and key in seen):
+                current = self.run_of(tracker.new_legacy())
+                seen.clear()
                 first = s
             elif s < first:
                 first = s
-            last[key] = s
+            seen.add(key)
             runs.append(current)
-        splitter._first = first
+        split.first = first
         return np.array(runs, dtype=np.int64)
 
+    def headed_runs(self, step: Any) -> Any:
+        """The run index of each row of a block after a header (a step going back starts a run)."""
+        import numpy as np
+
+        tracker = self.tracker
+        points = (np.flatnonzero(step[1:] < step[:-1]) + 1).tolist()
+        if tracker.last is not None and int(step[0]) < tracker.last:
+            points.insert(0, 0)
+        runs = np.empty(len(step), dtype=np.int64)
+        start, current = 0, self.run_of(tracker.key)
+        for b in points:
+            runs[start:b] = current
+            if b > 0:
+                tracker.last = int(step[b - 1])
+            current = self.run_of(tracker.row_step(int(step[b]), self.line + b + 1))
+            start = b
+        runs[start:] = current
+        tracker.last = int(step[-1])
+        return runs
+
+    def block(self, block: str) -> None:
+        """One block of complete lines."""
+        tracker, out = self.tracker, self.out
+        fast = _canonical_block(block, out)
+        if fast is not None:
+            runs = self.headed_runs(fast[1]) if tracker.headed else self.legacy_runs(*fast[:6])
+            out.add_block(runs, *fast)
+            self.line += len(fast[1])
+            return
+        lines = block.split("\n")
+        if lines[-1] == "":
+            lines.pop()
+        match = _CANONICAL.fullmatch
+        nan = float("nan")
+        for line in lines:
+            self.line += 1
+            if len(line) > _MAX_LINE:
+                if looks_like_header(line[:4096]):
+                    tracker.unreadable_header(self.line, f"{len(line)} characters, over the {_MAX_LINE}-byte limit",
+                                              long=True)
+                else:
+                    self.bad += 1
+                continue
+            m = match(line)
+            parsed = None
+            if m is not None:
+                step, group, layer, head, metric, value = m.groups()
+                v = nan if value == "null" else float(value)
+                if v != v or math.isfinite(v):  # a finite value or null (NaN)
+                    parsed = (group, int(step), int(layer), None if head == "null" else int(head), metric, v)
+            if parsed is None:
+                if not line.strip():
+                    continue
+                rec = loads_line(line)
+                if looks_like_header(line) or (isinstance(rec, dict) and HEADER_KEY in rec):
+                    self.header(rec if isinstance(rec, dict) else None, line)
+                    continue
+                parsed = parse_record(rec)
+                if parsed is None:
+                    self.bad += 1
+                    continue
+            group, step, layer, head, metric, _ = parsed
+            if tracker.headed:
+                key = tracker.row_step(step, self.line)
+            else:
+                key = tracker.legacy_row((out.code(group), layer, head, out.code(metric)), step)
+            out.add(self.run_of(key), parsed)
+
+    def unreadable(self, part: Unreadable) -> None:
+        """A line too long to read, or a torn last line too long to hold."""
+        self.line += 1
+        if not part.torn and looks_like_header(part.head):
+            self.tracker.unreadable_header(self.line, f"{part.size} bytes, over the {_MAX_LINE}-byte limit",
+                                           long=True)
+        else:
+            self.bad += 1
+
+
+def _read_trajectory_file(path: Path) -> FileRuns:
+    """The valid rows of a trajectory file, tagged by run (:class:`_FileReader`); one warning for
+    the lines skipped, one naming the lines that started a run without its header."""
+    reader = _FileReader()
     with open(path, "rb") as fh:
         for block in _text_blocks(fh):
-            if block is None:
-                bad += 1
-                continue
-            fast = _canonical_block(block, out)
-            if fast is not None:
-                out.add_block(runs_of(*fast[:6]), *fast)
-                continue
-            lines = block.split("\n")
-            if lines[-1] == "":
-                lines.pop()
-            for line in lines:
-                if len(line) > _MAX_LINE:
-                    bad += 1
-                    continue
-                m = match(line)
-                parsed = None
-                if m is not None:
-                    step, group, layer, head, metric, value = m.groups()
-                    v = nan if value == "null" else float(value)
-                    if v != v or isfinite(v):  # a finite value or null (NaN)
-                        parsed = (group, int(step), int(layer), None if head == "null" else int(head), metric, v)
-                if parsed is None:
-                    if not line.strip():
-                        continue
-                    rec = loads_line(line)
-                    if isinstance(rec, dict) and HEADER_KEY in rec:
-                        header = parse_header(rec)
-                        if header is None:
-                            bad += 1
-                            continue
-                        if header.run_id in by_id:
-                            current = by_id[header.run_id]
-                        elif header.resumed and current is not None and out.ids[current] is None:
-                            out.ids[current] = header.run_id
-                        else:
-                            current = out.new_run(header.run_id, header.parent_run, header.parent_step)
-                        by_id[header.run_id] = current
-                        identified = True
-                        continue
-                    parsed = parse_record(rec)
-                    if parsed is None:
-                        bad += 1
-                        continue
-                group, step, layer, head, metric, _ = parsed
-                if not identified:
-                    key = (out.code(group), layer, head, out.code(metric))
-                    prev = splitter._last.get(key)
-                    if current is None or (prev is not None and step <= prev and step <= splitter._first):
-                        current = out.new_run()
-                        splitter._last.clear()
-                        splitter._first = step
-                    splitter._first = min(splitter._first, step)
-                    splitter._last[key] = step
-                out.add(current, parsed)
+            if isinstance(block, Unreadable):
+                reader.unreadable(block)
+            else:
+                reader.block(block)
+    reader.tracker.end()
+    bad, tracker = reader.bad, reader.tracker
     if bad:
         warnings.warn(
             f"{path}: skipped {bad} corrupt or truncated line{'s' if bad != 1 else ''}",
             TrajectoryWarning,
             stacklevel=4,
         )
-    return out
+    if tracker.events:
+        warnings.warn(
+            f"{path}: {describe_events(tracker.events, tracker.counts)}. Each starts a run of its own: its rows "
+            "are never given to the run before it (a run without a readable header has no run_id; a reused id "
+            "is shown as ID#2)", TrajectoryWarning, stacklevel=4)
+    return reader.out
 
 
 def _check_event_files(run_dir: Path) -> None:

@@ -1,9 +1,11 @@
 """The lossless trajectory file written beside the event files: ``attn_probe.jsonl``.
 
-The one home of the format: record encoding, the run header, reading records back, scanning
-for run headers and the resume cut. The sink (:mod:`attn_probe.sinks.trajectory`), the resume
-(:func:`cut_run`) and the readers (:mod:`attn_probe.analysis.reading`) all use it. Only the
-standard library is imported here (and :mod:`attn_probe.logdir` for its errors).
+The one home of the format: record encoding, the run header, reading records back and scanning
+for run headers; which run each line belongs to is :mod:`attn_probe.formats.runs`, the resume
+cut (:func:`cut_run`, re-exported here) :mod:`attn_probe.formats.cutting`. The sink
+(:mod:`attn_probe.sinks.trajectory`), the resume and the readers
+(:mod:`attn_probe.analysis.reading`) all use it. Only the standard library is imported here
+(and :mod:`attn_probe.logdir` for its errors).
 
 One JSON object per line and per value::
 
@@ -29,7 +31,9 @@ written by a resumed run (its id may be new when the run it continues had none: 
 written before run ids existed). A run branched from another run's checkpoint names that run's
 id and step in ``parent_run``/``parent_step`` (``parent_dir``: its directory). ``config`` and
 ``model`` are the summary the TensorBoard run header holds. Rows before the first header
-(files written before run headers existed) belong to no identified run.
+(files written before run headers existed) belong to no identified run. A header that cannot
+be read, a missing one, and an id used by two runs are read by the rules of
+:mod:`attn_probe.formats.runs`: a run's rows are never given to another run.
 """
 
 from __future__ import annotations
@@ -37,21 +41,37 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+
+from .cutting import Cut, cut_run, cut_trajectory  # noqa: F401  (re-exported)
+from .lines import (  # noqa: F401  (re-exported: the format's names stay importable from here)
+    HEADER_KEY,
+    MAX_ID,
+    MAX_LINE,
+    SCAN_CHUNK,
+    RunHeader,
+    Unreadable,
+    is_int64,
+    line_blocks,
+    line_step,
+    loads,
+    parse_header,
+)
+from .runs import MAX_HEADER
 
 __all__ = [
     "FIELDS",
     "HEADER_KEY",
+    "MAX_HEADER",
     "MAX_LINE",
     "SCAN_CHUNK",
     "TRAJECTORY_FILENAME",
     "Cut",
     "RunHeader",
+    "Unreadable",
     "cut_run",
     "cut_trajectory",
     "decode_value",
@@ -66,12 +86,8 @@ __all__ = [
 
 TRAJECTORY_FILENAME = "attn_probe.jsonl"
 FIELDS = ("step", "wall_time", "group", "layer", "head", "metric", "value")
-#: the key of a header record's run object
-HEADER_KEY = "run_header"
 #: the format version a header records
 VERSION = 1
-#: the longest run id a reader accepts (ours are 32 hex digits)
-MAX_ID = 128
 #: a header line holds this literal (headers are found in a chunk by a fast substring search)
 _HEADER_MARK = b'"' + HEADER_KEY.encode() + b'": '
 
@@ -89,17 +105,6 @@ def decode_value(value: Any) -> float:
 def new_run_id() -> str:
     """A fresh random run id (32 hex digits): never derived from a time or a directory name."""
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class RunHeader:
-    """What a header record says about the run whose rows follow it."""
-
-    run_id: str
-    step: int
-    resumed: bool = False
-    parent_run: str | None = None
-    parent_step: int | None = None
 
 
 def encode_rows(snapshots: Sequence[Any]) -> bytes:
@@ -126,102 +131,15 @@ def encode_header(run_id: str, step: int, *, wall_time: float, resumed: bool = F
     return (json.dumps(rec, allow_nan=False, default=str) + "\n").encode("utf-8")
 
 
-def _is_int64(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
-
-
-def _is_id(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= MAX_ID and v.isprintable()
-
-
-def parse_header(rec: Any) -> RunHeader | None:
-    """The :class:`RunHeader` of a decoded line, or ``None`` when it is not a valid header record."""
-    if not isinstance(rec, dict):
-        return None
-    run = rec.get(HEADER_KEY)
-    step = rec.get("step")
-    if not isinstance(run, dict) or not _is_int64(step) or not _is_id(run.get("run_id")):
-        return None
-    parent, parent_step = run.get("parent_run"), run.get("parent_step")
-    return RunHeader(run["run_id"], step, run.get("resumed") is True,
-                     parent if _is_id(parent) else None, parent_step if _is_int64(parent_step) else None)
-
-
-def _loads(line: bytes) -> Any:
-    try:
-        return json.loads(line)
-    except (ValueError, RecursionError, OverflowError, TypeError, MemoryError):
-        return None
-
-
 # --------------------------------------------------------------------------------------------
 # Scanning and cutting, in constant memory
 # --------------------------------------------------------------------------------------------
 
-#: bytes read at once while scanning the trajectory file (default of ``chunk_size=``)
-SCAN_CHUNK = 4 << 20
-#: a line longer than this is unreadable (dropped, skipped through without holding it); default
-#: of ``max_line=``
-MAX_LINE = 16 << 20
-#: the step of a line as the trajectory sink writes it (``{"step": 12, "wall_time": ...``)
-_STEP_AT_START = re.compile(rb'\{"step": (-?\d{1,19})[,}]')
-#: the same after a newline: found in a whole chunk with a fast literal search
-_STEP_AFTER_NEWLINE = re.compile(rb'\n\{"step": (-?\d{1,19})[,}]')
-
-
-def _line_step(line: bytes) -> int | None:
-    """The step of one complete row, or ``None`` when it has none (torn, corrupt, no ``step``)."""
-    m = _STEP_AT_START.match(line)
-    if m is not None and line.endswith(b"}\n"):
-        return int(m.group(1))
-    rec = _loads(line)
-    step = rec.get("step") if isinstance(rec, dict) else None
-    return step if _is_int64(step) else None
-
-
 def _header_in(line: bytes) -> RunHeader | None:
     """The header of one complete line when it is a header record (cheap reject first)."""
-    if _HEADER_MARK not in line:
+    if _HEADER_MARK not in line or len(line) > MAX_HEADER:
         return None
-    return parse_header(_loads(line))
-
-
-def line_blocks(fh: Any, chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE, *,
-                keep_torn: bool = False) -> Iterator[tuple[int, bytes | None]]:
-    """``(offset, block)`` of complete lines of a binary file, in order, reading ``chunk_size``
-    bytes at once; ``(offset, None)`` for an unreadable part: a line over ``max_line`` bytes
-    (skipped through without holding it) or a torn last line. With ``keep_torn`` a torn last
-    line that is not blank is yielded as it is (the readers count it as a corrupt line)."""
-    offset = 0  # file offset of ``buf[0]``
-    buf = b""
-    skipping = False  # inside an overlong line, already reported
-    while True:
-        chunk = fh.read(chunk_size)
-        if not chunk:
-            break
-        if skipping:
-            nl = chunk.find(b"\n")
-            if nl < 0:
-                offset += len(chunk)
-                continue
-            offset += nl + 1
-            chunk, skipping = chunk[nl + 1:], False
-        buf += chunk
-        end = buf.rfind(b"\n") + 1
-        if end == 0:
-            if len(buf) > max_line:
-                yield offset, None
-                offset += len(buf)
-                buf, skipping = b"", True
-            continue
-        yield offset, buf[:end]
-        offset += end
-        buf = buf[end:]
-    if buf and not skipping:  # a torn last line
-        if not keep_torn:
-            yield offset, None
-        elif buf.strip():
-            yield offset, buf
+    return parse_header(loads(line))
 
 
 def _split_at_headers(block: bytes) -> Iterator[tuple[int, int, RunHeader | None]]:
@@ -259,175 +177,7 @@ def file_runs(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
         return out
     with fh:
         for _offset, block in line_blocks(fh, chunk_size, max_line):
-            if block is not None and _HEADER_MARK in block:
+            if isinstance(block, bytes) and _HEADER_MARK in block:
                 out.extend(h for _, _, h in _split_at_headers(block) if h is not None)
     return out
 
-
-def _scan(fh: Any, resume_step: int, target: str | None, chunk_size: int,
-          max_line: int) -> Iterator[tuple[int, bytes, bool, int]]:
-    """``(offset, data, keep, lines)`` pieces covering the file in order (``data`` empty when dropped).
-
-    Rows of the run ``target`` (``None``: the rows before the first header) are dropped from
-    ``resume_step`` on, with that run's unreadable lines and its headers at or past it; every
-    line of other runs is kept as it is. A torn last line and lines over ``max_line`` bytes are
-    dropped. Whole chunks of canonical rows are decided at once from their steps' range.
-    """
-    current: str | None = None  # the run of the rows being read
-    for offset, block in line_blocks(fh, chunk_size, max_line):
-        if block is None:
-            yield offset, b"", False, 1
-            continue
-        for start, stop, header in _split_at_headers(block):
-            piece = block[start:stop]
-            if header is not None:
-                current = header.run_id
-                keep = current != target or header.step < resume_step
-                yield offset + start, piece if keep else b"", keep, 1
-                continue
-            lines = piece.count(b"\n")
-            if current != target:
-                yield offset + start, piece, True, lines
-                continue
-            steps = _STEP_AFTER_NEWLINE.findall(b"\n" + piece)
-            if len(steps) == lines == piece.count(b"}\n"):  # all canonical: decide at once if uniform
-                ints = list(map(int, steps))
-                lo, hi = min(ints), max(ints)
-                if hi < resume_step or lo >= resume_step:
-                    keep = hi < resume_step
-                    yield offset + start, piece if keep else b"", keep, lines
-                    continue
-            at = 0
-            while at < len(piece):
-                nl = piece.index(b"\n", at) + 1
-                line = piece[at:nl]
-                step = _line_step(line) if nl - at <= max_line else None
-                keep = step is not None and step < resume_step
-                yield offset + start + at, line if keep else b"", keep, 1
-                at = nl
-
-
-@dataclass(frozen=True)
-class Cut:
-    """What :func:`cut_run` did: lines dropped, the run cut (``None``: rows without a header),
-    whether that run was the one asked for, and how many other runs the file keeps."""
-
-    dropped: int
-    run_id: str | None
-    found: bool
-    other_runs: int
-
-
-def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None, *,
-            otherwise: str = "last", chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE) -> Cut:
-    """Drop one run's lines at ``step >= resume_step`` from a trajectory file, in constant memory.
-
-    The run cut is ``run_id`` when the file holds a header of it; else, by ``otherwise``:
-    ``"last"`` the file's last run (the run of its last header; in a file without headers,
-    every row: a file written before run headers), ``"unidentified"`` the rows before the first
-    header (a run resumed from a checkpoint written before run ids), ``"none"`` no run (a new
-    run: nothing of it is in the file). Every line of every other run is kept byte for byte. Also dropped: that run's
-    lines without a readable step, a torn last line, lines over ``max_line`` bytes (16 MiB). When every kept line
-    comes before the first dropped one the file is cut at that line's byte offset in place
-    (no free space needed); otherwise the kept lines are streamed into a temporary file beside
-    it, which replaces it (and is removed if that fails). A missing file cuts nothing. Every
-    failure is a :class:`~attn_probe.logdir.LogDirError` naming the file and the cause.
-    ``chunk_size`` (bytes read at once) and ``max_line`` bound the memory used, as in
-    :func:`file_runs`.
-    """
-    from ..logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
-
-    path = os.fspath(path)
-    resume_step = int(resume_step)
-
-    def failed(exc: BaseException) -> LogDirError:
-        reason = "out of memory" if isinstance(exc, MemoryError) else os_error_reason(exc) \
-            if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        return log_dir_error(f"attn_probe cannot cut its trajectory file {path!r} back to the resume step "
-                      f"{resume_step}: {reason}. The run's earlier steps are untouched; free the cause "
-                      "or resume with a fresh log_dir=", getattr(exc, "errno", None))
-
-    tmp: str | None = None
-    try:
-        if not os.path.lexists(path):
-            return Cut(0, run_id, False, 0)
-        headers = file_runs(path, chunk_size=chunk_size, max_line=max_line)
-        ids = {h.run_id for h in headers}
-        found = run_id is not None and run_id in ids
-        if otherwise not in ("last", "unidentified", "none"):
-            raise ValueError(f"otherwise must be 'last', 'unidentified' or 'none', got {otherwise!r}")
-        legacy = _has_rows_before_first_header(path)
-        target: str | None
-        if found:
-            target = run_id
-        elif otherwise == "last":
-            target = headers[-1].run_id if headers else None
-        elif otherwise == "unidentified" and legacy:
-            target = None
-        else:  # nothing of this run in the file
-            return Cut(0, None, False, len(ids) + (1 if legacy else 0))
-        others = len(ids - {target}) + (1 if legacy and target is not None else 0)
-        cut: int | None = None
-        dropped = 0
-        rewrite = False
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            for offset, _data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
-                if not keep:
-                    cut = offset if cut is None else cut
-                    dropped += lines
-                elif cut is not None:
-                    rewrite = True
-                    break
-        if cut is None:
-            return Cut(0, target, found, others)
-        if not rewrite:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, cut)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            return Cut(dropped, target, found, others)
-        check_log_dir(os.path.dirname(path) or ".", need_bytes=size)
-        tmp = f"{path}.tmp{os.getpid()}"
-        dropped = 0
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            with open(path, "rb") as fh:
-                for _offset, data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
-                    if keep:
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.write(fd, view):]
-                    else:
-                        dropped += lines
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        tmp = None
-        return Cut(dropped, target, found, others)
-    except LogDirError:
-        raise
-    except (OSError, MemoryError) as exc:
-        raise failed(exc) from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-
-
-def _has_rows_before_first_header(path: str) -> bool:
-    """Whether the file starts with rows written before run headers existed (an unidentified run)."""
-    with open(path, "rb") as fh:
-        first = fh.readline(1 << 16)
-    return bool(first.strip()) and _HEADER_MARK not in first
-
-
-def cut_trajectory(path: str | os.PathLike, resume_step: int, *, chunk_size: int = SCAN_CHUNK,
-                   max_line: int = MAX_LINE) -> int:
-    """:func:`cut_run` of the file's last run; returns the number of lines dropped."""
-    return cut_run(path, resume_step, chunk_size=chunk_size, max_line=max_line).dropped

@@ -39,6 +39,7 @@ import os
 import time
 from typing import Any
 
+from ..formats.runs import describe_events
 from ..formats.trajectory import TRAJECTORY_FILENAME, cut_run, encode_header, encode_rows, new_run_id
 from ..isolation import safe_warn
 from . import RunInfo, Sink, Snapshot
@@ -115,12 +116,19 @@ class TrajectorySink(Sink):
             self.run_id = given or cut.run_id or new_run_id()
             if cut.dropped:
                 which = (f"run {cut.run_id}" if cut.run_id is not None
-                         else "the rows written before run ids were recorded")
+                         else f"the last of the {cut.unidentified} runs written before run ids were recorded"
+                         if cut.unidentified > 1 else "the rows written before run ids were recorded")
                 kept = f"; the {cut.other_runs} other run{'s' if cut.other_runs != 1 else ''} in it kept as they were" \
                     if cut.other_runs else ""
                 safe_warn(f"attn_probe: resuming at step {run.resume_step}: dropped {cut.dropped} line"
                           f"{'s' if cut.dropped != 1 else ''} at steps >= {run.resume_step} of {which} from "
                           f"{self.path}{kept}.", RuntimeWarning, stacklevel=2)
+            if cut.last_unreadable:
+                safe_warn(f"attn_probe: resuming at step {run.resume_step}: the last run in {self.path} has no "
+                          f"readable run header (the file holds {describe_events(list(cut.events))}); which run it "
+                          "was cannot be known, so none of "
+                          f"its rows were cut, and this run goes on as run {self.run_id} (the two load as "
+                          "separate runs).", RuntimeWarning, stacklevel=2)
         else:
             self.run_id = given or new_run_id()
             if os.path.exists(self.path) and os.path.getsize(self.path) > 0:

@@ -73,6 +73,10 @@ def test_cut_matches_a_json_reference(tmp_path, chunk, case):
     resume = {"nothing_to_cut": 1000, "all_dropped": 0}.get(case, 20)
     inode = path.stat().st_ino
     want, want_dropped = reference(data, resume)
+    if case == "reused_log_dir":  # only the last run is resumed: the first one is kept whole (issue 35)
+        first = b"".join(snapshot(s) for s in range(0, 50, 5))
+        want, want_dropped = reference(data[len(first):], resume)
+        want = first + want
     if case == "overlong_line":  # json reads the long line; the cut drops it unread (over max_line)
         want, want_dropped = snapshot(0) + snapshot(5), 1 + snapshot(40).count(b"\n")
     assert cut_trajectory(path, resume, chunk_size=chunk, max_line=max_line) == want_dropped
@@ -169,9 +173,14 @@ def test_a_1gb_trajectory_is_cut_in_constant_memory_and_bounded_time(tmp_path):
 
 
 def test_a_failed_rewrite_leaves_the_file_and_no_temporary_file(tmp_path):
-    """A run appended after another (steps go back to 0) needs a rewrite; the copy fails (EFBIG)."""
+    """The last run (A, resumed once) is cut at 20, and run B between its parts is kept: a rewrite;
+    the copy fails (EFBIG)."""
+    from attn_probe.formats.trajectory import encode_header
+
     path = tmp_path / "attn_probe.jsonl"
-    data = b"".join(snapshot(s) for s in range(40)) + b"".join(snapshot(s) for s in range(10))
+    data = (encode_header("a" * 32, 0, wall_time=1.0) + b"".join(snapshot(s) for s in range(40))
+            + encode_header("b" * 32, 0, wall_time=2.0) + b"".join(snapshot(s) for s in range(10))
+            + encode_header("a" * 32, 40, wall_time=3.0, resumed=True) + snapshot(40))
     path.write_bytes(data)
     result = run_child("fsize", path, 20, timeout=60)
     assert result["dropped"] is None

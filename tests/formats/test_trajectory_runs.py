@@ -135,8 +135,9 @@ LAYOUTS = {
     "last_run": (b"".join(row(s) for s in range(0, 50, 5)), ["a", "b"], "b"),
     # the resumed run first, another run after it: rewritten around the other run
     "first_run": (b"", ["b", "a"], "b"),
-    # a run resumed before (two headers of b), another run between its parts
-    "interleaved": (b"", ["b", "a", "b+"], "b"),
+    # a run resumed before (two headers of b; its first part was cut back to step 15 then, as a
+    # resume does), another run between its parts
+    "interleaved": (b"", ["b-", "a", "b+"], "b"),
     # rows written before run headers, then a run with a header: the legacy rows are kept
     "legacy_then_run": (b"".join(row(s) for s in range(0, 50, 5)), ["b"], "b"),
 }
@@ -148,10 +149,10 @@ def test_cut_run_drops_only_the_resumed_runs_rows(tmp_path, chunk, layout):
     legacy, runs, target = LAYOUTS[layout]
     data = legacy
     for name in runs:
-        rid = name.rstrip("+")
+        rid = name.rstrip("+-")
         start = 15 if name.endswith("+") else 0
         data += header(rid, start, resumed=name.endswith("+")) + b"".join(
-            row(s, la) for s in range(start, 45, 5) for la in range(2))
+            row(s, la) for s in range(start, 15 if name.endswith("-") else 45, 5) for la in range(2))
     path = tmp_path / "attn_probe.jsonl"
     path.write_bytes(data)
     cut = cut_run(path, 20, target, otherwise="none", chunk_size=chunk)
