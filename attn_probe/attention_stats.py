@@ -71,6 +71,7 @@ one more variant (compiled at the first armed call, then reused) when armed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -123,9 +124,18 @@ def logit_stats(
     """
     # the caller's autocast (Trainer/TRL bf16=True) would run the matmuls below in bfloat16 and
     # round max |l| to 8 bits of mantissa: the statistics are float32 (float64 for float64 inputs)
-    with torch.autocast(device_type=query.device.type, enabled=False):
+    with _autocast_off(query.device.type):
         return _logit_stats(query, key, scaling, rows, query_valid=query_valid, softcap=softcap, sinks=sinks,
                             chunk_elements=chunk_elements)
+
+
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device_type``; nothing where this torch has no autocast for it (torch < 2.5
+    refuses ``torch.autocast("mps", enabled=False)``), since nothing can be autocast there."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except (RuntimeError, ValueError):
+        return contextlib.nullcontext()
 
 
 def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | None, *,
@@ -408,7 +418,8 @@ class AttentionCapture:
         self._offsets = [0]
         for h in self.heads:
             self._offsets.append(self._offsets[-1] + h)
-        self._implementations = sorted({registry.implementation(layer.module) for layer in self.layers})
+        self._implementations = sorted({str(registry.implementation(layer.module)) for layer in self.layers})
+        self._unmeasured: list[str] | None = None  # the last switched-to names found unmeasured
         try:
             params = inspect.signature(self.root.forward).parameters
             self._mask_positions = {name: list(params).index(name) for name in
@@ -465,11 +476,15 @@ class AttentionCapture:
     def _resolve(self) -> None:
         """Follow an attention implementation switched after construction (``set_attn_implementation``):
         wrap the new names when they are measured; else nothing is measured and the stage says why."""
-        now = sorted({registry.implementation(layer.module) for layer in self.layers})
-        if now != self._implementations and unavailable_reason(self.layers) is None:
-            registry.acquire(now)
-            registry.release(self._implementations)
-            self._implementations = now
+        now = sorted({str(registry.implementation(layer.module)) for layer in self.layers})
+        if now == self._implementations or now == self._unmeasured:
+            return
+        if unavailable_reason(self.layers) is not None:
+            self._unmeasured = now  # checked once per switch, not at every forward
+            return
+        registry.acquire(now)
+        registry.release(self._implementations)
+        self._implementations = now
 
     def disarm(self) -> None:
         """End the step: the wrappers pass straight through again and the hooks are removed."""
@@ -528,7 +543,10 @@ class AttentionCapture:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():  # a switch between arming and the forward (plain loops)
-            self._resolve()
+            try:
+                self._resolve()
+            except Exception as exc:  # noqa: BLE001 - a hook on the user's forward never raises
+                self._fail(f"following the attention implementation ({type(exc).__name__}: {exc})")
         masks: dict[str, Tensor | None] = {}
         for name, pos in self._mask_positions.items():
             mask = kwargs.get(name)
