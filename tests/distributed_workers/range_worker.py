@@ -29,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
 from attn_probe.alerts import AlertRule
+from attn_probe.baselines import random_range
 
 AGREEMENT_TIMEOUT = 3.0
 STEPS = 4
@@ -40,8 +41,14 @@ SHAPES = {
 }
 
 
+#: the range case's bound on drawn numbers: four times the probe's, so that computing the range takes
+#: longer than AGREEMENT_TIMEOUT even on an idle machine (the probe's own bound took 2.2 s there)
+RANGE_ENTRIES = 4 * random_range.PROBE_ENTRIES
+
+
 def run(case: str, out: Path, rank: int) -> dict:
     torch.manual_seed(0)
+    random_range.PROBE_ENTRIES = RANGE_ENTRIES  # the same on every rank: the draws stay identical
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=16, **SHAPES[case]))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
