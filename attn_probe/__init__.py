@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run time the names are lazy)
-    from .alerts import Alert, AlertRule
+    from .live.alerts import Alert, AlertRule
     from .analysis.export import export_trajectory
     from .analysis.loading import load_trajectory, read_table
     from .analysis.plots import plot_dynamics, plot_heatmap
     from .analysis.summary import layer_quantiles, summarize
-    from .checkpoint import CheckpointError, score_checkpoint
-    from .config import ProbeConfig
+    from .scoring.checkpoint import CheckpointError, score_checkpoint
+    from .live.config import ProbeConfig
     from .core import factored_scores, score_factors
     from .extraction import (
         AttentionLayer,
@@ -28,13 +28,17 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run ti
     )
     from .integrations.transformers import AttnProbeCallback, attach
     from .intervention import symmetric_init_
-    from .probe import LogDirError, Probe
-    from .reference import directionality_score, symmetry_score
-    from .schedules import every, log_spaced
-    from .scoring import score_model
+    from .live.probe import LogDirError, Probe
+    from .definitions import directionality_score, symmetry_score
+    from .live.schedules import every, log_spaced
+    from .scoring.model import score_model
     from .watching import watch
 
 __version__ = "0.4.0"  # the one place the version is written: setup.cfg reads it (attr:)
+
+from ._compat import install as _install_moved_paths
+
+_install_moved_paths()  # old module paths (before the 0.4 regrouping) keep working until 0.5.0
 
 
 # Names served lazily so that `import attn_probe` stays light.
@@ -45,30 +49,30 @@ _LAZY = {
     "register_adapter": ("attn_probe.extraction", "register_adapter"),
     "unregister_adapter": ("attn_probe.extraction", "unregister_adapter"),
     "factored_scores": ("attn_probe.core", "factored_scores"),
-    "directionality_score": ("attn_probe.reference", "directionality_score"),
-    "symmetry_score": ("attn_probe.reference", "symmetry_score"),
-    "score_model": ("attn_probe.scoring", "score_model"),
+    "directionality_score": ("attn_probe.definitions", "directionality_score"),
+    "symmetry_score": ("attn_probe.definitions", "symmetry_score"),
+    "score_model": ("attn_probe.scoring.model", "score_model"),
     "AttnProbeCallback": ("attn_probe.integrations.transformers", "AttnProbeCallback"),
     "attach": ("attn_probe.integrations.transformers", "attach"),
     "watch": ("attn_probe.watching", "watch"),
-    "ProbeConfig": ("attn_probe.config", "ProbeConfig"),
+    "ProbeConfig": ("attn_probe.live.config", "ProbeConfig"),
     "score_factors": ("attn_probe.core", "score_factors"),
-    "Probe": ("attn_probe.probe", "Probe"),
-    "every": ("attn_probe.schedules", "every"),
-    "log_spaced": ("attn_probe.schedules", "log_spaced"),
+    "Probe": ("attn_probe.live.probe", "Probe"),
+    "every": ("attn_probe.live.schedules", "every"),
+    "log_spaced": ("attn_probe.live.schedules", "log_spaced"),
     "load_trajectory": ("attn_probe.analysis.loading", "load_trajectory"),
     "export_trajectory": ("attn_probe.analysis.export", "export_trajectory"),
     "summarize": ("attn_probe.analysis.summary", "summarize"),
     "plot_dynamics": ("attn_probe.analysis.plots", "plot_dynamics"),
     "plot_heatmap": ("attn_probe.analysis.plots", "plot_heatmap"),
-    "score_checkpoint": ("attn_probe.checkpoint", "score_checkpoint"),
-    "CheckpointError": ("attn_probe.checkpoint", "CheckpointError"),
-    "LogDirError": ("attn_probe.probe", "LogDirError"),
+    "score_checkpoint": ("attn_probe.scoring.checkpoint", "score_checkpoint"),
+    "CheckpointError": ("attn_probe.scoring.checkpoint", "CheckpointError"),
+    "LogDirError": ("attn_probe.live.probe", "LogDirError"),
     "read_table": ("attn_probe.analysis.loading", "read_table"),
     "layer_quantiles": ("attn_probe.analysis.summary", "layer_quantiles"),
     "symmetric_init_": ("attn_probe.intervention", "symmetric_init_"),
-    "AlertRule": ("attn_probe.alerts", "AlertRule"),
-    "Alert": ("attn_probe.alerts", "Alert"),
+    "AlertRule": ("attn_probe.live.alerts", "AlertRule"),
+    "Alert": ("attn_probe.live.alerts", "Alert"),
 }
 
 #: what ``from attn_probe import *`` gives: every lazily served public name, and the version

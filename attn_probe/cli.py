@@ -31,8 +31,8 @@ class CommandError(Exception):
 
 
 def one_line(text: str) -> str:
-    """``text`` as one terminal-safe line: control characters escaped (:func:`attn_probe.logdir.printable`)."""
-    from .logdir import printable
+    """``text`` as one terminal-safe line: control characters escaped (:func:`attn_probe.formats.logdir.printable`)."""
+    from .formats.logdir import printable
 
     return printable(text)
 

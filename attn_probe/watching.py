@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import config_from_options
+from .live.config import config_from_options
 from .integrations.accelerate import ACCELERATE_OPTIONS, watch_accelerated
-from .probe import Probe
-from .schedules import ScheduleLike
+from .live.probe import Probe
+from .live.schedules import ScheduleLike
 
 __all__ = ["watch"]
 
@@ -33,8 +33,8 @@ def watch(
       (``trackers=``/``trackers_per_head=``/``wandb_separate_run=``, :mod:`attn_probe.integrations.accelerate`);
     * ``watch(model, every=100)``: counts training-mode forward passes of ``model``.
 
-    ``every`` is an int or a callable ``step -> bool`` (:mod:`attn_probe.schedules`). The
-    other options are the fields of :class:`~attn_probe.config.ProbeConfig` (``metrics``,
+    ``every`` is an int or a callable ``step -> bool`` (:mod:`attn_probe.live.schedules`). The
+    other options are the fields of :class:`~attn_probe.live.config.ProbeConfig` (``metrics``,
     ``per_head``, ``groups``, ``layers``, ``num_std``, ``images_every``, ``image_size``,
     ``image_mode``, ``pairs``, ``start_step``, ``find_kwargs``, and where and how it is written:
     ``sinks``, ``writer``, ``background``, ``async_scoring``, ...); a misspelled or invalid one

@@ -52,7 +52,7 @@ def _model(shape: str, seq: int, device: str, dtype: str):
 def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32"):
     import torch
 
-    from attn_probe.attention_stats import AttentionCapture
+    from attn_probe.activations.statistics import AttentionCapture
     from attn_probe.extraction import find_attention
 
     model = _model(shape, seq, device, dtype)

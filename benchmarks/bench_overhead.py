@@ -79,7 +79,7 @@ def snapshot_cost(args: argparse.Namespace, n: int = 30, **options) -> float:
     With ``async_scoring=True`` that is the walk and the copies; the scoring finishes on the
     worker before the next call (``flush()``, outside the timing).
     """
-    from attn_probe.probe import Probe
+    from attn_probe.live.probe import Probe
 
     model = build(args)
     with tempfile.TemporaryDirectory() as d:

@@ -37,7 +37,7 @@ from functools import partial
 import torch
 
 from attn_probe.core import factored_scores
-from attn_probe.reference import (
+from attn_probe.definitions import (
     directionality_from_norms,
     pair_kv_heads,
     symmetry_from_inner_products,

@@ -12,7 +12,7 @@ one-layer model of the same config built for real, then times, median of ``--rep
 * ``read_once``: ``torch._foreach_norm`` over every W_q/W_k tensor (reading them once);
 * their ratio;
 * ``ops``: the non-view ATen ops one synchronous ``probe.snapshot()`` dispatches on the calling
-  thread (:mod:`attn_probe.op_count`), and on CPU ``ops (GPU alg.)``, the same with the GPU
+  thread (:mod:`attn_probe.core.op_count`), and on CPU ``ops (GPU alg.)``, the same with the GPU
   algorithm run on CPU tensors (:func:`attn_probe.core.gpu_algorithm_on_cpu`); with
   ``--kernels`` on CUDA, ``torch.profiler``'s count of CUDA kernel launches (kernels, memcpy and
   memset) of the same snapshot, to calibrate the op count against the launches it stands for;
@@ -132,7 +132,7 @@ def time_shape(name: str, device: torch.device, dtype: torch.dtype, repeats: int
                kernels: bool = False) -> dict[str, Any]:
     import attn_probe
     from attn_probe.core import gpu_algorithm_on_cpu
-    from attn_probe.op_count import snapshot_op_count
+    from attn_probe.core.op_count import snapshot_op_count
 
     model = build(name, device, dtype)
     tensors = qk_tensors(model)

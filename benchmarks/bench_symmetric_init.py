@@ -65,7 +65,7 @@ def fixed_eval_batch(tokenizer, blocks: torch.Tensor, seed: int = 1234) -> dict[
 def median_symmetry(model) -> float:
     """Median across layers of the layer-level W_qk symmetry."""
     import attn_probe
-    from attn_probe.tags import layer_stats
+    from attn_probe.formats.tags import layer_stats
 
     rows = [r for r in attn_probe.score_model(model) if r["head"] is None]
     return layer_stats(float(r["symmetry"]) for r in rows)["median"]

@@ -72,7 +72,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from attn_probe import demo, score_model  # noqa: E402
-from attn_probe.tags import layer_stats  # noqa: E402
+from attn_probe.formats.tags import layer_stats  # noqa: E402
 
 TOKENS = demo.TOKENS
 

@@ -5,7 +5,7 @@
 # count on CUDA against the GPU algorithm on CPU, the asynchronous mode on CUDA streams), then
 # bench_snapshot.py on the Llama-3.2-1B and the 70B-shaped q/k stack (layer and per head,
 # synchronous and async) with the 1B Trainer ratio. Each snapshot row prints the non-view ATen
-# op count of one synchronous snapshot (attn_probe.op_count) beside torch.profiler's count of
+# op count of one synchronous snapshot (attn_probe.core.op_count) beside torch.profiler's count of
 # CUDA launches of the same snapshot (--kernels), which calibrates the device-independent count.
 # Logs and JSON go to $OUT (default /tmp/attn_probe_gpu). Record the results, with the device
 # name printed first, in docs/performance.md.

@@ -21,7 +21,7 @@ import torch
 from transformers import BertForMaskedLM, LlamaForCausalLM, TrainingArguments
 
 from attn_probe.core import is_magnitude
-from attn_probe.reference import directionality_score, symmetry_score
+from attn_probe.definitions import directionality_score, symmetry_score
 
 VOCAB, SEQ = 50, 12
 

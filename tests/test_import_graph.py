@@ -1,11 +1,12 @@
-"""The package's import graph, read with ``ast``: layered, one way, no circle.
+"""The package's import graph, read with ``ast``: layered by folder, one way, no circle.
 
-Data flows one way, ``model -> extraction -> pairs -> scoring core -> probe stages -> probe ->
-integrations -> watch``, with the sinks beside the core. :data:`LAYERS` lists the layers,
-lowest first; a module may import (at top level or inside a function) only modules of its own
-layer or a lower one, and the graph has no circle at all. ``if TYPE_CHECKING:`` imports are
-not counted (they never run). A module missing from :data:`LAYERS` fails the test: place a new
-module in its layer here.
+Each folder of ``attn_probe/`` (and each top-level module) is a room; :data:`LAYERS` lists the
+rooms, lowest first, and a module may import (at top level, inside a function, or under
+``if TYPE_CHECKING:``) only modules of its own room, of a room in its layer, or of a lower layer.
+The graph has no circle at all, ``TYPE_CHECKING`` edges included. A room missing from
+:data:`LAYERS` fails the test: place a new folder in its layer here. Every import of the package
+names a module that exists: an old path from before 0.4 would still run (through
+:mod:`attn_probe._compat`, with a warning), so it is caught here.
 """
 
 from __future__ import annotations
@@ -17,46 +18,32 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "attn_probe"
 
-#: lowest first; an entry names a module or a package (all its modules, unless listed themselves)
+#: rooms (folders and top-level modules), lowest layer first
 LAYERS: list[tuple[str, ...]] = [
-    # leaves: stdlib, torch, numpy only
-    ("isolation", "schedules", "logdir", "live_view", "formats", "asynchronous", "hooks", "counting",
-     "extraction.base", "resume_policy", "baselines.paper"),
-    # architecture knowledge
-    ("extraction", "intervention"),
-    # the maths: the independent reference definitions (imports nothing of the package); the
-    # scoring core, by job: algorithm choices, eigenvalue solvers, products, formulas, entry points
-    ("reference", "core.algorithm"),
-    ("core.spectra",),
-    ("core.products",),
-    ("core.formulas",),
-    ("core", "tags", "alerts"),
-    # what a score is compared with: the paper's trajectories (a stdlib leaf, above) and the
-    # random-matrix range of a layer's shape (scored by the core)
-    ("baselines",),
-    # measured attention quantities; the attention-function registry glue they read through
-    # (integrations.attention_functions: transformers' get_interface wrapped, imports no module of
-    # the package, so it sits here rather than with the rest of integrations/)
-    ("integrations.attention_functions", "attention_stats"),
-    # scored weight pairs
-    ("pairs",),
-    # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out);
-    # what scores are compared with (the paper's trajectories, the random-matrix range: core only)
-    ("scoring", "images", "sinks", "tracker_record", "baselines"),
-    # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly
-    ("distributed", "checkpoint", "gguf", "config", "stages.assembly"),
-    # the live probe's other stages
-    ("stages",),
-    # the façade
-    ("probe",),
-    # the Trainer callback, Accelerate
+    # leaves: stdlib, torch, numpy only. The paper's definitions, written plainly (the independent
+    # reference the core is tested against), the never-raise helpers, the probe's hook handles
+    ("definitions", "isolation", "hooks"),
+    # architecture knowledge; the scoring core (the maths, pure)
+    ("extraction", "core"),
+    # file formats and tag grammar; what a score is compared with; measured attention statistics
+    ("formats", "baselines", "activations"),
+    # where records go: snapshots, files, trackers
+    ("sinks",),
+    # post-hoc scoring of models, checkpoints and GGUF files
+    ("scoring",),
+    # the walk over (sharded) layers
+    ("distributed",),
+    # the live probe: options, schedules, stages, the façade
+    ("live",),
+    # the Trainer, Accelerate and Lightning callbacks
     ("integrations",),
-    # attn_probe.watch
-    ("watching",),
-    # what users run: the package's names, the CLI, reading runs back, the demo
-    ("attn_probe", "__main__", "cli", "commands", "analysis", "demo", "op_count", "lightning"),
-    # deprecated import paths (issue 30): nothing in the package may import them
-    ("metrics", "scores"),
+    # the user's entry points in Python: attn_probe.watch, the Lightning short path, the intervention
+    ("watching", "lightning", "intervention"),
+    # the old import paths (served, never imported by the package)
+    ("_compat",),
+    # what users run: the package's names (lazy at run time; its TYPE_CHECKING block names them
+    # all), the CLI, reading runs back, the demo
+    ("attn_probe", "__main__", "cli", "commands", "analysis", "demo"),
 ]
 
 #: (importer, imported) edges allowed to run against the layers, each with the reason
@@ -74,7 +61,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules ``name`` imports, skipping ``if TYPE_CHECKING:`` blocks."""
+    """The package modules ``name`` imports, ``if TYPE_CHECKING:`` blocks included."""
     package = name if path.name == "__init__.py" else (name.rpartition(".")[0] if "." in name else "")
     package = "" if package == "attn_probe" else package
     found: set[str] = set()
@@ -85,15 +72,6 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             found.add(target)
 
     class Visitor(ast.NodeVisitor):
-        def visit_If(self, node: ast.If) -> None:
-            test = node.test
-            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-                for child in node.orelse:
-                    self.visit(child)
-                return
-            self.generic_visit(node)
-
         def visit_Import(self, node: ast.Import) -> None:
             for alias in node.names:
                 if alias.name == "attn_probe" or alias.name.startswith("attn_probe."):
@@ -118,14 +96,16 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+def _room(name: str) -> str:
+    return name.split(".")[0]
+
+
 def _layer(name: str) -> int:
-    """The layer of ``name``: its own entry, else its nearest listed package."""
-    candidates = [name] + [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
-    for candidate in candidates:
-        for rank, layer in enumerate(LAYERS):
-            if candidate in layer:
-                return rank
-    raise AssertionError(f"attn_probe.{name} has no layer: add it to LAYERS in {__file__}")
+    """The layer of ``name``'s room."""
+    for rank, layer in enumerate(LAYERS):
+        if _room(name) in layer:
+            return rank
+    raise AssertionError(f"attn_probe.{name} has no layer: add its room {_room(name)!r} to LAYERS in {__file__}")
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +116,11 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_reader_finds_the_imports_it_must(graph):
     # the parser itself, on edges known to exist (top level, relative, function-local)
-    assert "stages.measurement" in graph["probe"]
-    assert "scoring" in graph["distributed.walk"]
-    assert "sinks.tensorboard" in graph["stages.outputs"]  # a function-local import
+    assert "live.stages.measurement" in graph["live.probe"]
+    assert "scoring.model" in graph["distributed.walk"]
+    assert "sinks.tensorboard" in graph["live.stages.outputs"]  # a function-local import
     assert "extraction.base" in graph["extraction.architectures"]
+    assert "_compat" in graph["attn_probe"]
 
 
 def test_every_module_has_a_layer(graph):
@@ -185,13 +166,13 @@ def test_the_exemptions_are_real_edges(graph):
 def test_the_reference_and_the_core_share_nothing(graph):
     """The reference the core is tested against imports no module of the package, and the core
     none of the reference: a bug in a shared formula could not pass the comparison unseen."""
-    assert graph["reference"] == set()
+    assert graph["definitions"] == set()
     core = {name for name in graph if name == "core" or name.startswith("core.")}
-    assert core and all("reference" not in graph[name] and "scores" not in graph[name] for name in core)
+    assert core and all("definitions" not in graph[name] and "_compat.scores" not in graph[name] for name in core)
 
 
 def test_nothing_imports_the_deprecated_paths(graph):
-    users = sorted(a for a, targets in graph.items() if targets & {"metrics", "scores"} and a not in {"metrics", "scores"})
+    users = sorted(a for a, targets in graph.items() if targets & {"_compat.metrics", "_compat.scores"} and a != "_compat")
     assert not users, users
 
 
@@ -227,3 +208,49 @@ def test_no_module_imports_another_modules_private_names():
     assert set(PRIVATE_EXEMPT) <= set(found), "an exempted private import is gone: remove it from PRIVATE_EXEMPT"
     found = [line for line in found if line not in PRIVATE_EXEMPT]
     assert not found, "\n".join(found)
+
+
+def _unresolved(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Imports in ``name`` of package paths that are not modules (nor names in a module)."""
+    package = name if path.name == "__init__.py" else (name.rpartition(".")[0] if "." in name else "")
+    package = "" if package == "attn_probe" else package
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("attn_probe.")
+                    and a.name.removeprefix("attn_probe.") not in modules]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join([*base, *([node.module] if node.module else [])]) or "attn_probe"
+            elif node.module and (node.module == "attn_probe" or node.module.startswith("attn_probe.")):
+                target = node.module.removeprefix("attn_probe.") if node.module != "attn_probe" else "attn_probe"
+            else:
+                continue
+            if target not in modules:
+                bad.append(target)
+    return [f"attn_probe.{name} imports attn_probe.{b}, which is not a module" for b in bad]
+
+
+def test_every_import_of_the_package_names_a_module():
+    # an old path (before the 0.4 regrouping) still imports, through attn_probe._compat, with a
+    # warning: the package itself must never use one
+    modules = _modules()
+    bad = [line for name, path in sorted(modules.items()) for line in _unresolved(name, path, modules)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_top_level_reads_as_a_table_of_contents():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= 15, modules
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines: {long}"
+
+
+def test_every_room_is_a_layer_and_every_layer_has_a_room():
+    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    listed = {room for layer in LAYERS for room in layer} - {"attn_probe"}
+    assert rooms == listed, (sorted(rooms - listed), sorted(listed - rooms))

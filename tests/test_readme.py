@@ -118,6 +118,6 @@ def test_every_repository_path_the_docs_name_exists():
 
 def test_every_entry_of_the_readme_layout_exists():
     paths = layout_paths()
-    assert "attn_probe/stages/decision.py" in paths and "attn_probe/scores.py" in paths  # the block is read
+    assert "attn_probe/live/stages/decision.py" in paths and "attn_probe/_compat/" in paths  # the block is read
     missing = [path for path in paths if not exists(path)]
     assert not missing, missing

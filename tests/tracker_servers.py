@@ -68,10 +68,10 @@ def probe_values(log_dir: str | Path) -> dict[tuple[int, str, str, int, int | No
 def expected_metrics(log_dir: str | Path, per_head: bool = False) -> dict[int, dict[str, float]]:
     """``{step: {tracker key: value}}`` a tracker sink should have sent, rebuilt from the JSONL.
 
-    The across-layer stats are recomputed with :func:`attn_probe.tags.layer_stats`.
+    The across-layer stats are recomputed with :func:`attn_probe.formats.tags.layer_stats`.
     """
     from attn_probe.sinks.trackers import tracker_key
-    from attn_probe.tags import layer_stats
+    from attn_probe.formats.tags import layer_stats
 
     out: dict[int, dict[str, float]] = {}
     by_metric: dict[tuple[int, str, str], list[float]] = {}
@@ -92,7 +92,7 @@ def expected_metrics(log_dir: str | Path, per_head: bool = False) -> dict[int, d
 
 def _stats_of(metric: str) -> tuple[str, ...]:
     """The across-layer stats the probe writes for ``metric``."""
-    from attn_probe import tags
+    from attn_probe.formats import tags
 
     stats_for = getattr(tags, "stats_for", None)
     return tuple(stats_for(metric)) if stats_for is not None else tuple(tags.STATS)

@@ -41,7 +41,7 @@ def cli_errors(command: str) -> Iterator[None]:
     carries the reason (:func:`error_message`).
     """
     from ..cli import CommandError
-    from ..logdir import printable
+    from ..formats.logdir import printable
     from .table import MissingExtraError, TrajectoryError
 
     with warnings.catch_warnings(record=True) as caught:
@@ -70,12 +70,12 @@ def cli_errors(command: str) -> Iterator[None]:
 def error_message(exc: BaseException) -> str:
     """One terminal-safe line for a user-facing error.
 
-    attn_probe's own errors are kept whole (escaped, :func:`attn_probe.logdir.printable`);
+    attn_probe's own errors are kept whole (escaped, :func:`attn_probe.formats.logdir.printable`);
     ``OSError`` is ``path: reason``; others are cut to their first line. When the error was
     caused by :class:`~attn_probe.extraction.UnsupportedModelError` (a checkpoint of Mamba or
     SqueezeBERT), its reason is appended.
     """
-    from ..logdir import printable
+    from ..formats.logdir import printable
 
     text = str(exc)
     if isinstance(exc, OSError) and exc.strerror and not type(exc).__module__.startswith("attn_probe"):

@@ -75,7 +75,7 @@ _NAME_IN_WARNING = 80
 
 
 def _short(name: str) -> str:
-    from ..logdir import printable
+    from ..formats.logdir import printable
 
     text = printable(name)
     return text if len(text) <= _NAME_IN_WARNING else text[:_NAME_IN_WARNING - 3] + "..."

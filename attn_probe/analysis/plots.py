@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..tags import METRICS
+from ..formats.tags import METRICS
 from .loading import as_frame
 from .summary import is_magnitude, layer_quantiles, warn_missing
 from .table import TrajectoryError, require
@@ -479,7 +479,7 @@ def qk_for_layer(model: Any, layer: int, group: str | None = None, head: int | N
 
     ``model`` is an ``nn.Module`` or a local Hugging Face checkpoint directory; from a
     directory only that layer's query/key tensors are read
-    (:func:`attn_probe.checkpoint.open_checkpoint`), never the whole model.
+    (:func:`attn_probe.scoring.checkpoint.open_checkpoint`), never the whole model.
     """
     from torch import nn
 
@@ -488,7 +488,7 @@ def qk_for_layer(model: Any, layer: int, group: str | None = None, head: int | N
 
         att = _pick_layer(find_attention(model), layer, group, head)
         return att.qk_matrix(head=head), att.group
-    from ..checkpoint import open_checkpoint
+    from ..scoring.checkpoint import open_checkpoint
 
     found, tensors_of = open_checkpoint(model)
     att = _pick_layer(found, layer, group, head)
@@ -516,7 +516,7 @@ def plot_heatmap(
     the rest (``clip_percentile=100`` gives ``max |W_qk|``). The title gives the matrix's
     symmetry and directionality scores. Saved to ``path`` if given.
     """
-    from ..reference import directionality_score, symmetry_score
+    from ..definitions import directionality_score, symmetry_score
 
     _check_path(path)
     if not 0 < clip_percentile <= 100:

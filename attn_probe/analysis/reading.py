@@ -18,10 +18,10 @@ from ..formats.events import has_event_files, is_event_file, scan_event_file
 from ..formats.lines import Unreadable
 from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label
 from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
-from ..tags import parse_tag
+from ..formats.tags import parse_tag
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas
 
-#: group and metric names: the tag grammar's segments (:mod:`attn_probe.tags`), bounded
+#: group and metric names: the tag grammar's segments (:mod:`attn_probe.formats.tags`), bounded
 _NAME = re.compile(r"[A-Za-z0-9_]{1,128}")
 #: a trajectory line longer than this is corrupt (a real one is a few hundred bytes); reading
 #: stops there, so one endless line cannot exhaust memory

@@ -58,7 +58,7 @@ def _run_dirs_below(root: Path) -> list[Path]:
             found.append(d)
         subdirs = [e for e in entries if _is_dir(e)]
         if subdirs and depth >= MAX_DEPTH:
-            from ..logdir import printable
+            from ..formats.logdir import printable
 
             raise TrajectoryError(
                 f"{printable(root)}: directories nested more than {MAX_DEPTH} levels deep below it "
@@ -76,7 +76,7 @@ def _is_dir(p: Path) -> bool:
 
 
 #: a Trainer's default TensorBoard run directory: ``<Mon DD_HH-MM-SS>_<host>`` (SummaryWriter's
-#: default, possibly with the ``_N`` of :func:`attn_probe.logdir.unique_log_dir`) under ``runs/``
+#: default, possibly with the ``_N`` of :func:`attn_probe.formats.logdir.unique_log_dir`) under ``runs/``
 _TRAINER_RUN = re.compile(r"^[^\W\d_]+\d{2}_\d{2}-\d{2}-\d{2}_.+$")
 
 

@@ -2,7 +2,7 @@
 
 The paper reports one score per layer (the layer-level matrix ``M = sum_h W_q^h W_k^h^T``),
 summarised by the median and the 25th/75th percentiles across layers, as defined once in
-:data:`attn_probe.tags.STAT_QUANTILES` / :func:`attn_probe.tags.layer_stats`: linear
+:data:`attn_probe.formats.tags.STAT_QUANTILES` / :func:`attn_probe.formats.tags.layer_stats`: linear
 interpolation between order statistics (numpy's default); NaN layers are left out.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..tags import STAT_QUANTILES, STATS
+from ..formats.tags import STAT_QUANTILES, STATS
 from .loading import as_frame
 from .table import TrajectoryError, TrajectoryWarning, require_pandas
 
@@ -137,10 +137,10 @@ def format_summary(table: pd.DataFrame, digits: int = 2) -> str:
     Scores in ``[-1, 1]`` (symmetry, directionality) carry their sign (``+0.41``); magnitudes
     (norms, stable rank, bounds: :func:`is_magnitude`) are never negative and are printed
     without one. A run that logged the random-matrix range gets a last column with its median
-    across layers, ``mean ± sd`` of one random ``W_qk`` of the layers' shapes. Names are escaped (:func:`attn_probe.logdir.printable`): a run name cannot
+    across layers, ``mean ± sd`` of one random ``W_qk`` of the layers' shapes. Names are escaped (:func:`attn_probe.formats.logdir.printable`): a run name cannot
     clear the terminal or forge a line.
     """
-    from ..logdir import printable
+    from ..formats.logdir import printable
 
     def cell(m: float, lo: float, hi: float, sign: str) -> str:
         return f"{m:{sign}.{digits}f} [{lo:{sign}.{digits}f}, {hi:{sign}.{digits}f}]"

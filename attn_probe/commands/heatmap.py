@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
     from ..analysis.plots import plot_heatmap, use_agg
-    from ..checkpoint import check_layer_counts
+    from ..scoring.checkpoint import check_layer_counts
 
     with cli_errors("heatmap"):  # UnsupportedModelError is a ValueError: one line too
         check_layer_counts(args.checkpoint)  # a hostile config.json: refused before a model is built

@@ -75,7 +75,7 @@ def paper_context(path: str | Path, rows: list[dict[str, Any]]) -> dict[str, Any
     (from ``config.json``'s ``model_type``, ``is_decoder`` and ``is_encoder_decoder``)."""
     from ..baselines.pretrained import kind_and_family, nearest_pretrained
     from ..baselines.random_range import LayerShape, random_range
-    from ..checkpoint import open_checkpoint, summarize_rows
+    from ..scoring.checkpoint import open_checkpoint, summarize_rows
 
     config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
     kind, family = kind_and_family(config.get("model_type"), is_decoder=bool(config.get("is_decoder")),

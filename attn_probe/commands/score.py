@@ -66,7 +66,7 @@ def _fmt(value: Any, width: int) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per layer (and head): group, layer, head, one column per metric, module name."""
-    from ..scoring import row_metrics
+    from ..scoring.model import row_metrics
 
     metrics = row_metrics(rows)
     widths = [max(9, len(m)) for m in metrics]
@@ -96,7 +96,7 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import summarize_rows
+    from ..scoring.checkpoint import summarize_rows
     from ..formats.trajectory import encode_value
 
     gguf = [p for p in args.paths if str(p).lower().endswith(".gguf")]
@@ -137,7 +137,7 @@ def _paper_context(path: Any, rows: list[dict[str, Any]]) -> dict[str, Any] | No
     """:func:`.reference.paper_context`, or ``None`` with a one-line note on stderr when it cannot be made."""
     import sys
 
-    from ..checkpoint import CheckpointError
+    from ..scoring.checkpoint import CheckpointError
     from .reference import paper_context
 
     try:
@@ -160,7 +160,7 @@ def _score_gguf(args: argparse.Namespace, gguf: list[str]) -> list[dict[str, Any
     if len(args.paths) != 1 or args.trajectory is not None or args.step is not None:
         raise CommandError(f"a GGUF file ({gguf[0]}) is scored on its own, without --trajectory or --step")
     try:
-        from ..gguf import GGUFError, score_gguf
+        from ..scoring.gguf import GGUFError, score_gguf
     except ImportError as exc:  # pragma: no cover - the module imports gguf lazily
         raise CommandError(str(exc)) from None
     try:
@@ -174,7 +174,7 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
     import sys
 
     from ..analysis import error_message
-    from ..checkpoint import (
+    from ..scoring.checkpoint import (
         CheckpointError,
         check_layer_counts,
         find_checkpoints,

@@ -1,7 +1,7 @@
 """The one scoring core: a layer's factors -> a ``(metrics, 1 + H)`` tensor on the weights' device.
 
 Every path that scores weights goes through :func:`score_factors`: the live probe (through
-its pairs, :mod:`attn_probe.pairs`), :func:`attn_probe.score_model`, checkpoint scoring and
+its pairs, :mod:`attn_probe.scoring.pairs`), :func:`attn_probe.score_model`, checkpoint scoring and
 the distributed path. So on the same weights, device and dtype they give the same numbers.
 
 For factors ``A_h, B_g`` (per-head ``(head_dim, d)`` slices; query head ``h`` reads key head
@@ -37,7 +37,7 @@ The package, by job: :mod:`~attn_probe.core.algorithm` (the algorithm choices),
 Lanczos), :mod:`~attn_probe.core.products` (validation, rescaling, ``Products``),
 :mod:`~attn_probe.core.formulas` (the metrics and their registry), :mod:`~attn_probe.core.stacks`
 (the entry points and tables). It shares no code with the independent reference definitions,
-:mod:`attn_probe.reference`, that the tests compare it with.
+:mod:`attn_probe.definitions`, that the tests compare it with.
 """
 
 from __future__ import annotations

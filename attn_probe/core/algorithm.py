@@ -28,16 +28,16 @@ def gpu_algorithm(device: torch.device) -> bool:
     The GPU algorithm (every device but CPU): all largest-eigenvalue problems of a stack by one
     batched repeated-squaring chain per problem size (:func:`lambda_max_by_squaring`), no dense
     eigensolver and no Lanczos, stacks sized from the device's free memory
-    (:func:`attn_probe.pairs.stack_budget`), bf16/fp16 factors entering Gram products as they
+    (:func:`attn_probe.scoring.pairs.stack_budget`), bf16/fp16 factors entering Gram products as they
     are with float32 output where torch supports it (:func:`gram_out_dtype_supported`).
     The CPU algorithm: LAPACK ``eigh``/``eigvalsh`` up to :func:`lanczos_threshold`, Lanczos
-    above it, one stack per shape up to :data:`attn_probe.pairs.CPU_STACK_BYTES` (docs/performance.md).
+    above it, one stack per shape up to :data:`attn_probe.scoring.pairs.CPU_STACK_BYTES` (docs/performance.md).
 
     On CPU tensors the GPU algorithm runs inside :func:`gpu_algorithm_on_cpu` or with the
     environment variable ``ATTN_PROBE_GPU_ALGORITHM=1``: the same operations (a fixed stack
-    budget, :data:`attn_probe.pairs.STACK_BYTES_CAP`, and float32 copies where CUDA multiplies
+    budget, :data:`attn_probe.scoring.pairs.STACK_BYTES_CAP`, and float32 copies where CUDA multiplies
     bf16 with float32 output, which has no CPU kernel), so that its operation count
-    (:mod:`attn_probe.op_count`) and its numbers can be checked without a GPU.
+    (:mod:`attn_probe.core.op_count`) and its numbers can be checked without a GPU.
     """
     if device.type != "cpu":
         return True

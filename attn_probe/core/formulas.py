@@ -27,7 +27,7 @@ def _norm_directionality(rows: Tensor, cols: Tensor, num_std: float, rtol: float
     Thresholds ``tau = mean + num_std * std`` (unbiased), excesses ``R``, ``C`` over them,
     ``(R - C) / (R + C)``; 0 where ``R + C <= rtol * max(mean r, mean c)`` or fewer than two
     rows/columns; NaN where a norm is non-finite or all are zero. The slow, independent
-    definition is :func:`attn_probe.reference.directionality_from_norms`.
+    definition is :func:`attn_probe.definitions.directionality_from_norms`.
     """
     n = rows.shape[-1]
     finite = torch.isfinite(rows).all(-1) & torch.isfinite(cols).all(-1)

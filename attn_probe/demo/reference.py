@@ -55,7 +55,7 @@ def write_paper_runs(root: Path, runs: dict[str, Any], groups: list[str], last_s
     from ..analysis.runs import REFERENCE_MARKER
     from ..baselines.paper import paper_trajectory
     from ..sinks.tensorboard import CONFIG_TEXT_TAG
-    from ..tags import BAND_STATS, scalar_tag
+    from ..formats.tags import BAND_STATS, scalar_tag
 
     written = []
     for run in dict.fromkeys(runs.values()):

@@ -42,7 +42,7 @@ class ModelResult:
                    None if d["model_dir"] is None else Path(d["model_dir"]))
 
     def _stats(self, metric: str) -> dict[str, float]:
-        from ..tags import layer_stats
+        from ..formats.tags import layer_stats
 
         return layer_stats(float(r[metric]) for r in self.rows if r["head"] is None)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..live_view import figure_url, tensorboard_command
+from ..sinks.live_view import figure_url, tensorboard_command
 from .data import prepare_data, unigram_entropy
 from .host import CpuBudget, cpu_budget, plan_threads
 from .presets import SIZES, DemoConfig, DemoError, default_preset, resolve_preset

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..extraction import AttentionLayer
 from ..extraction.architectures import unwrap
-from ..scoring import (
+from ..scoring.model import (
     PairsLike,
     check_model_pairs,
     layer_factors,
@@ -72,7 +72,7 @@ def iter_layer_params(
     """Yield ``(layer, get)`` one layer at a time: ``get(name)`` is the full parameter tensor.
 
     ``param_names(layer)`` says which parameters to gather (default ``layer.param_names``,
-    the query/key weights; a score pair declares its own, :mod:`attn_probe.pairs`). The
+    the query/key weights; a score pair declares its own, :mod:`attn_probe.scoring.pairs`). The
     tensors are valid until the next iteration (the gathered memory is freed then).
     ``layer.name`` has wrapper segments such as ``_fsdp_wrapped_module.`` removed
     (:func:`canonical_name`).
@@ -317,7 +317,7 @@ def gather_scores(
     (``pairs=("qk", "ov")`` also scores ``W_o^h W_v^h``): the walk gathers, one layer at a
     time (:func:`iter_layer_params`), exactly the parameters the pairs declare, dry-runs
     their extraction before each gather, scores on rank 0 with
-    :func:`attn_probe.scoring.score_layer_pairs`, and logs-and-skips a layer whose scoring
+    :func:`attn_probe.scoring.model.score_layer_pairs`, and logs-and-skips a layer whose scoring
     fails, so that every rank keeps entering the same collectives. An architecture a pair
     cannot read raises :class:`~attn_probe.extraction.UnsupportedModelError` on every rank
     before any collective (the check is the same local computation on every rank).

@@ -4,7 +4,7 @@ The file is walked in order and each line is given to its run by a
 :class:`~attn_probe.formats.runs.RunTracker` (the rules the reader follows too), so the cut
 drops only the rows of the run being resumed: never those of another run, of a run whose
 header cannot be read, of an earlier run with the same id, or of an earlier run written
-before run headers. Only the standard library is imported here (and :mod:`attn_probe.logdir`
+before run headers. Only the standard library is imported here (and :mod:`attn_probe.formats.logdir`
 for its errors, when cutting).
 """
 
@@ -283,11 +283,11 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
     bytes, a torn last line. When every kept line comes before the first dropped one the file is
     cut at that line's byte offset in place (no free space needed); otherwise the kept lines are
     streamed into a temporary file beside it, which replaces it (and is removed if that fails). A
-    missing file cuts nothing. Every failure is a :class:`~attn_probe.logdir.LogDirError` naming
+    missing file cuts nothing. Every failure is a :class:`~attn_probe.formats.logdir.LogDirError` naming
     the file and the cause. ``chunk_size`` (bytes read at once) and ``max_line`` bound the memory
     used, as in :func:`~attn_probe.formats.trajectory.file_runs`.
     """
-    from ..logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
+    from .logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
 
     path = os.fspath(path)
     resume_step = int(resume_step)

@@ -36,7 +36,7 @@ __all__ = ["HEADER_SIGNS", "MAX_HEADER", "Event", "RunSplitter", "RunTracker", "
            "looks_like_header", "run_label"]
 
 #: a header line longer than this is not read (its run is kept as a run without an id); the
-#: writer refuses an ``extra_config`` that would make one (:mod:`attn_probe.config`)
+#: writer refuses an ``extra_config`` that would make one (:mod:`attn_probe.live.config`)
 MAX_HEADER = 1 << 20
 #: how many events a tracker keeps with their line numbers
 KEPT_EVENTS = 8

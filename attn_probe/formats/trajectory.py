@@ -5,7 +5,7 @@ for run headers; which run each line belongs to is :mod:`attn_probe.formats.runs
 cut (:func:`cut_run`, re-exported here) :mod:`attn_probe.formats.cutting`. The sink
 (:mod:`attn_probe.sinks.trajectory`), the resume and the readers
 (:mod:`attn_probe.analysis.reading`) all use it. Only the standard library is imported here
-(and :mod:`attn_probe.logdir` for its errors).
+(and :mod:`attn_probe.formats.logdir` for its errors).
 
 One JSON object per line and per value::
 

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ProbeConfig
-from ..counting import EngineSteps
+from ..live.config import ProbeConfig
+from ..live.counting import EngineSteps
 from ..isolation import safe_warn
-from ..probe import Probe
+from ..live.probe import Probe
 
 #: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
 ACCELERATE_OPTIONS = ("trackers", "trackers_per_head", "wandb_separate_run")
@@ -91,8 +91,8 @@ def accelerator_targets(trackers: Sequence[Any]) -> list[Any]:
 
 
 def accelerate_tracker_run(tracker: Any) -> Any:
-    """The :class:`~attn_probe.tracker_record.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
-    from ..tracker_record import TrackerRun, mlflow_run, trackio_run
+    """The :class:`~attn_probe.sinks.tracker_record.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
+    from ..sinks.tracker_record import TrackerRun, mlflow_run, trackio_run
 
     name = _tracker_name(tracker)
     run = getattr(tracker, "tracker", None)

@@ -1,6 +1,6 @@
 """Lightning integration: ``lightning.Trainer(callbacks=[AttnProbeCallback(every=100)])``.
 
-Built on the public :class:`~attn_probe.probe.Probe` API, as :mod:`attn_probe.integrations.accelerate`:
+Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_probe.integrations.accelerate`:
 
 * **Model**: the submodule named by ``module="..."``; by default the one child of the
   ``LightningModule`` holding every attention layer, else the ``LightningModule`` itself
@@ -45,14 +45,14 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from ..config import ProbeConfig, config_from_options
+from ..live.config import ProbeConfig, config_from_options
 from ..extraction import find_attention
 from ..formats.trajectory import new_run_id
-from ..logdir import default_log_dir
-from ..probe import Probe
-from ..resume_policy import holds_run, last_run_id, same_path, why_not_held
-from ..schedules import ScheduleLike
-from ..stages.alerting import print_line
+from ..formats.logdir import default_log_dir
+from ..live.probe import Probe
+from ..live.resume_policy import holds_run, last_run_id, same_path, why_not_held
+from ..live.schedules import ScheduleLike
+from ..live.stages.alerting import print_line
 
 __all__ = ["AttnProbeCallback"]
 
@@ -69,7 +69,7 @@ class AttnProbeCallback(Callback):
     ``trackers`` (default ``True``) also sends the values to the Trainer's other loggers (a
     list of logger class names, e.g. ``["WandbLogger"]``, narrows them, ``False`` turns it
     off), ``trackers_per_head`` adds per-head values there. Every other option is a field of
-    :class:`~attn_probe.config.ProbeConfig` (``attention_stats``, ``alerts``,
+    :class:`~attn_probe.live.config.ProbeConfig` (``attention_stats``, ``alerts``,
     ``stop_on_alert``, ``per_head``, ``pairs``, ``async_scoring``, ...), validated here: a
     misspelled or invalid option raises ``TypeError``/``ValueError`` when the callback is built.
 
@@ -309,7 +309,7 @@ def _flush(probe: Probe) -> None:
 def _logger_target(logger: Any) -> Any:
     """A Lightning logger as a target of the probe's tracker fan-out: values through ``log_metrics``."""
     from ..sinks.trackers import TrackerTarget
-    from ..tracker_record import TrackerRun
+    from ..sinks.tracker_record import TrackerRun
 
     name = type(logger).__name__
     version = getattr(logger, "version", None)

@@ -91,14 +91,14 @@ def trainer_wandb_sink(cb: Any, args: Any, state: Any, *, separate_run: bool, pe
 
 
 def trainer_tracker_run(cb: Any) -> Any:
-    """The :class:`~attn_probe.tracker_record.TrackerRun` a Trainer integration callback logs into.
+    """The :class:`~attn_probe.sinks.tracker_record.TrackerRun` a Trainer integration callback logs into.
 
     MLflow: the active run (read back); trackio: the current run (recorded); any other
     integration: its class name (recorded). (W&B is a sink of its own: :func:`trainer_wandb_sink`.)
     """
     import transformers.integrations as integrations
 
-    from ..tracker_record import TrackerRun, mlflow_run, trackio_run
+    from ..sinks.tracker_record import TrackerRun, mlflow_run, trackio_run
 
     def kind(class_name: str) -> bool:
         cls = getattr(integrations, class_name, None)

@@ -30,14 +30,14 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..config import ProbeConfig, config_from_options
+from ..live.config import ProbeConfig, config_from_options
 from ..extraction import find_attention
 from ..isolation import safe_warn
-from ..logdir import default_log_dir
-from ..probe import Probe
-from ..resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
-from ..schedules import ScheduleLike
-from ..stages.alerting import print_line
+from ..formats.logdir import default_log_dir
+from ..live.probe import Probe
+from ..live.resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
+from ..live.schedules import ScheduleLike
+from ..live.stages.alerting import print_line
 from .trainer_trackers import reporting_callbacks, trainer_targets, trainer_wandb_sink, wandb_callbacks
 
 __all__ = ["AttnProbeCallback", "attach", "trainer_log_dir"]
@@ -113,12 +113,12 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
     (:class:`~attn_probe.sinks.wandb.WandbSink`); ``announce=False`` leaves out the one-line status (what is
     watched, and its TensorBoard command) printed at the start, for a caller that prints its own;
     every other option is a field of
-    :class:`~attn_probe.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
+    :class:`~attn_probe.live.config.ProbeConfig` (``metrics``, ``per_head``, ``groups``,
     ``layers``, ``num_std``, ``images_every``, ...), validated here: a misspelled or invalid
     option raises ``TypeError``/``ValueError`` when the callback is built.
 
     An unsupported model raises :class:`~attn_probe.UnsupportedModelError` when the Trainer
-    is built; an unwritable log directory raises :class:`~attn_probe.probe.LogDirError` at
+    is built; an unwritable log directory raises :class:`~attn_probe.live.probe.LogDirError` at
     the start of ``train()``. Nothing after that stops training.
 
     With ``restore_callback_states_from_checkpoint=True`` the Trainer rebuilds stateful
@@ -243,7 +243,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         Also sets the run's identity (:meth:`_set_identity`): the checkpoint's run id when its run
         is continued (found by that id in the directory's trajectory), else a new id, with the
         checkpoint's run as parent when there is one. The decision is
-        :func:`attn_probe.resume_policy.choose_run`'s; this carries it out on the Trainer.
+        :func:`attn_probe.live.resume_policy.choose_run`'s; this carries it out on the Trainer.
         """
         step = int(state.global_step)
         saved = saved_run(getattr(state, "stateful_callbacks", None)) if step > 0 else None
@@ -337,7 +337,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         else:
             log_dir = os.path.join(args.output_dir, default_log_dir())
             if os.path.lexists(log_dir):  # the unusable run itself, if it started in this second
-                from ..logdir import LogDirError, unique_log_dir
+                from ..formats.logdir import LogDirError, unique_log_dir
 
                 try:
                     log_dir = unique_log_dir(log_dir)
@@ -388,7 +388,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             sinks.extend(trainer_wandb_sink(cb, args, state, separate_run=self.wandb_separate_run,
                                             per_head=self.trackers_per_head, begin_kwargs=begin)
                          for cb in on_wandb)
-        from ..logdir import LogDirError, LogDirInUseError, unique_log_dir
+        from ..formats.logdir import LogDirError, LogDirInUseError, unique_log_dir
 
         if restart and previous_id is not None:  # the same run, started over at this step
             self._set_identity(previous_id)
@@ -572,7 +572,7 @@ def _unused_dir(log_dir: str, handler: Any) -> str:
     Trainer's TensorBoard writer is not open there): a new run never writes another run's files."""
     from ..formats.events import has_event_files
     from ..formats.trajectory import TRAJECTORY_FILENAME
-    from ..logdir import LogDirError, unique_log_dir
+    from ..formats.logdir import LogDirError, unique_log_dir
 
     opened = {os.path.realpath(str(cb.logging_dir)) for cb in _tensorboard_callbacks(handler)
               if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)}

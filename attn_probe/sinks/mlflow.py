@@ -6,7 +6,7 @@ batch raises in ``log``, and the dispatcher names the lost step. After ``start()
 calls its own client with an explicit ``run_id`` (never the fluent API, whose active run is per
 thread), so it runs on a lane of its own and a dead server blocks only that lane
 (docs/live-probe.md, writing off the training step). On resume the steps the run already holds
-are not sent again (:mod:`attn_probe.tracker_record`). ``mlflow`` is imported in
+are not sent again (:mod:`attn_probe.sinks.tracker_record`). ``mlflow`` is imported in
 :meth:`MlflowSink.start` (``pip install 'attn-probe[mlflow]'``).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..tracker_record import TrackerRun, mlflow_run
+from .tracker_record import TrackerRun, mlflow_run
 from . import RunInfo, Snapshot
 from .trackers import TrackerSink
 

@@ -1,4 +1,4 @@
-"""TensorBoard sink: one ``add_scalar`` per tag of :func:`attn_probe.tags.scalar_tag`.
+"""TensorBoard sink: one ``add_scalar`` per tag of :func:`attn_probe.formats.tags.scalar_tag`.
 
 Writes, into one run directory (the training run's own, so loss and scores sit together):
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from ..formats.events import event_files, file_identities, truncate_torn_record, wait_for_a_later_name
 from ..isolation import safe_warn
-from ..tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
+from ..formats.tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "paper_category", "band_chart_title", "heatmap_tag", "emit_session_start", "writer_log_dir",
@@ -67,7 +67,7 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
     ``attn_probe/{group}: symmetry, the paper's figure`` (:func:`paper_category`), ahead of the
     others: it is the first chart on the page. Then, per group, category ``attn_probe/{group}``
     holds the other scores' Margin charts and every score's per-layer Multiline chart. The
-    magnitudes (:func:`attn_probe.tags.stats_for` gives them a ``max``) get their own category
+    magnitudes (:func:`attn_probe.formats.tags.stats_for` gives them a ``max``) get their own category
     ``attn_probe/{group}/norms``: the same two charts plus a Multiline chart of the across-layer
     max and median. Metrics logged once per run (``random_*``, the random-matrix range) get no
     chart. TensorBoard's layout has no axis-scale field; the log scale of the norm charts is a

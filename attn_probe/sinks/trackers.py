@@ -1,12 +1,12 @@
 """What the trackers (W&B, MLflow, trackio, the integrations' trackers) share, in one place.
 
-* Keys: :func:`tracker_key`, the TensorBoard tags of :func:`attn_probe.tags.scalar_tag`
+* Keys: :func:`tracker_key`, the TensorBoard tags of :func:`attn_probe.formats.tags.scalar_tag`
   (``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]``, ``.../{median|q25|q75}``) with
   every character outside ``[A-Za-z0-9_./-]`` (which every tracker accepts) rewritten as ``_``.
 * :class:`TrackerSink`, the base of the plain-loop sinks, and :class:`TrackerFanOut`, which
   sends to the targets (:class:`TrackerTarget`) that the Trainer, Lightning and Accelerate integrations
   hand it (W&B apart: the integrations give it a :class:`~attn_probe.sinks.wandb.WandbSink`).
-* Resume, no step twice: each tracker run's :class:`~attn_probe.tracker_record.ResendGuard`.
+* Resume, no step twice: each tracker run's :class:`~attn_probe.sinks.tracker_record.ResendGuard`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..tags import scalar_tag
-from ..tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
+from ..formats.tags import scalar_tag
+from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 from . import RunInfo, Sink, Snapshot
 
 __all__ = ["KEY_PATTERN", "STEP_KEY", "TrackerSink", "tracker_key", "tracker_metrics", "import_tracker",
@@ -38,7 +38,7 @@ def _clean(part: str) -> str:
 
 def tracker_key(group: str, metric: str, layer: int | None = None, head: int | None = None,
                 stat: str | None = None) -> str:
-    """Tracker key of one series: :func:`attn_probe.tags.scalar_tag`, valid for every tracker.
+    """Tracker key of one series: :func:`attn_probe.formats.tags.scalar_tag`, valid for every tracker.
 
     Example:
         >>> tracker_key("self", "symmetry", layer=3)

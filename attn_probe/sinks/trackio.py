@@ -4,7 +4,7 @@ trackio keeps every row with its step, so values are logged with ``step=`` witho
 the user's metrics. ``trackio.init`` finishes the run current in the process, so the sink never
 creates a run while one is active: it uses that run (when its project matches) or asks for
 ``run=``. On resume, the probe's record says which steps the run already holds (trackio offers
-no cheap read-back; :mod:`attn_probe.tracker_record`). ``trackio`` is imported in
+no cheap read-back; :mod:`attn_probe.sinks.tracker_record`). ``trackio`` is imported in
 :meth:`TrackioSink.start` (``pip install 'attn-probe[trackio]'``).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..tracker_record import TrackerRun, trackio_run
+from .tracker_record import TrackerRun, trackio_run
 from . import RunInfo, Snapshot
 from .trackers import TrackerSink, current_trackio_run
 

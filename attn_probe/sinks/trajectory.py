@@ -16,7 +16,7 @@ The file only ever holds complete lines:
   tmp reaper, the file moved away) is noticed at the next snapshot, before and after it is
   written (``os.fstat`` of the handle against ``os.stat`` of the path: the path missing,
   another inode there, or no link left), and the file is recreated at its path (its directory
-  too, and the directory's lock, :func:`attn_probe.logdir.restore_lock`); a snapshot that went
+  too, and the directory's lock, :func:`attn_probe.formats.logdir.restore_lock`); a snapshot that went
   into the deleted file is written again into the new one. One warning per incident says what
   the file held that went with it and from which step the new file holds the trajectory;
 * each run begins its rows with a run header record (:func:`attn_probe.formats.trajectory.encode_header`):
@@ -30,7 +30,7 @@ The file only ever holds complete lines:
   when the kept rows are a prefix of the file, the usual case, it is cut in place at the first
   dropped line's byte offset, which needs no free space; otherwise the kept rows are streamed
   into a temporary file that is removed again if the write fails; every failure a
-  :class:`~attn_probe.logdir.LogDirError`). One warning line says what was cut from which run.
+  :class:`~attn_probe.formats.logdir.LogDirError`). One warning line says what was cut from which run.
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ class TrajectorySink(Sink):
             raise OSError(exc.errno, f"{self.path} {how} while written; the rows it held ({held}) {fate}; "
                           f"recreating it failed: {exc.strerror or exc}") from exc
         self.recreated += 1
-        from ..logdir import restore_lock
+        from ..formats.logdir import restore_lock
 
         lock_note = ""
         if restore_lock(directory) is False:  # a no-op while the lock file is still in place

@@ -33,8 +33,8 @@ import threading
 from typing import Any
 
 from ..isolation import print_line, safe_warn
-from ..tags import PREFIX
-from ..tracker_record import STEP_KEY, TrackerRun, wandb_run
+from ..formats.tags import PREFIX
+from .tracker_record import STEP_KEY, TrackerRun, wandb_run
 from . import RunInfo, Snapshot
 from .trackers import TrackerSink
 

@@ -18,7 +18,7 @@ from helpers import REPO, RandomTokens, make_args, tiny_bert
 from transformers import Trainer, TrainerCallback
 
 import attn_probe
-from attn_probe.alerts import AlertRule
+from attn_probe.live.alerts import AlertRule
 
 
 def rendered_lines(stream: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Alert rules (attn_probe.alerts) on synthetic sequences of logged rows."""
+"""Alert rules (attn_probe.live.alerts) on synthetic sequences of logged rows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from attn_probe.alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
+from attn_probe.live.alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
 
 
 def rows(value: float, *, metric: str = "max_logit", layer: int = 0, heads: tuple[float, ...] = ()) -> list[dict]:

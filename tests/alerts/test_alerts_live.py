@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe import AttnProbeCallback, Probe  # noqa: E402
-from attn_probe.alerts import AlertRule  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 from tests.helpers import REPO, RandomTokens, make_args, tiny_llama  # noqa: E402
 
 
@@ -72,15 +72,15 @@ def test_a_failed_attention_measurement_fires_no_alert_and_stops_nothing(tmp_pat
     the same rules fire on NaN query weights, whose logits are measured and NaN."""
     rules = [AlertRule("max_logit", above=1e6), AlertRule("entropy", above=1e6),
              AlertRule("logit_bound_ratio", above=10.0)]
-    real = attn_probe.attention_stats.logit_stats
+    real = attn_probe.activations.statistics.logit_stats
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure in the attention statistics")
 
-    monkeypatch.setattr(attn_probe.attention_stats, "logit_stats", broken)
+    monkeypatch.setattr(attn_probe.activations.statistics, "logit_stats", broken)
     probe, fired = _train_watched(tiny_llama(), tmp_path / "a", 4, alerts=rules, stop_on_alert=True)
     assert probe.failures >= 1 and fired == [] and not probe.stop_requested
-    monkeypatch.setattr(attn_probe.attention_stats, "logit_stats", real)
+    monkeypatch.setattr(attn_probe.activations.statistics, "logit_stats", real)
     probe, fired = _train_watched(tiny_llama(), tmp_path / "b", 3, nan_at=3, alerts=rules)
     assert {(a.step, a.layer, a.metric) for a in fired} == {(3, 1, "max_logit"), (3, 1, "entropy")}
     assert all(math.isnan(a.value) for a in fired)
@@ -117,7 +117,7 @@ def test_the_alert_line_as_a_user_sees_it(tmp_path):
     metric, value, layer, head and rule, with no file path and no source line of the library."""
     script = textwrap.dedent(f"""
         import torch, attn_probe
-        from attn_probe.alerts import AlertRule
+        from attn_probe.live.alerts import AlertRule
         from tests.helpers import tiny_llama
         model = tiny_llama()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -22,7 +22,7 @@ from attn_probe.analysis.summary import layer_quantiles
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError, TrajectoryWarning, find_runs
 from attn_probe.core import DEFAULT_METRICS
 from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
-from attn_probe.tags import scalar_tag
+from attn_probe.formats.tags import scalar_tag
 
 pytest.importorskip("tensorboard")
 

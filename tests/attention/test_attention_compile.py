@@ -102,7 +102,7 @@ def test_inductor_values():
     """The default backend (inductor) on a one-layer model, training-mode forwards (the backward
     is left out to keep the C++ compile short): a forward not armed, then an armed one; its
     values equal the eager capture's on the same weights and batch."""
-    from attn_probe.attention_stats import AttentionCapture
+    from attn_probe.activations.statistics import AttentionCapture
     from attn_probe.extraction import find_attention
 
     torch._dynamo.reset()

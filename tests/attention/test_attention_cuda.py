@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from helpers import tiny_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from attn_probe.attention_stats import AttentionCapture  # noqa: E402
+from attn_probe.activations.statistics import AttentionCapture  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe import AttnProbeCallback  # noqa: E402
-from attn_probe.attention_stats import AttentionCapture  # noqa: E402
+from attn_probe.activations.statistics import AttentionCapture  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
 from tests.helpers import make_args  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Measured attention logits and entropy (attn_probe.attention_stats) against explicit references.
+"""Measured attention logits and entropy (attn_probe.activations.statistics) against explicit references.
 
 References are computed here from the models' own projections (and Llama's own rotary function)
 on the attention inputs, with explicit causal/padding masks, and from eager attention's
@@ -27,8 +27,8 @@ from transformers import (  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
-import attn_probe.attention_stats as stats_module  # noqa: E402
-from attn_probe.attention_stats import (  # noqa: E402
+import attn_probe.activations.statistics as stats_module  # noqa: E402
+from attn_probe.activations.statistics import (  # noqa: E402
     AttentionCapture,
     combine,
     installed_wrappers,

@@ -110,7 +110,7 @@ FAILING_RUN = textwrap.dedent('''
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     import attn_probe
-    import attn_probe.attention_stats as stats
+    import attn_probe.activations.statistics as stats
 
     probe_on = sys.argv[1] == "probe"
     torch.manual_seed(0)

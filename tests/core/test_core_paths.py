@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
 from attn_probe import core
-from attn_probe import pairs as pairs_module
+from attn_probe.scoring import pairs as pairs_module
 from attn_probe.core import (
     DEFAULT_METRICS,
     is_magnitude,
@@ -21,7 +21,7 @@ from attn_probe.core import (
     score_factors,
     spectra,
 )
-from attn_probe.pairs import QKPair
+from attn_probe.scoring.pairs import QKPair
 
 
 def check_table(table, q, k, rel=1e-4, abs_=1e-4):

@@ -89,7 +89,7 @@ def test_bf16_gram_products_use_float32_output_where_supported():
 
 
 def test_stack_budget_comes_from_the_free_memory():
-    from attn_probe import pairs
+    from attn_probe.scoring import pairs
 
     free, _ = torch.cuda.mem_get_info()
     budget = pairs.stack_budget(torch.device("cuda"))
@@ -101,7 +101,7 @@ def test_op_count_on_cuda_equals_the_gpu_algorithm_on_cpu(tmp_path):
     """The device-independent count (GPU algorithm on CPU tensors) is the count on CUDA, float32
     weights, up to the host transfers (no-ops on CPU); bf16 adds the two half-precision copies
     that enter the Gram products."""
-    from attn_probe.op_count import snapshot_op_count
+    from attn_probe.core.op_count import snapshot_op_count
 
     counts = {}
     for device in ("cpu", "cuda"):

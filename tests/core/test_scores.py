@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from attn_probe import reference as scores
+from attn_probe import definitions as scores
 from attn_probe.core import factored_scores, gram_is_cheaper, products, score_factors
 from attn_probe.core import stacks as metrics
-from attn_probe.reference import (
+from attn_probe.definitions import (
     directionality_from_norms,
     directionality_score,
     pair_kv_heads,

@@ -27,7 +27,7 @@ from transformers import (
 import attn_probe
 from attn_probe.cli import main
 from attn_probe.core import DEFAULT_METRICS, MAGNITUDES, Products, is_magnitude, score_factors
-from attn_probe.tags import BAND_STATS, STATS, layer_stats, parse_tag, scalar_tag, stats_for
+from attn_probe.formats.tags import BAND_STATS, STATS, layer_stats, parse_tag, scalar_tag, stats_for
 
 NORMS = ("spectral_norm", "frobenius_norm", "stable_rank", "qk_bound")
 SMALL = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)

@@ -20,7 +20,7 @@ pytest.importorskip("tokenizers")
 from attn_probe import demo  # noqa: E402
 from attn_probe.cli import main  # noqa: E402
 from attn_probe.demo.processes import describe_failure  # noqa: E402
-from attn_probe.tags import scalar_tag  # noqa: E402
+from attn_probe.formats.tags import scalar_tag  # noqa: E402
 
 TINY = ["--size", "tiny", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--every", "2",
         "--vocab-size", "200", "--max-chars", "20000", "--no-progress", "--no-figure", "--threads", "1"]

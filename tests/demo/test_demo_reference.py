@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import attn_probe.baselines  # noqa: E402
-from attn_probe.tags import scalar_tag  # noqa: E402
+from attn_probe.formats.tags import scalar_tag  # noqa: E402
 
 TINY = ["--size", "tiny", "--steps", "6", "--batch-size", "4", "--seq-len", "16", "--every", "2",
         "--max-chars", "20000", "--no-figure", "--threads", "1", "--sequential"]

@@ -139,8 +139,8 @@ def test_builtin_schedule_agrees_only_on_due_steps(runs) -> None:
 
 
 def test_schedules_say_whether_they_are_deterministic() -> None:
-    from attn_probe.config import ProbeConfig
-    from attn_probe.schedules import any_of, every, is_deterministic, log_spaced
+    from attn_probe.live.config import ProbeConfig
+    from attn_probe.live.schedules import any_of, every, is_deterministic, log_spaced
 
     assert all(is_deterministic(s) for s in (every(3), log_spaced(4), any_of(every(2), log_spaced()), None))
     assert is_deterministic(ProbeConfig(every=5).schedule)
@@ -189,7 +189,7 @@ import torch
 from transformers import BertConfig, BertModel
 
 import attn_probe
-from attn_probe.pairs import QKPair
+from attn_probe.scoring.pairs import QKPair
 
 
 class FailsLater(QKPair):

@@ -31,8 +31,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from attn_probe import AttnProbeCallback
-from attn_probe.alerts import AlertRule
-from attn_probe.stages.measurement import Measurement
+from attn_probe.live.alerts import AlertRule
+from attn_probe.live.stages.measurement import Measurement
 
 STEPS = 8
 hold = {"seconds": 0.0}

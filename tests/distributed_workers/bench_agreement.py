@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from shard_worker import bert  # noqa: E402
 
-from attn_probe.probe import Probe  # noqa: E402
+from attn_probe.live.probe import Probe  # noqa: E402
 
 
 def per_call(fn, n: int = 500, batches: int = 5) -> float:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from attn_probe import Probe
-from attn_probe.pairs import QKPair
+from attn_probe.scoring.pairs import QKPair
 
 STATES = ("default", "second", "disabled")
 

@@ -45,7 +45,7 @@ from shard_worker import batch, bert  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe.distributed import backends  # noqa: E402
-from attn_probe.probe import Probe  # noqa: E402
+from attn_probe.live.probe import Probe  # noqa: E402
 
 STEPS = 5
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe.alerts import AlertRule
+from attn_probe.live.alerts import AlertRule
 from attn_probe.baselines import random_range
 
 AGREEMENT_TIMEOUT = 3.0

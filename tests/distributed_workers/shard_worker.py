@@ -28,7 +28,7 @@ import torch.distributed as dist
 from attn_probe import find_attention
 from attn_probe.distributed import all_ranks_ok, gather_scores, iter_layer_factors, sharding_kind, world_info
 from attn_probe.extraction import AttentionLayer
-from attn_probe.scoring import score_layer
+from attn_probe.scoring.model import score_layer
 
 
 def bert_config():

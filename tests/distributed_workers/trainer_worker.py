@@ -21,7 +21,7 @@ from transformers import BertForMaskedLM, Trainer, TrainerCallback, TrainingArgu
 import attn_probe.distributed as distributed
 from attn_probe import AttnProbeCallback
 from attn_probe.distributed import backends
-from attn_probe.pairs import QKPair
+from attn_probe.scoring.pairs import QKPair
 
 
 def bert() -> BertForMaskedLM:

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from test_extraction import CASES, _build  # noqa: E402
 
 from attn_probe.extraction import UnsupportedModelError, find_attention  # noqa: E402
-from attn_probe.scoring import score_model  # noqa: E402
+from attn_probe.scoring.model import score_model  # noqa: E402
 
 GATED_CASES = [c for c in CASES if c.id in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen4_exp_text")]
 

@@ -12,12 +12,12 @@ import torch
 
 from attn_probe.core import factored_scores
 from attn_probe.extraction import find_attention
-from attn_probe.reference import directionality_score
-from attn_probe.scoring import score_layer, score_model
+from attn_probe.definitions import directionality_score
+from attn_probe.scoring.model import score_layer, score_model
 
 gguf = pytest.importorskip("gguf")
 
-from attn_probe.gguf import GGUFError, is_gguf_file, open_gguf, score_gguf, unpermute_rows  # noqa: E402
+from attn_probe.scoring.gguf import GGUFError, is_gguf_file, open_gguf, score_gguf, unpermute_rows  # noqa: E402
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

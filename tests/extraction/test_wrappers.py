@@ -18,7 +18,7 @@ from helpers import tiny_model  # noqa: E402
 from test_extraction import check_against_hooks, heads  # noqa: E402
 
 from attn_probe.extraction import find_attention, unwrap  # noqa: E402
-from attn_probe.scoring import score_model  # noqa: E402
+from attn_probe.scoring.model import score_model  # noqa: E402
 
 
 def tiny_llama() -> nn.Module:

@@ -1,6 +1,6 @@
 """The log directory: one writer at a time (an OS lock), unique default names, write checks.
 
-Multi-process cases run real processes. The children load ``attn_probe/logdir.py`` by path
+Multi-process cases run real processes. The children load ``attn_probe/formats/logdir.py`` by path
 (it is stdlib-only), so they start in a fraction of a second instead of importing torch
 through ``attn_probe/__init__``; every wait on a child is bounded.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from attn_probe import logdir
-from attn_probe.logdir import (
+from attn_probe.formats import logdir
+from attn_probe.formats.logdir import (
     LOCK_FILENAME,
     LogDirError,
     LogDirInUseError,

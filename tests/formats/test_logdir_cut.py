@@ -21,7 +21,7 @@ import pytest
 
 import attn_probe
 from attn_probe.formats.trajectory import MAX_LINE, cut_trajectory
-from attn_probe.logdir import LogDirError, LogDirLock, check_log_dir
+from attn_probe.formats.logdir import LogDirError, LogDirLock, check_log_dir
 
 PACKAGE_DIR = Path(attn_probe.__file__).resolve().parent
 

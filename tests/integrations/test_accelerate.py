@@ -9,7 +9,7 @@ from helpers import SEQ, VOCAB, tiny_bert
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import attn_probe
-from attn_probe.schedules import every
+from attn_probe.live.schedules import every
 
 
 def batches(n, size=4):

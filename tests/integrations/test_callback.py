@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
 from attn_probe.core import DEFAULT_METRICS
-from attn_probe.tags import scalar_tag, stats_for
+from attn_probe.formats.tags import scalar_tag, stats_for
 
 
 class KeepWeights(TrainerCallback):

@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import attn_probe  # noqa: E402
-from attn_probe.alerts import AlertRule  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.lightning import AttnProbeCallback  # noqa: E402
 
 WEIGHT_METRICS = ("symmetry", "directionality", "spectral_norm", "frobenius_norm", "stable_rank")

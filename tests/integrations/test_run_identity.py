@@ -6,7 +6,7 @@ Run A (``output_dir=A``), branched from ``A/checkpoint-2`` into ``output_dir=B``
 must record B's own run id (the id in B's trajectory header), never A's, and resuming B from its
 own checkpoint continues B. Where the run-directory names collide (two jobs started in the same
 second on one host get the same default name; forced here through the name the callback asks
-:mod:`attn_probe.logdir` for), branching back from B's checkpoint into A's ``output_dir`` must
+:mod:`attn_probe.formats.logdir` for), branching back from B's checkpoint into A's ``output_dir`` must
 leave every line of A's run as it was. A run header edited or deleted by hand gives a message
 that says so, not "another output_dir". The references are the files read back line by line.
 """

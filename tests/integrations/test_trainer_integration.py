@@ -17,7 +17,7 @@ from transformers import Trainer, TrainerCallback
 
 import attn_probe
 from attn_probe.integrations.transformers import AttnProbeCallback
-from attn_probe.live_view import SCALARS_PER_TAG
+from attn_probe.sinks.live_view import SCALARS_PER_TAG
 
 make_args = functools.partial(make_args, report_to=["tensorboard"])
 

@@ -12,8 +12,8 @@ import torch
 from helpers import tiny_bert, tiny_llama
 
 import attn_probe
-from attn_probe.pairs import QKPair
-from attn_probe.stages.measurement import Measurement
+from attn_probe.scoring.pairs import QKPair
+from attn_probe.live.stages.measurement import Measurement
 
 
 def llama(layers=4):
@@ -265,7 +265,7 @@ EXIT_SCRIPT = """
 import sys, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 import attn_probe
-from attn_probe.pairs import QKPair
+from attn_probe.scoring.pairs import QKPair
 
 class SlowQK(QKPair):  # still scoring (in torch) when the script ends
     def score(self, *args, **kwargs):

@@ -14,7 +14,7 @@ from transformers import Trainer
 
 import attn_probe
 from attn_probe.core import DEFAULT_METRICS
-from attn_probe.probe import LogDirError, Probe, QKPair
+from attn_probe.live.probe import LogDirError, Probe, QKPair
 
 
 def jsonl(log_dir):

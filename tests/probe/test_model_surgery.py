@@ -16,7 +16,7 @@ from transformers import BertConfig, BertModel
 from transformers.models.bert.modeling_bert import BertSelfAttention
 
 from attn_probe import score_model
-from attn_probe.probe import Probe
+from attn_probe.live.probe import Probe
 
 TOL = 1e-6
 

@@ -23,9 +23,9 @@ import torch
 from helpers import REPO, tiny_llama
 
 import attn_probe
-from attn_probe.config import ProbeConfig
-from attn_probe.pairs import OVPair, QKPair
-from attn_probe.schedules import any_of, as_schedule, every, is_deterministic, log_spaced
+from attn_probe.live.config import ProbeConfig
+from attn_probe.scoring.pairs import OVPair, QKPair
+from attn_probe.live.schedules import any_of, as_schedule, every, is_deterministic, log_spaced
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -202,7 +202,7 @@ def odd_steps(step: int) -> bool:
 
 
 def test_probe_config_pickles_equal_with_schedules_pairs_and_alerts(tmp_path) -> None:
-    from attn_probe.alerts import AlertRule
+    from attn_probe.live.alerts import AlertRule
 
     config = ProbeConfig(every=log_spaced(4, max_interval=100), images_every=any_of(every(50), log_spaced(2)),
                          pairs=("qk", "ov"), alerts=(AlertRule("symmetry", above=0.9),), per_head=True)

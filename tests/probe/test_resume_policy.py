@@ -1,4 +1,4 @@
-"""The run-directory resume/branch policy (attn_probe.resume_policy) on plain values: real
+"""The run-directory resume/branch policy (attn_probe.live.resume_policy) on plain values: real
 directories and trajectory files, no Trainer, no transformers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import time
 
 from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_header
-from attn_probe.resume_policy import (
+from attn_probe.live.resume_policy import (
     SavedRun,
     choose_run,
     holds_run,

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from attn_probe.schedules import any_of, as_schedule, every, log_spaced
+from attn_probe.live.schedules import any_of, as_schedule, every, log_spaced
 
 
 @given(n=st.integers(1, 500), offset=st.integers(0, 50), step=st.integers(0, 5000))

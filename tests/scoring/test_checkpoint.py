@@ -12,7 +12,7 @@ from helpers import tiny_model
 from safetensors.torch import save_file
 
 from attn_probe import find_attention, score_model
-from attn_probe.checkpoint import CheckpointError, score_checkpoint, summarize_rows
+from attn_probe.scoring.checkpoint import CheckpointError, score_checkpoint, summarize_rows
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,12 +24,12 @@ from transformers import (
 
 import attn_probe
 from attn_probe import core as metrics_module
-from attn_probe.checkpoint import CheckpointError, CheckpointWeights, score_checkpoint
+from attn_probe.scoring.checkpoint import CheckpointError, CheckpointWeights, score_checkpoint
 from attn_probe.cli import main
 from attn_probe.distributed import gather_scores
 from attn_probe.extraction import UnsupportedModelError
-from attn_probe.pairs import OVPair, QKPair
-from attn_probe.reference import directionality_score, symmetry_score
+from attn_probe.scoring.pairs import OVPair, QKPair
+from attn_probe.definitions import directionality_score, symmetry_score
 
 D, H = 32, 4
 DH = D // H

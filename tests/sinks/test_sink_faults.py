@@ -345,10 +345,10 @@ def test_default_directories_are_unique_and_a_named_one_is_refused(tmp_path, mon
     from helpers import tiny_model
 
     import attn_probe
-    from attn_probe.logdir import LogDirInUseError
+    from attn_probe.formats.logdir import LogDirInUseError
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("attn_probe.stages.outputs.default_log_dir", lambda: os.path.join("runs", "same_second_host"))
+    monkeypatch.setattr("attn_probe.live.stages.outputs.default_log_dir", lambda: os.path.join("runs", "same_second_host"))
     torch.manual_seed(0)
     model = tiny_model("bert", None)
     a = attn_probe.Probe(model, every=None, metrics=("symmetry",))

@@ -1,4 +1,4 @@
-"""The across-layer statistics, defined once in attn_probe.tags and shared by every reader/writer."""
+"""The across-layer statistics, defined once in attn_probe.formats.tags and shared by every reader/writer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from attn_probe.checkpoint import summarize_rows
-from attn_probe.tags import STAT_QUANTILES, STATS, layer_stats
+from attn_probe.scoring.checkpoint import summarize_rows
+from attn_probe.formats.tags import STAT_QUANTILES, STATS, layer_stats
 
 
 def linear_quantile(values: list[float], q: float) -> float:

@@ -13,7 +13,7 @@ import torch
 from helpers import stop_process_group, tiny_model
 
 import attn_probe
-from attn_probe.tags import scalar_tag
+from attn_probe.formats.tags import scalar_tag
 
 VOCAB, SEQ = 50, 12
 STARTUP_TIMEOUT_S = 90

@@ -115,14 +115,14 @@ def crash_and_resume(log_dir: Path, first_sink, resumed_sink, between=None) -> t
 
 # --------------------------------------------------------------------------- the guard and the record
 def tracker_run(read_back=None, run_id="r1"):
-    from attn_probe.tracker_record import TrackerRun
+    from attn_probe.sinks.tracker_record import TrackerRun
 
     return TrackerRun("fake", run_id, f"fake run {run_id}", read_back=read_back)
 
 
 def test_the_tracker_wins_over_the_record_and_the_record_is_the_fallback(tmp_path):
-    from attn_probe import tracker_record
-    from attn_probe.tracker_record import NotReadable, ResendGuard, SentRecord
+    from attn_probe.sinks import tracker_record
+    from attn_probe.sinks.tracker_record import NotReadable, ResendGuard, SentRecord
 
     assert tracker_record.SENT_FILENAME == SENT_FILENAME
     record = SentRecord(str(tmp_path))
@@ -160,7 +160,7 @@ def test_wandb_online_is_read_back_from_the_summary_and_offline_is_not():
     uses. A resumed online run's summary holds the last ``attn_probe/step``; offline it is empty."""
     from types import SimpleNamespace
 
-    from attn_probe.tracker_record import NotReadable, wandb_held_step, wandb_run
+    from attn_probe.sinks.tracker_record import NotReadable, wandb_held_step, wandb_run
 
     online = SimpleNamespace(id="abc", offline=False, summary={STEP_KEY: 1000.0, "loss": 0.1})
     assert wandb_held_step(online, STEP_KEY) == 1000
@@ -175,8 +175,8 @@ def test_wandb_online_is_read_back_from_the_summary_and_offline_is_not():
 def test_a_slow_read_back_falls_back_to_the_record(tmp_path, monkeypatch):
     import threading
 
-    from attn_probe import tracker_record
-    from attn_probe.tracker_record import ResendGuard, SentRecord
+    from attn_probe.sinks import tracker_record
+    from attn_probe.sinks.tracker_record import ResendGuard, SentRecord
 
     monkeypatch.setattr(tracker_record, "READ_BACK_TIMEOUT", 0.2)
     record = SentRecord(str(tmp_path))
@@ -192,7 +192,7 @@ def test_a_slow_read_back_falls_back_to_the_record(tmp_path, monkeypatch):
 def test_the_record_never_raises_and_the_tracker_keeps_logging(tmp_path):
     """A record that cannot be written (here: its path is a directory) warns once, under -W error
     too (on stderr then); an unreadable record reads as absent."""
-    from attn_probe.tracker_record import SentRecord, make_guard
+    from attn_probe.sinks.tracker_record import SentRecord, make_guard
 
     (tmp_path / SENT_FILENAME).mkdir()
     guard = make_guard(lambda: tracker_run(), str(tmp_path), resume_step=None)

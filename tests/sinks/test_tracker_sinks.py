@@ -32,7 +32,7 @@ from attn_probe.core import METRICS
 from attn_probe.extraction.base import GROUPS
 from attn_probe.sinks import Record, RunInfo, Snapshot
 from attn_probe.sinks.trackers import KEY_PATTERN, STEP_KEY, tracker_key, tracker_metrics
-from attn_probe.tags import STATS
+from attn_probe.formats.tags import STATS
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, tracker_servers
 STEPS = 4
@@ -112,7 +112,7 @@ def test_missing_library_names_the_extra(monkeypatch, module, cls, args):
 
 
 def test_tracker_libraries_are_imported_only_when_a_sink_starts():
-    code = ("import sys, attn_probe, attn_probe.gguf, attn_probe.sinks.trackers, attn_probe.sinks.wandb, "
+    code = ("import sys, attn_probe, attn_probe.scoring.gguf, attn_probe.sinks.trackers, attn_probe.sinks.wandb, "
             "attn_probe.sinks.mlflow, attn_probe.sinks.trackio\n"
             "print(sorted(m for m in ('wandb', 'mlflow', 'trackio', 'gguf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -1,4 +1,4 @@
-"""The live probe's stages (attn_probe/stages/) on their own: plain values in, plain values out.
+"""The live probe's stages (attn_probe/live/stages/) on their own: plain values in, plain values out.
 
 Each stage is checked against an independent reference: the schedules themselves (decision),
 ``score_model``'s per-layer rows and explicit matrices (measurement), ``numpy.quantile`` over
@@ -15,15 +15,15 @@ import torch
 from helpers import tiny_llama
 
 import attn_probe
-from attn_probe.config import ProbeConfig
-from attn_probe.logdir import LogDirInUseError
-from attn_probe.pairs import QKPair
-from attn_probe.reference import symmetry_score
+from attn_probe.live.config import ProbeConfig
+from attn_probe.formats.logdir import LogDirInUseError
+from attn_probe.scoring.pairs import QKPair
+from attn_probe.definitions import symmetry_score
 from attn_probe.sinks import Record, RunInfo
-from attn_probe.stages.assembly import Assembler, layer_statistics, snapshot_from_rows
-from attn_probe.stages.decision import StepDecision
-from attn_probe.stages.measurement import Measurement
-from attn_probe.stages.outputs import Outputs, announce_line, run_info
+from attn_probe.sinks.assembly import Assembler, layer_statistics, snapshot_from_rows
+from attn_probe.live.stages.decision import StepDecision
+from attn_probe.live.stages.measurement import Measurement
+from attn_probe.live.stages.outputs import Outputs, announce_line, run_info
 
 # --------------------------------------------------------------------------- decision
 

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from .core import (
+from ..core import (
     DEFAULT_METRICS,
     WRITTEN_NAMES,
     check_metrics,
@@ -33,7 +33,7 @@ from .core import (
     score_factor_stack,
     score_factors,
 )
-from .extraction import AttentionLayer
+from ..extraction import AttentionLayer
 
 __all__ = ["ScorePair", "QKPair", "OVPair", "pair_metric_names", "check_pairs", "stack_layers", "score_stacks",
            "Stack", "stack_budget", "stack_layer_bytes"]
@@ -132,7 +132,7 @@ class OVPair(QKPair):
         # The module is kept with its layout, so a recycled id() cannot match another module.
         entry = self._layouts.get(id(layer.module))
         if entry is None or entry[0] is not layer.module:
-            from .extraction.ov import ov_layout
+            from ..extraction.ov import ov_layout
 
             entry = self._layouts[id(layer.module)] = (layer.module, ov_layout(layer))
         return entry[1]

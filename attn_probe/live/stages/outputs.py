@@ -18,11 +18,11 @@ from typing import Any
 from torch import nn
 
 from ..config import ProbeConfig
-from ..extraction import AttentionLayer, unwrap
-from ..live_view import run_command
-from ..logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir, printable
-from ..sinks import RunInfo, Sink, Snapshot
-from ..sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
+from ...extraction import AttentionLayer, unwrap
+from ...sinks.live_view import run_command
+from ...formats.logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir, printable
+from ...sinks import RunInfo, Sink, Snapshot
+from ...sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
 
 __all__ = ["Outputs", "SinkStats", "run_info", "announce_line", "at_interpreter_exit"]
 
@@ -72,16 +72,16 @@ class Outputs:
     """The log directory, its lock, the sinks and their dispatcher (built on the main process only).
 
     Built from ``config.log_dir``, ``writer``, ``sinks``, ``purge_stale`` and the lanes'
-    options. The directory is locked (:class:`~attn_probe.logdir.LogDirLock`) until
-    :meth:`close`: a second writer gets :class:`~attn_probe.logdir.LogDirInUseError` here. A
+    options. The directory is locked (:class:`~attn_probe.formats.logdir.LogDirLock`) until
+    :meth:`close`: a second writer gets :class:`~attn_probe.formats.logdir.LogDirInUseError` here. A
     directory the user did not name gets a unique name (``..._1``, ...). Anything that fails
-    here raises (a log-directory problem as :class:`~attn_probe.logdir.LogDirError`),
+    here raises (a log-directory problem as :class:`~attn_probe.formats.logdir.LogDirError`),
     releasing the lock. After that, nothing raises.
     """
 
     def __init__(self, config: ProbeConfig, run: RunInfo) -> None:
-        from ..sinks.tensorboard import TensorBoardSink, writer_log_dir
-        from ..sinks.trajectory import TrajectorySink
+        from ...sinks.tensorboard import TensorBoardSink, writer_log_dir
+        from ...sinks.trajectory import TrajectorySink
 
         log_dir, writer, sinks = config.log_dir, config.writer, config.sinks
         lock: LogDirLock | None = None
@@ -167,7 +167,7 @@ def _describe_schedule(every: Any, unit: str) -> str:
 def announce_line(model: nn.Module, layers: int, log_dir: str | None, *, every: Any, unit: str) -> str:
     """What is watched, how often, where it goes, and the ``tensorboard`` command of the live view.
 
-    The command is :func:`attn_probe.live_view.run_command`: ``--logdir`` names the directory
+    The command is :func:`attn_probe.sinks.live_view.run_command`: ``--logdir`` names the directory
     holding the run (there the run has its name, not ``.``), with an explicit
     ``--samples_per_plugin scalars=N`` (TensorBoard's server keeps only 1,000 points per scalar
     tag without it, and ``N = 0`` keeps none).

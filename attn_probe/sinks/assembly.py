@@ -1,9 +1,9 @@
 """Stage 3: a snapshot's records and statistics, from values already on the host.
 
 The live probe (:class:`Assembler`) and checkpoint trajectories
-(:func:`snapshot_from_rows`, :mod:`attn_probe.checkpoint`) assemble snapshots here, so the
+(:func:`snapshot_from_rows`, :mod:`attn_probe.scoring.checkpoint`) assemble snapshots here, so the
 records and the across-layer statistics (:func:`layer_statistics`: median, quartiles, ...
-of the layer-level values, :func:`attn_probe.tags.layer_stats`) are the same on every path.
+of the layer-level values, :func:`attn_probe.formats.tags.layer_stats`) are the same on every path.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 from ..core import table_entries
 from ..extraction import AttentionLayer
 from ..isolation import safe_warn
-from ..sinks import Record, Snapshot
-from ..tags import layer_stats
+from . import Record, Snapshot
+from ..formats.tags import layer_stats
 
 __all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
 

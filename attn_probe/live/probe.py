@@ -1,14 +1,14 @@
-"""The live probe: a façade that runs the stages of :mod:`attn_probe.stages` in order.
+"""The live probe: a façade that runs the stages of :mod:`attn_probe.live.stages` in order.
 
 At each counted step or hand-made snapshot, :class:`Probe` asks
 
-1. the step decision (:class:`~attn_probe.stages.decision.StepDecision`): is it due, is it
+1. the step decision (:class:`~attn_probe.live.stages.decision.StepDecision`): is it due, is it
    newer than the last snapshot, and on a sharded run do all ranks agree;
-2. the measurement (:class:`~attn_probe.stages.measurement.Measurement`): surgery check,
+2. the measurement (:class:`~attn_probe.live.stages.measurement.Measurement`): surgery check,
    the walk (gathering what the pairs declare), the scoring core, one host transfer; in the
    asynchronous mode on a worker thread;
-3. the assembly (:class:`~attn_probe.stages.assembly.Assembler`): records and statistics;
-4. the outputs (:class:`~attn_probe.stages.outputs.Outputs`): the sinks, main process only.
+3. the assembly (:class:`~attn_probe.sinks.assembly.Assembler`): records and statistics;
+4. the outputs (:class:`~attn_probe.live.stages.outputs.Outputs`): the sinks, main process only.
 
 On a fresh run every rank also computes, at attach and before the probe's first collective, the
 random-matrix range of its layer shapes (:func:`random_range_records`: seeded draws whose count
@@ -18,7 +18,7 @@ an agreement); the main process hands it to the sinks once with the first publis
 
 It owns only the step counter, the hook handles and the lifecycle; every public method is
 isolated (:func:`attn_probe.isolation.never_raise`): once attached, the probe never stops
-training. What counts steps lives in :mod:`attn_probe.counting`; :func:`attn_probe.watch`
+training. What counts steps lives in :mod:`attn_probe.live.counting`; :func:`attn_probe.watch`
 (in :mod:`attn_probe.watching`) attaches a probe to a loop. This module imports neither
 transformers nor accelerate.
 """
@@ -33,18 +33,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from .baselines import random_range
+from ..baselines import random_range
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
-from .distributed import Agreement, AgreementError, is_main_process, world_info
-from .extraction import AttentionLayer
+from ..distributed import Agreement, AgreementError, is_main_process, world_info
+from ..extraction import AttentionLayer
 from .images import render_heatmap
-from .isolation import Failures, never_raise, safe_warn
-from .logdir import LogDirError, LogDirInUseError
-from .pairs import QKPair, ScorePair
-from .sinks import Record, Snapshot
+from ..isolation import Failures, never_raise, safe_warn
+from ..formats.logdir import LogDirError, LogDirInUseError
+from ..scoring.pairs import QKPair, ScorePair
+from ..sinks import Record, Snapshot
 from .stages.alerting import agree_stop, attention_rows, build_alerting
-from .stages.assembly import Assembler
+from ..sinks.assembly import Assembler
 from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measurement, find_layers
@@ -112,7 +112,7 @@ class Probe:
     moved past the last one and closes the sinks. Collective-safe: call ``snapshot`` and
     ``close`` on every rank.
 
-    ``config`` (a :class:`~attn_probe.config.ProbeConfig`) and/or its fields as keyword
+    ``config`` (a :class:`~attn_probe.live.config.ProbeConfig`) and/or its fields as keyword
     options say what is measured and when, where it goes (``log_dir``, ``writer``, ``sinks``,
     ``is_main_process``, ``extra_config``, ``purge_stale``, ``restart``) and how it is written;
     an unknown option raises ``TypeError`` naming the valid ones.
@@ -213,7 +213,7 @@ class Probe:
         """One line on stderr, main process only: what is watched, how often, where it goes.
 
         Printed rather than logged so that it shows with default logging settings
-        (:func:`attn_probe.stages.outputs.announce_line`).
+        (:func:`attn_probe.live.stages.outputs.announce_line`).
         """
         if not self.is_main_process:
             return
@@ -228,7 +228,7 @@ class Probe:
         """Stages 2 to 4 at ``step`` (already decided): measure (weights; attention), assemble, write.
 
         Every rank issues the same collectives whatever happens here: the attention combine,
-        then the walk, then the stop decision (:func:`~attn_probe.stages.alerting.agree_stop`),
+        then the walk, then the stop decision (:func:`~attn_probe.live.stages.alerting.agree_stop`),
         also when the measurement fails. ``weights=False``: a step whose weight snapshot is
         skipped (the previous asynchronous one is still being scored) still combines the
         attention values and agrees on the stop on every rank.
@@ -373,11 +373,11 @@ class Probe:
             self.attention.stop()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer.step()`` calls (:class:`attn_probe.counting.OptimizerUpdates`)."""
+        """Count ``optimizer.step()`` calls (:class:`attn_probe.live.counting.OptimizerUpdates`)."""
         self.add_hook_handle(OptimizerUpdates(optimizer, self))
 
     def attach_forward_counter(self, module: nn.Module) -> None:
-        """Count training-mode forward passes of ``module`` (:class:`attn_probe.counting.ForwardPasses`)."""
+        """Count training-mode forward passes of ``module`` (:class:`attn_probe.live.counting.ForwardPasses`)."""
         self._forward_counter = ForwardPasses(module, self)
         if self.attention is not None:
             self.attention.count_forwards()  # forward-counted loops are not measured (see docs/scores.md)

@@ -11,7 +11,7 @@ it (``view``, ``reshape`` of a contiguous tensor, ``transpose``, ``select``, ``d
 metadata only, no kernel). In-place and ``out=`` operations write memory and are counted.
 
     >>> import torch
-    >>> from attn_probe.op_count import count_ops
+    >>> from attn_probe.core.op_count import count_ops
     >>> x = torch.ones(3, 4)
     >>> with count_ops() as ops:
     ...     y = (x.T @ x).sum()

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from ..distributed import Agreement, AgreementError, sharding_kind, world_info
-from ..isolation import safe_warn
+from ...distributed import Agreement, AgreementError, sharding_kind, world_info
+from ...isolation import safe_warn
 from ..schedules import Schedule, is_deterministic
 
 __all__ = ["Due", "StepDecision", "make_agreement"]

@@ -1,7 +1,7 @@
 """Scoring off the training step: the probe's optional asynchronous mode (``async_scoring=True``).
 
 At a due step the training thread walks the layers and copies their factors (the stacks of
-:func:`attn_probe.pairs.stack_layers`: stacked layers in the compute dtype, a layer scored
+:func:`attn_probe.scoring.pairs.stack_layers`: stacked layers in the compute dtype, a layer scored
 alone as a copy in its own dtype); a worker thread then scores the
 copies, moves the values to the host and assembles the snapshot, which the training thread
 hands to the sinks at its next probe call. Training never waits for the scoring, and the

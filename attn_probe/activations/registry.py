@@ -1,6 +1,6 @@
 """The attention-function registry glue: transformers' ``AttentionInterface.get_interface``, wrapped.
 
-:mod:`attn_probe.attention_stats` measures attention logits from the q and k an attention
+:mod:`attn_probe.activations.statistics` measures attention logits from the q and k an attention
 function receives; this module is how those calls reach it. While a capture exists,
 ``AttentionInterface.get_interface`` is wrapped: for a measured implementation name
 (:data:`FAMILIES`) it returns the function transformers resolved (for ``eager`` the module's
@@ -10,7 +10,7 @@ or the registry's mappings. :func:`unavailable_reason` says which models cannot 
 way (the forward's source must call ``get_interface(``; the module's ``_attn_implementation``
 must be measured and not overridden locally).
 
-The contract with a capture (:class:`attn_probe.attention_stats.AttentionCapture`): it has
+The contract with a capture (:class:`attn_probe.activations.statistics.AttentionCapture`): it has
 ``index`` (attention module -> layer index) and ``observe(i, family, module, query, key,
 attention_mask, args, kwargs)``, called for every call of a watched module while it is armed.
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .hooks import ProbeHook
+from ..hooks import ProbeHook
 
 __all__ = ["OptimizerUpdates", "ForwardPasses", "EngineSteps"]
 

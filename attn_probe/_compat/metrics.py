@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import core
-from .isolation import safe_warn
+from .. import core
+from ..isolation import safe_warn
 
 __all__ = list(core.__all__)
 

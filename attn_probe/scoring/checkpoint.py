@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .extraction import AttentionLayer, UnsupportedModelError, find_attention
-from .extraction.base import ParamGetter
+from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
+from ..extraction.base import ParamGetter
 from .pairs import ScorePair, pair_metric_names
-from .scoring import (
+from .model import (
     PairsLike,
     Row,
     check_model_pairs,
@@ -34,8 +34,8 @@ from .scoring import (
     row_metrics,
     score_layer_pairs,
 )
-from .stages.assembly import snapshot_from_rows
-from .tags import layer_stats
+from ..sinks.assembly import snapshot_from_rows
+from ..formats.tags import layer_stats
 
 __all__ = [
     "CheckpointError",
@@ -209,7 +209,7 @@ def check_layer_counts(directory: str | Path) -> None:
     describe these weights: a config claiming 1,000,000 layers for a 2-layer checkpoint would
     otherwise build a skeleton of that size, for minutes and gigabytes, before a tensor is read.
     Reads the JSON and the weight files' headers only. Raises
-    :class:`~attn_probe.checkpoint.CheckpointError`; a directory without ``config.json`` passes
+    :class:`~attn_probe.scoring.checkpoint.CheckpointError`; a directory without ``config.json`` passes
     (the scorer reports it).
     """
     directory = Path(directory).expanduser()
@@ -452,9 +452,9 @@ def write_checkpoint_trajectory(
     ``pairs=[QKPair(), OVPair()]`` does). One layer of one checkpoint is in memory at a time.
     Returns every row, each with its ``step``.
     """
-    from .sinks import RunInfo
-    from .sinks.tensorboard import TensorBoardSink
-    from .sinks.trajectory import TrajectorySink
+    from ..sinks import RunInfo
+    from ..sinks.tensorboard import TensorBoardSink
+    from ..sinks.trajectory import TrajectorySink
 
     if any(step is None for step, _ in checkpoints):
         raise CheckpointError("every checkpoint needs a step to write a trajectory (name it checkpoint-N or "
@@ -502,7 +502,7 @@ def write_checkpoint_trajectory(
 def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:
     """Paper-style summary: per group, median and interquartile range across layers.
 
-    Uses the layer-level rows (``head is None``) and :func:`attn_probe.tags.layer_stats`
+    Uses the layer-level rows (``head is None``) and :func:`attn_probe.formats.tags.layer_stats`
     (quantiles interpolate linearly and skip ``nan``). One dict per group (in order of
     appearance) with ``group``, ``layers`` and ``{metric}_median``, ``{metric}_q25``,
     ``{metric}_q75`` for every metric in the rows.

@@ -2,7 +2,7 @@
 
 Which weight pairs are scored is chosen with ``pairs=`` (:func:`resolve_pairs`): by default the
 query-key pair alone; ``pairs=("qk", "ov")`` adds the value-output circuit (``ov_`` metrics).
-Every pair scores through :meth:`~attn_probe.pairs.ScorePair.score`, i.e. the one core
+Every pair scores through :meth:`~attn_probe.scoring.pairs.ScorePair.score`, i.e. the one core
 :func:`attn_probe.core.score_factors`, as in the live probe.
 """
 
@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .core import METRICS, check_metrics, score_factors, table_rows
-from .extraction import AttentionLayer, UnsupportedModelError, find_attention
-from .extraction.architectures import unwrap
-from .extraction.base import ParamGetter
+from ..core import METRICS, check_metrics, score_factors, table_rows
+from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
+from ..extraction.architectures import unwrap
+from ..extraction.base import ParamGetter
 from .pairs import OVPair, QKPair, ScorePair, check_pairs, pair_metric_names
 
 Row = dict[str, Any]
@@ -49,7 +49,7 @@ def resolve_pairs(
 
     ``pairs`` is ``None`` (the W_qk pair alone, the default everywhere), or names from
     :data:`PAIR_NAMES` (``"qk"``, ``"ov"``, a single string or a sequence) and/or
-    :class:`~attn_probe.pairs.ScorePair` objects, scored in the order given. ``metrics``
+    :class:`~attn_probe.scoring.pairs.ScorePair` objects, scored in the order given. ``metrics``
     (core names, no prefix) narrows the *named* pairs: ``pairs=("qk", "ov"),
     metrics=["spectral_norm"]`` gives ``spectral_norm`` and ``ov_spectral_norm``; a pair
     object keeps its own ``metrics`` and ``dtype``. Named pairs compute in ``dtype``.
@@ -81,7 +81,7 @@ def resolve_pairs(
             out.append(item)
         else:
             raise TypeError(f"pairs must hold pair names ({', '.join(PAIR_NAMES)}) or score pairs "
-                            f"(attn_probe.pairs.ScorePair), got {item!r}")
+                            f"(attn_probe.scoring.pairs.ScorePair), got {item!r}")
     pair_metric_names(out)  # ValueError if two pairs write the same metric name
     return out
 

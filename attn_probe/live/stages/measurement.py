@@ -3,12 +3,12 @@
 :meth:`Measurement.measure` walks every layer through
 :func:`attn_probe.distributed.iter_layer_params` (on every rank, same order, exhausted),
 gathering what the pairs declare (:meth:`Measurement.param_names`). Unsharded layers are
-scored after the walk, layers of one shape as stacks (:func:`attn_probe.pairs.stack_layers`);
+scored after the walk, layers of one shape as stacks (:func:`attn_probe.scoring.pairs.stack_layers`);
 gathered layers one at a time as they come (freed at the next). All of it goes through
-:meth:`Measurement.score_stacked` / :func:`attn_probe.scoring.score_layer_factors`, the
+:meth:`Measurement.score_stacked` / :func:`attn_probe.scoring.model.score_layer_factors`, the
 scoring core on the weights' device, then one host transfer per device
-(:func:`attn_probe.scoring.to_host`). With ``async_scoring`` the stacks are copied on the
-training thread and scored on the worker of :class:`~attn_probe.asynchronous.AsyncScorer`;
+(:func:`attn_probe.scoring.model.to_host`). With ``async_scoring`` the stacks are copied on the
+training thread and scored on the worker of :class:`~attn_probe.live.asynchronous.AsyncScorer`;
 :meth:`Measurement.deliver` hands the finished result to the façade on the training thread.
 :func:`find_layers` finds what is measured at attach.
 
@@ -16,7 +16,7 @@ training thread and scored on the worker of :class:`~attn_probe.asynchronous.Asy
 probe calls the scoring core on unsharded layers: the place to cut per-layer work (the
 GPU-first scoring, which selects its algorithm inside :mod:`attn_probe.core`). A test
 may patch it on the class (a public method) to hold or fail the scoring. Quantities measured
-from the weights during the walk (like the heatmaps, :class:`attn_probe.images.HeatmapImages`)
+from the weights during the walk (like the heatmaps, :class:`attn_probe.live.images.HeatmapImages`)
 get ``(layer, get)`` in :meth:`Measurement.measure`'s loop.
 """
 
@@ -31,12 +31,12 @@ from torch import nn
 
 from ..asynchronous import AsyncScorer
 from ..config import ProbeConfig
-from ..distributed import Agreement, WalkOutcome, iter_layer_params, sharding_kind
-from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
+from ...distributed import Agreement, WalkOutcome, iter_layer_params, sharding_kind
+from ...extraction import AttentionLayer, UnsupportedModelError, find_attention
 from ..images import HeatmapImages
-from ..isolation import Failures, safe_warn
-from ..pairs import ScorePair, Stack, check_pairs, score_stacks, stack_layers
-from ..scoring import layer_factors, pairs_param_names, score_layer_factors, to_host
+from ...isolation import Failures, safe_warn
+from ...scoring.pairs import ScorePair, Stack, check_pairs, score_stacks, stack_layers
+from ...scoring.model import layer_factors, pairs_param_names, score_layer_factors, to_host
 from .surgery import SurgeryCheck
 
 __all__ = ["Measured", "Measurement", "find_layers"]

@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from ..extraction import AttentionLayer, find_attention, unwrap
-from ..isolation import safe_warn
+from ...extraction import AttentionLayer, find_attention, unwrap
+from ...isolation import safe_warn
 
 __all__ = ["SurgeryCheck"]
 

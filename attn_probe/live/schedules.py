@@ -5,7 +5,7 @@ at 0 for the weights before training. The built-in ones are small module-level c
 (:class:`Every`, :class:`LogSpaced`, :class:`AnyOf`), so a config holding one pickles and
 compares by value; they are made by plain functions and trivially combined:
 
->>> from attn_probe.schedules import every, log_spaced
+>>> from attn_probe.live.schedules import every, log_spaced
 >>> s = every(100)
 >>> [t for t in range(301) if s(t)]
 [0, 100, 200, 300]

@@ -1,4 +1,4 @@
-"""A stage after the assembly: the alert rules (:mod:`attn_probe.alerts`) and the stop decision.
+"""A stage after the assembly: the alert rules (:mod:`attn_probe.live.alerts`) and the stop decision.
 
 Where each rule is evaluated, so that every rank takes the same stop decision at the same step:
 
@@ -27,9 +27,9 @@ from typing import Any
 
 from ..alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
 from ..config import ProbeConfig
-from ..distributed import Agreement, AgreementError
-from ..isolation import Failures, print_line
-from ..sinks import Snapshot
+from ...distributed import Agreement, AgreementError
+from ...isolation import Failures, print_line
+from ...sinks import Snapshot
 
 __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .extraction import AttentionLayer
+from ..extraction import AttentionLayer
 from .schedules import Schedule
 
 __all__ = ["render_heatmap", "qk_image", "HeatmapImages"]

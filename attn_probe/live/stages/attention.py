@@ -1,6 +1,6 @@
 """A stage beside the measurement: ``max_logit`` and ``entropy`` measured in the attention path.
 
-:class:`AttentionStage` owns one :class:`~attn_probe.attention_stats.AttentionCapture` (the
+:class:`AttentionStage` owns one :class:`~attn_probe.activations.statistics.AttentionCapture` (the
 ``get_interface`` wrapper, a flag check on steps that are not due; only forwards entered
 with gradients enabled count, ``docs/scores.md``) and the arming policy: it arms
 for a step that ``due(step)`` says will be measured (plain loops right after the previous
@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..attention_stats import AttentionCapture, StepStats, combine, unavailable_reason
+from ...activations.statistics import AttentionCapture, StepStats, combine, unavailable_reason
 from ..config import ProbeConfig
-from ..distributed import Agreement
-from ..extraction import AttentionLayer
-from ..isolation import Failures, safe_warn
-from ..pairs import QKPair, ScorePair, pair_metric_names
+from ...distributed import Agreement
+from ...extraction import AttentionLayer
+from ...isolation import Failures, safe_warn
+from ...scoring.pairs import QKPair, ScorePair, pair_metric_names
 
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
            "bound_ratio_table", "build_stage", "qk_bound_index"]

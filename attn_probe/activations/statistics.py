@@ -57,7 +57,7 @@ wrapped while a capture exists: for a measured implementation name it returns th
 transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
 (the armed captures); an unwatched module gets exactly that function. Hooks exist only while
 armed; nothing is written into the model, its config or the registry. That glue lives in
-:mod:`attn_probe.integrations.attention_functions` (which also says which models can be read,
+:mod:`attn_probe.activations.registry` (which also says which models can be read,
 :func:`unavailable_reason`); this module holds the statistics (pure tensor functions) and the
 capture, which uses the glue through its small interface (acquire/release, arm/disarm, and
 the capture's :meth:`AttentionCapture.observe`). The capture calls :func:`logit_stats` through
@@ -80,12 +80,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .extraction.architectures import unwrap
-from .extraction.base import AttentionLayer
-from .hooks import ProbeHook
-from .integrations import attention_functions as registry
-from .integrations.attention_functions import installed_wrappers, unavailable_reason
-from .isolation import Failures, safe_warn
+from ..extraction.architectures import unwrap
+from ..extraction.base import AttentionLayer
+from ..hooks import ProbeHook
+from . import registry as registry
+from .registry import installed_wrappers, unavailable_reason
+from ..isolation import Failures, safe_warn
 
 Tensor = torch.Tensor
 

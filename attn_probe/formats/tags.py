@@ -83,7 +83,7 @@ def stats_for(metric: str) -> tuple[str, ...]:
         >>> stats_for("symmetry"), stats_for("ov_spectral_norm")
         (('median', 'q25', 'q75'), ('median', 'q25', 'q75', 'max'))
     """
-    from .core import is_magnitude
+    from ..core import is_magnitude
 
     return (*BAND_STATS, "max") if is_magnitude(metric) else BAND_STATS
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .extraction.base import AttentionLayer, ParamGetter
+from ..extraction.base import AttentionLayer, ParamGetter
 
 __all__ = [
     "GGUFError",
@@ -375,8 +375,8 @@ def score_gguf(
     One layer is dequantized at a time. ``progress`` shows a tqdm bar on stderr (default: when
     stderr is a terminal). Raises :class:`GGUFError` for unusable input.
     """
-    from .core import check_metrics
-    from .scoring import score_layer
+    from ..core import check_metrics
+    from .model import score_layer
 
     num_std = float(num_std)
     if not math.isfinite(num_std):

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .asynchronous import DEFAULT_ASYNC_BYTES
-from .core import DEFAULT_METRICS, check_metrics
-from .pairs import QKPair
+from ..core import DEFAULT_METRICS, check_metrics
+from ..scoring.pairs import QKPair
 from .schedules import Schedule, ScheduleLike, as_schedule
-from .scoring import resolve_pairs
-from .sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
+from ..scoring.model import resolve_pairs
+from ..sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
 
 __all__ = ["ProbeConfig", "config_from_options"]
 
@@ -112,22 +112,22 @@ class ProbeConfig:
     """What the probe measures and when. All fields are keyword options of ``watch`` and the callback.
 
     * ``every``: snapshot schedule: an int ``n`` (every ``n`` updates), a callable
-      ``step -> bool`` (:mod:`attn_probe.schedules`), or ``None`` (only by hand);
+      ``step -> bool`` (:mod:`attn_probe.live.schedules`), or ``None`` (only by hand);
     * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.core.METRICS`);
     * ``per_head``: also log every head's ``M_h``;
     * ``groups`` / ``layers``: restrict to these attention groups / layer indices;
     * ``num_std``: directionality threshold, ``mean + num_std * std``;
     * ``images_every``, ``image_size``, ``image_mode``: W_qk heatmap images in TensorBoard;
-    * ``pairs``: score pairs (:mod:`attn_probe.pairs`) or their names (``"qk"``, ``"ov"``, which
+    * ``pairs``: score pairs (:mod:`attn_probe.scoring.pairs`) or their names (``"qk"``, ``"ov"``, which
       get ``metrics``); default the W_qk pair with ``metrics``;
     * ``start_step``: the counter's first value (resume);
     * ``find_kwargs``: extra arguments of :func:`attn_probe.find_attention` (``qk_names``...);
     * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
       agreements (``docs/distributed.md``); default the training process group's timeout;
     * ``attention_stats``: also measure ``max_logit`` and ``entropy`` from the activations on due
-      steps (:mod:`attn_probe.attention_stats`, ``docs/scores.md``);
-    * ``alerts``: :class:`~attn_probe.alerts.AlertRule` s on logged metrics; ``alert_callback``
-      (called with each :class:`~attn_probe.alerts.Alert`, main process); ``stop_on_alert``: a
+      steps (:mod:`attn_probe.activations.statistics`, ``docs/scores.md``);
+    * ``alerts``: :class:`~attn_probe.live.alerts.AlertRule` s on logged metrics; ``alert_callback``
+      (called with each :class:`~attn_probe.live.alerts.Alert`, main process); ``stop_on_alert``: a
       fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
       ``save_strategy`` saves), every rank at the same step (``docs/live-probe.md``); rules that
       can never fire are refused when the probe is built;
@@ -145,7 +145,7 @@ class ProbeConfig:
     * ``background``, ``sink_queue``, ``sink_timeout``: the sinks' lanes
       (:class:`~attn_probe.sinks.dispatch.SinkDispatcher`);
     * ``async_scoring``, ``async_max_bytes``: score off the training thread
-      (:mod:`attn_probe.asynchronous`).
+      (:mod:`attn_probe.live.asynchronous`).
     """
 
     every: ScheduleLike | None = 100
@@ -206,7 +206,7 @@ class ProbeConfig:
                 pairs = tuple(resolve_pairs(pairs, self.metrics))
             for p in pairs:
                 if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
-                    raise TypeError(f"pairs must hold score pairs (attn_probe.pairs.ScorePair), got {p!r}")
+                    raise TypeError(f"pairs must hold score pairs (attn_probe.scoring.pairs.ScorePair), got {p!r}")
             set_(self, "pairs", pairs)
         if isinstance(self.start_step, bool) or not isinstance(self.start_step, int) or self.start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, got {self.start_step!r}")

@@ -145,7 +145,7 @@ def same_path(a: str, b: str) -> bool:
 def holds_run(directory: str, run_id: str) -> bool:
     """Whether ``directory``'s trajectory holds the run ``run_id`` (a directory without a
     trajectory file, or one that cannot be read, holds no run)."""
-    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
+    from ..formats.trajectory import TRAJECTORY_FILENAME, file_runs
 
     try:
         return any(h.run_id == run_id for h in file_runs(os.path.join(directory, TRAJECTORY_FILENAME)))
@@ -155,7 +155,7 @@ def holds_run(directory: str, run_id: str) -> bool:
 
 def last_run_id(directory: str) -> str | None:
     """The id of the last run in ``directory``'s trajectory (``None``: no file, or no run header)."""
-    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
+    from ..formats.trajectory import TRAJECTORY_FILENAME, file_runs
 
     try:
         runs = file_runs(os.path.join(directory, TRAJECTORY_FILENAME))
@@ -167,7 +167,7 @@ def last_run_id(directory: str) -> str | None:
 def why_not_held(directory: str, run_id: str) -> str:
     """One clause saying why ``directory`` does not hold the run ``run_id`` (for a resume message):
     no trajectory file, a file without run headers, or headers of other runs only."""
-    from .formats.trajectory import TRAJECTORY_FILENAME, file_runs
+    from ..formats.trajectory import TRAJECTORY_FILENAME, file_runs
 
     path = os.path.join(directory, TRAJECTORY_FILENAME)
     if not os.path.isfile(path):
@@ -191,7 +191,7 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     directory may have been moved or copied since); the recorded path itself; for checkpoints
     that recorded only that path, the same trailing components (``runs/<name>``) under the
     current ``output_dir`` when they hold a trajectory. A directory is taken only when it exists
-    and can be written (:func:`attn_probe.logdir.check_log_dir`): a run directory is never
+    and can be written (:func:`attn_probe.formats.logdir.check_log_dir`): a run directory is never
     recreated where a moved or deleted one was. A directory outside the current ``output_dir``
     is taken only when the checkpoint's own ``output_dir`` is the current one (its run had an
     explicit ``log_dir``): ``foreign`` says the saved run belongs to another ``output_dir``
@@ -201,8 +201,8 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     name: two runs whose directories have the same name (started in the same second) stay two,
     and ``problem`` says what the directory holds instead (a deleted, edited or damaged header).
     """
-    from .formats.trajectory import TRAJECTORY_FILENAME
-    from .logdir import LogDirError, check_log_dir
+    from ..formats.trajectory import TRAJECTORY_FILENAME
+    from ..formats.logdir import LogDirError, check_log_dir
 
     path, relative, saved_output_dir, run_id = saved
     output_dir = str(output_dir)
@@ -276,7 +276,7 @@ def choose_run(step: int, saved: SavedRun | None, *, log_dir: str | None, output
 
 def previous_runs(output_dir: str, current: str) -> list[str]:
     """Earlier probe runs under ``output_dir/runs`` (those holding a trajectory), oldest first."""
-    from .formats.trajectory import TRAJECTORY_FILENAME
+    from ..formats.trajectory import TRAJECTORY_FILENAME
 
     root = os.path.join(str(output_dir), "runs")
     try:
