@@ -27,7 +27,7 @@ print(json.dumps({{"same": {name} is again is getattr(new, "{name}"),
 @pytest.mark.parametrize(("old", "new", "name"), [
     ("metrics", "core", "score_factors"),
     ("metrics", "core", "METRICS"),
-    ("scores", "reference", "symmetry_score"),
+    ("scores", "definitions", "symmetry_score"),
     ("scores", "core", "gram_is_cheaper"),
 ], ids=["metrics.score_factors", "metrics.METRICS", "scores.symmetry_score", "scores.gram_is_cheaper"])
 def test_old_path_gives_the_same_object_with_one_warning(old, new, name):
@@ -50,10 +50,10 @@ def test_the_removal_release_is_the_changelogs():
     import attn_probe.scores as old_scores
 
     changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text(encoding="utf-8")
-    deprecated = changelog.split("### Deprecated", 1)[1].split("\n## ", 1)[0]
-    for module in (old_metrics, old_scores):
+    deprecated = [part.split("\n## ", 1)[0].split("\n### ", 1)[0] for part in changelog.split("### Deprecated")[1:]]
+    for path, module in (("attn_probe.metrics", old_metrics), ("attn_probe.scores", old_scores)):
         assert module.REMOVED_IN == "0.5.0"
-        assert f"`{module.__name__}`" in deprecated and module.REMOVED_IN in deprecated
+        assert any(f"`{path}`" in part and module.REMOVED_IN in part for part in deprecated), path
 
 
 def test_unknown_names_are_attribute_errors():
