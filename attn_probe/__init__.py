@@ -76,7 +76,7 @@ _LAZY = {
 }
 
 #: what ``from attn_probe import *`` gives: every lazily served public name, and the version
-#: (tests/cli/test_smoke.py keeps the two lists equal). A star import resolves each name, so it
+#: (tests/commands/test_smoke.py keeps the two lists equal). A star import resolves each name, so it
 #: loads torch; a plain ``import attn_probe`` does not.
 __all__ = [
     "AttentionLayer",

@@ -13,7 +13,7 @@
 #     bash benchmarks/gpu_session.sh [all|weights|attention|demo|emergence|both]     (or SECTION=attention)
 #
 # Sections: "weights" is the above; "attention" (about 5 minutes on an H100) runs the
-# attention-statistics CUDA tests (tests/attention/test_attention_cuda.py: sdpa == eager, bf16 against
+# attention-statistics CUDA tests (tests/activations/test_attention_cuda.py: sdpa == eager, bf16 against
 # float64, CUDA == CPU), then bench_attention_stats.py on the Llama-3.2-1B shape at sequence
 # 2,048 in bf16 (due and not-due step time, peak memory) and the Trainer wall-time ratio at
 # every=10 with attention_stats=True; "all" (the default) runs both. DRY_RUN=1 runs the
@@ -50,7 +50,7 @@ if [ "$SECTION" != attention ] && [ "$DRY_RUN" != 1 ]; then
     --trainer-steps 60 --trainer-repeats 3 --json "$OUT/bench_snapshot.json" 2>&1 | tee "$OUT/bench_snapshot.log"
 fi
 if [ "$SECTION" != weights ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/attention/test_attention_cuda.py 2>&1 | tee "$OUT/test_attention_cuda.log"
+  python3 -m pytest -q -p no:cacheprovider tests/activations/test_attention_cuda.py 2>&1 | tee "$OUT/test_attention_cuda.log"
   python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
     --batch "$BATCH" --repeats "$REPEATS" 2>&1 | tee "$OUT/bench_attention_step.log"
   python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \

@@ -254,3 +254,11 @@ def test_every_room_is_a_layer_and_every_layer_has_a_room():
              if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
     listed = {room for layer in LAYERS for room in layer} - {"attn_probe"}
     assert rooms == listed, (sorted(rooms - listed), sorted(listed - rooms))
+
+
+def test_the_test_folders_mirror_the_rooms():
+    tests = Path(__file__).resolve().parent
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"compat", "commands"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    helpers = {"distributed_workers"}  # the multi-process tests' worker scripts
+    assert folders - helpers <= rooms, sorted(folders - helpers - rooms)

@@ -189,9 +189,9 @@ def test_the_docs_name_what_exists():
     text = (ROOT / "docs" / "scores.md").read_text(encoding="utf-8")
     section = text.split("### Beside the paper's pretrained models", 1)[1]
     for said in ("llama3.2-8b", "meta-llama/Meta-Llama-3-8B", "62 distinct", "`vision`", "caption",
-                 "attn_probe/baselines/paper_pretrained_scores.csv", "tests/cli/test_cli_reference.py"):
+                 "attn_probe/baselines/paper_pretrained_scores.csv", "tests/commands/test_cli_reference.py"):
         assert said in section, said
-    for path in ("attn_probe/baselines/paper_pretrained_scores.csv", "tests/cli/test_cli_reference.py"):
+    for path in ("attn_probe/baselines/paper_pretrained_scores.csv", "tests/commands/test_cli_reference.py"):
         assert (ROOT / path).is_file()
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/scores.md#beside-the-papers-pretrained-models" in readme and "attn-probe reference" in readme

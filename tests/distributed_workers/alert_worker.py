@@ -1,4 +1,4 @@
-"""Worker for tests/alerts/test_alert_ranks.py: ``stop_on_alert`` and ``async_scoring`` in a real DDP ``Trainer``.
+"""Worker for tests/live/test_alert_ranks.py: ``stop_on_alert`` and ``async_scoring`` in a real DDP ``Trainer``.
 
 ``torchrun --standalone --nproc_per_node 2 alert_worker.py OUT CASE [CASE ...]`` runs each case
 in turn (one Trainer each, gloo, CPU) and writes ``OUT/<case>_rank<r>.json``: the step each rank

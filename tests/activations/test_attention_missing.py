@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import attn_probe  # noqa: E402
-from tests.attention.test_attention_health_live import TOL, Records, _llama, _same_batch, reference  # noqa: E402
+from tests.activations.test_attention_health_live import TOL, Records, _llama, _same_batch, reference  # noqa: E402
 
 
 def _train(model, probe_kwargs, tmp_path, steps, before_step=None):
@@ -109,8 +109,8 @@ def test_an_armed_step_without_training_forwards_is_warned(tmp_path):
 
 def _compiled_run(tmp_path, name, reset_before_attach):
     """An earlier compiled model of the same class in this process, then a watched one, compiled."""
-    from tests.attention.test_attention_compile import _batch
-    from tests.attention.test_attention_compile import _llama as _llama32
+    from tests.activations.test_attention_compile import _batch
+    from tests.activations.test_attention_compile import _llama as _llama32
 
     torch._dynamo.reset()
     ids, mask = _batch()

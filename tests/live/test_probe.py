@@ -52,7 +52,7 @@ def read_jsonl(log_dir):
 
 
 def rows_at(rows, step):
-    """The weight metrics at ``step`` (not the random-matrix range: tests/probe/test_random_range_rows.py)."""
+    """The weight metrics at ``step`` (not the random-matrix range: tests/live/test_random_range_rows.py)."""
     return {(r["group"], r["layer"], r["head"], r["metric"]): r["value"] for r in rows
             if r["step"] == step and not r["metric"].startswith("random_")}
 
