@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     # what scores are compared with (the paper's trajectories, the random-matrix range: core only)
     ("scoring", "images", "sinks", "tracker_record", "baselines"),
     # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly
-    ("distributed", "checkpoint", "gguf", "config", "stages.assembly"),
+    ("distributed", "checkpoint", "gguf", "config", "stages.assembly", "stages.qk_clip"),
     # the live probe's other stages
     ("stages",),
     # the façade
