@@ -143,7 +143,8 @@ class ProbeConfig:
       to the run header: JSON values only, finite numbers, at most 256 KiB; anything else is
       refused here with one line naming the key); ``tracker_top_k``: with per-head values, the
       trackers get per layer the min/median/max over heads and this many top heads with their
-      ids (``None``: no per-head summary; ``docs/tags.md``); ``restart``: the run starts over at ``start_step`` even when it is
+      ids (``None``: no per-head summary; ``docs/tags.md``; recorded in the header, where the
+      tracker sinks read it); ``restart``: the run starts over at ``start_step`` even when it is
       0 (a Trainer re-entering its loop): trajectory rows from there on are dropped;
     * ``background``, ``sink_queue``, ``sink_timeout``: the sinks' lanes
       (:class:`~attn_probe.sinks.dispatch.SinkDispatcher`);
