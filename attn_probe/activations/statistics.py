@@ -18,6 +18,8 @@ decoder and cross-attention layers), captured by a forward pre-hook on the model
 without a 2D mask every query token counts.
 
 - ``max_logit[h] = max |l_bhij|``; the layer value is the max over heads;
+- ``signed_max[h] = max l_bhij`` (signed, the same entries and logits: MuonClip's ``S_max``,
+  from which :mod:`attn_probe.stages.qk_clip` derives the QK-clip dry run);
 - ``entropy[h]``: the mean over counted query tokens of ``-sum_j p_bhij log p_bhij`` (nats),
   ``p = softmax_j(z)`` over the visible keys; the layer value is the mean over heads.
 
@@ -114,13 +116,13 @@ def logit_stats(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per query head ``(max |l|, sum of row entropies, counted tokens)`` of one attention call.
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query head ``(max |l|, sum of row entropies, counted tokens, max l)`` of one attention call.
 
     ``query (B, H, Lq, D)``, ``key (B, H_kv, Lk, D)`` (before ``repeat_kv``); ``rows(r0, r1)``
     gives the visible keys (and additive bias) of query rows ``r0:r1``; ``query_valid (B, Lq)``
-    marks non-padding queries. Returns three ``(H,)`` tensors of the accumulation dtype
-    (float64 for float64 inputs, float32 otherwise): ``-inf`` max where nothing is counted.
+    marks non-padding queries. Returns four ``(H,)`` tensors of the accumulation dtype
+    (float64 for float64 inputs, float32 otherwise): ``-inf`` maxima where nothing is counted.
     """
     # the caller's autocast (Trainer/TRL bf16=True) would run the matmuls below in bfloat16 and
     # round max |l| to 8 bits of mantissa: the statistics are float32 (float64 for float64 inputs)
@@ -140,7 +142,7 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
 
 def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | None, *,
                  query_valid: Tensor | None, softcap: float | None, sinks: Tensor | None,
-                 chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
+                 chunk_elements: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`logit_stats` with autocast off."""
     B, H, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
@@ -153,6 +155,7 @@ def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | Non
     device = q.device
     zero = torch.zeros((), dtype=dtype, device=device)
     max_abs = torch.full((H,), -math.inf, dtype=dtype, device=device)
+    max_signed = torch.full((H,), -math.inf, dtype=dtype, device=device)
     ent = torch.zeros(H, dtype=dtype, device=device)
     count = torch.zeros(H, dtype=dtype, device=device)
     step = max(1, chunk_elements // max(1, B * H * Lk))
@@ -169,6 +172,9 @@ def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | Non
             valid = valid & query_valid[:, None, r0:r1].to(device=device, dtype=torch.bool)
         if allowed is not None:
             valid = valid & allowed.any(-1)  # (B, H|1, C): a row with no visible key is not counted
+        signed = logits if blocked is None else logits.masked_fill(blocked, -math.inf)
+        max_signed = torch.maximum(max_signed, torch.where(valid, signed.amax(-1), -math.inf).amax(dim=(0, 2)))
+        del signed
         absolute = logits.abs()
         if blocked is not None:
             absolute.masked_fill_(blocked, -math.inf)
@@ -191,7 +197,7 @@ def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | Non
         row = log_total - torch.nansum(p.mul_(z), dim=-1)
         ent = ent + torch.where(valid, row, zero).sum(dim=(0, 2))
         count = count + valid.expand(B, H, r1 - r0).sum(dim=(0, 2)).to(dtype)
-    return max_abs, ent, count
+    return max_abs, ent, count, max_signed
 
 
 def _float_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -314,7 +320,8 @@ class StepStats:
 
     ``max_logit``, ``entropy_sum``, ``tokens``: ``(sum heads,)`` float64 in layer order, layer
     ``i``'s heads at ``offsets[i]:offsets[i + 1]``; ``input_norm (layers,)``; ``-inf`` marks
-    a max with nothing seen. ``scaling[i]`` is what layer ``i``'s attention received.
+    a max with nothing seen. ``scaling[i]`` is what layer ``i``'s attention received;
+    ``signed_max`` (like ``max_logit``) the largest signed logit, ``None`` where not kept.
     """
 
     names: tuple[str, ...]
@@ -324,6 +331,7 @@ class StepStats:
     tokens: Tensor
     input_norm: Tensor
     scaling: tuple[float | None, ...]
+    signed_max: Tensor | None = None
 
     @property
     def offsets(self) -> list[int]:
@@ -367,13 +375,15 @@ def combine(stats: StepStats, reduce: Callable[[Tensor, str], Tensor]) -> StepSt
 
     Exactly two calls in this order on every rank, with tensors of the same shape (every watched
     layer has its slots whether or not this rank saw it), so a collective per call is safe:
-    ``[max_logit, input_norm]`` by max, ``[entropy_sum, tokens]`` by sum. The combined entropy
-    is the token-weighted mean over all ranks' tokens.
+    ``[max_logit, input_norm, signed_max]`` by max, ``[entropy_sum, tokens]`` by sum. The combined
+    entropy is the token-weighted mean over all ranks' tokens.
     """
-    n = stats.max_logit.numel()
-    maxes = reduce(torch.cat([stats.max_logit, stats.input_norm]), "max")
+    n, m = stats.max_logit.numel(), stats.input_norm.numel()
+    signed = [] if stats.signed_max is None else [stats.signed_max]
+    maxes = reduce(torch.cat([stats.max_logit, stats.input_norm, *signed]), "max")
     sums = reduce(torch.cat([stats.entropy_sum, stats.tokens]), "sum")
-    return StepStats(stats.names, stats.heads, maxes[:n], sums[:n], sums[n:], maxes[n:], stats.scaling)
+    return StepStats(stats.names, stats.heads, maxes[:n], sums[:n], sums[n:], maxes[n:n + m], stats.scaling,
+                     maxes[n + m:] if signed else None)
 
 
 
@@ -445,8 +455,10 @@ class AttentionCapture:
         if self._buffers is None:
             device, n, layers = self._device(), self._offsets[-1], len(self.layers)
             self._buffers = [torch.empty(n, dtype=torch.float64, device=device) for _ in range(3)] + \
-                [torch.empty(layers, dtype=torch.float64, device=device) for _ in range(3)]
-        mx, ent, tok, norm, scaling, seen = self._buffers
+                [torch.empty(layers, dtype=torch.float64, device=device) for _ in range(3)] + \
+                [torch.empty(n, dtype=torch.float64, device=device)]
+        mx, ent, tok, norm, scaling, seen, signed = self._buffers
+        signed.fill_(-math.inf)
         mx.fill_(-math.inf)
         ent.zero_()
         tok.zero_()
@@ -515,9 +527,9 @@ class AttentionCapture:
         """The step's values so far (see :class:`StepStats`), on the first layer's device."""
         if self._buffers is None:
             self._reset()
-        mx, ent, tok, norm, scaling, _ = (b.clone() for b in self._buffers)
+        mx, ent, tok, norm, scaling, _, signed = (b.clone() for b in self._buffers)
         scales = tuple(None if math.isnan(s) else s for s in scaling.tolist())
-        return StepStats(self.names, self.heads, mx, ent, tok, norm, scales)
+        return StepStats(self.names, self.heads, mx, ent, tok, norm, scales, signed)
 
     def close(self) -> None:
         """Disarm and release the wrappers (the last user restores ``get_interface``)."""
@@ -610,14 +622,15 @@ class AttentionCapture:
                 q_len, k_len = query.shape[2], key.shape[2]
                 rows = row_mask(family, module, attention_mask, kwargs, q_len, k_len, query.device)
                 sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
-                top, ent, tok = logit_stats(
+                top, ent, tok, top_signed = logit_stats(
                     query, key, float(scaling), rows,
                     query_valid=self._query_mask(i, query.shape[0], q_len),
                     softcap=kwargs.get("softcap"), sinks=sinks, chunk_elements=self.chunk_elements,
                 )
-                mx, ent_sum, tokens, _, scale, seen = self._buffers
+                mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
                 o0, o1 = self._offsets[i], self._offsets[i + 1]
                 mx[o0:o1].copy_(torch.maximum(mx[o0:o1], top.to(mx)))
+                signed[o0:o1].copy_(torch.maximum(signed[o0:o1], top_signed.to(signed)))
                 ent_sum[o0:o1].add_(ent.to(ent_sum))
                 tokens[o0:o1].add_(tok.to(tokens))
                 scale[i:i + 1].fill_(float(scaling))

@@ -457,8 +457,8 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     for kind in ("scalars", "tensors"):  # tensors: scalars written with new_style=True
         for tag in tags.get(kind, []):
             parts = parse_tag(tag)
-            if parts is None or parts.stat is not None:
-                continue
+            if parts is None or parts.stat is not None or parts.summary is not None:
+                continue  # across-layer statistics and summaries over heads are not values of a layer or head
             if not (is_int64(parts.layer) and (parts.head is None or is_int64(parts.head))):
                 bad += 1  # a layer_/head_ number beyond int64
                 continue

@@ -4,6 +4,10 @@
 ``attn_probe/{group}/{metric}/layer_{LL}/head_{HH}``  one head (opt-in)
 ``attn_probe/{group}/{metric}/{stat}``                across layers: ``median``, ``q25``, ``q75``,
                                                       and ``max`` for the magnitudes
+``attn_probe/{group}/{metric}/layer_{LL}/{summary}``  over one layer's heads (the trackers' key
+                                                      budget): ``heads_min``, ``heads_median``,
+                                                      ``heads_max``; ``top_{R}`` the value of the
+                                                      R-th top head, ``top_{R}_head`` its index
 
 ``metric`` is a name of :data:`attn_probe.core.METRICS` for W_qk (``symmetry``,
 ``directionality``, ``spectral_norm``, ...); other weight pairs add metrics with a prefix
@@ -11,7 +15,8 @@
 
 The across-layer statistics are defined here too (:data:`STAT_QUANTILES`,
 :func:`layer_stats`, :func:`stats_for`), so that the probe, the checkpoint summary and the
-post-hoc readers compute the same numbers.
+post-hoc readers compute the same numbers. The per-layer summaries over heads are named here
+(:data:`HEAD_STATS`, :func:`summary_names`) and computed by :mod:`attn_probe.sinks.head_budget`.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ BAND_STATS = ("median", "q25", "q75")
 STAT_QUANTILES: dict[str, float] = {"median": 0.5, "q25": 0.25, "q75": 0.75, "max": 1.0}
 #: the paper's two scores, drawn first
 METRICS = ("symmetry", "directionality")
+#: the statistics over one layer's heads (tag ``heads_{stat}``; median: numpy's linear interpolation)
+HEAD_STATS = ("min", "median", "max")
+_SUMMARY = rf"heads_(?:{'|'.join(HEAD_STATS)})|top_[1-9]\d*(?:_head)?"
 
 _TAG = re.compile(
     rf"^{PREFIX}/(?P<group>[A-Za-z0-9_]+)/(?P<metric>[A-Za-z0-9_]+)/"
-    rf"(?:(?P<stat>{'|'.join(STATS)})|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+))?)$"
+    rf"(?:(?P<stat>{'|'.join(STATS)})|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+)|/(?P<summary>{_SUMMARY}))?)$"
 )
 
 
@@ -44,13 +52,33 @@ class TagParts:
     layer: int | None = None
     head: int | None = None
     stat: str | None = None
+    #: a summary over the layer's heads (:func:`summary_names`), not a value of the layer itself
+    summary: str | None = None
+
+
+def summary_names(top_k: int) -> tuple[str, ...]:
+    """The summaries of one layer's heads with ``top_k`` top heads: :data:`HEAD_STATS` as
+    ``heads_{stat}``, then ``top_{R}`` and ``top_{R}_head`` for ``R = 1 .. top_k``.
+
+    Example:
+        >>> summary_names(2)
+        ('heads_min', 'heads_median', 'heads_max', 'top_1', 'top_1_head', 'top_2', 'top_2_head')
+    """
+    tops = tuple(name for r in range(1, top_k + 1) for name in (f"top_{r}", f"top_{r}_head"))
+    return (*(f"heads_{s}" for s in HEAD_STATS), *tops)
 
 
 def scalar_tag(group: str, metric: str, layer: int | None = None, head: int | None = None,
-               stat: str | None = None) -> str:
-    """Tag of one scalar series; exactly one of ``layer`` and ``stat`` is given."""
+               stat: str | None = None, summary: str | None = None) -> str:
+    """Tag of one scalar series; exactly one of ``layer`` and ``stat`` is given; ``summary`` (a
+    name of :func:`summary_names`) goes with ``layer`` and no ``head``."""
     if (layer is None) == (stat is None):
         raise ValueError("give exactly one of layer= and stat=")
+    if summary is not None:
+        if layer is None or head is not None or not re.fullmatch(_SUMMARY, summary):
+            raise ValueError(f"summary must be one of heads_min/median/max, top_R, top_R_head (with layer=, "
+                             f"without head=), got {summary!r}")
+        return f"{PREFIX}/{group}/{metric}/layer_{layer:02d}/{summary}"
     if stat is not None:
         if stat not in STATS or head is not None:
             raise ValueError(f"stat must be one of {STATS} (without head), got {stat!r}")
@@ -72,6 +100,7 @@ def parse_tag(tag: str) -> TagParts | None:
         layer=int(layer) if layer is not None else None,
         head=int(head) if head is not None else None,
         stat=m.group("stat"),
+        summary=m.group("summary"),
     )
 
 

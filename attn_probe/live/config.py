@@ -125,7 +125,8 @@ class ProbeConfig:
     * ``agreement_timeout``: seconds a sharded run's ranks wait for each other in the probe's
       agreements (``docs/distributed.md``); default the training process group's timeout;
     * ``attention_stats``: also measure ``max_logit`` and ``entropy`` from the activations on due
-      steps (:mod:`attn_probe.activations.statistics`, ``docs/scores.md``);
+      steps (:mod:`attn_probe.activations.statistics`, ``docs/scores.md``), with the QK-clip dry run
+      against ``qk_clip_tau`` (MuonClip's tau, default 100; :mod:`attn_probe.live.stages.qk_clip`);
     * ``alerts``: :class:`~attn_probe.live.alerts.AlertRule` s on logged metrics; ``alert_callback``
       (called with each :class:`~attn_probe.live.alerts.Alert`, main process); ``stop_on_alert``: a
       fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
@@ -140,7 +141,10 @@ class ProbeConfig:
     * ``log_dir``, ``writer`` (a ``SummaryWriter`` to write into), ``sinks`` (more sinks),
       ``purge_stale``; ``is_main_process`` (default: global rank 0); ``extra_config`` (added
       to the run header: JSON values only, finite numbers, at most 256 KiB; anything else is
-      refused here with one line naming the key); ``restart``: the run starts over at ``start_step`` even when it is
+      refused here with one line naming the key); ``tracker_top_k``: with per-head values, the
+      trackers get per layer the min/median/max over heads and this many top heads with their
+      ids (``None``: no per-head summary; ``docs/tags.md``; recorded in the header, where the
+      tracker sinks read it); ``restart``: the run starts over at ``start_step`` even when it is
       0 (a Trainer re-entering its loop): trajectory rows from there on are dropped;
     * ``background``, ``sink_queue``, ``sink_timeout``: the sinks' lanes
       (:class:`~attn_probe.sinks.dispatch.SinkDispatcher`);
@@ -166,6 +170,7 @@ class ProbeConfig:
     alert_callback: Any = None
     stop_on_alert: bool = False
     random_range: bool = True
+    qk_clip_tau: float = 100.0
     # -- where it goes, how it is written
     log_dir: str | None = None
     writer: Any = None
@@ -174,6 +179,7 @@ class ProbeConfig:
     extra_config: Mapping[str, Any] | None = None
     purge_stale: bool = True
     restart: bool = False
+    tracker_top_k: int | None = 3
     background: bool = True
     sink_queue: int = DEFAULT_QUEUE_SIZE
     sink_timeout: float = DEFAULT_TIMEOUT
@@ -221,6 +227,9 @@ class ProbeConfig:
         for name in ("attention_stats", "stop_on_alert", "random_range"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        from .stages.qk_clip import check_tau
+
+        set_(self, "qk_clip_tau", check_tau(self.qk_clip_tau))
         from .alerts import check_rules
 
         set_(self, "alerts", check_rules(self.alerts))
@@ -243,6 +252,9 @@ class ProbeConfig:
         b = self.async_max_bytes
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise ValueError(f"async_max_bytes must be an int >= 0, got {b!r}")
+        k = self.tracker_top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"tracker_top_k must be an int >= 0 or None, got {k!r}")
         if self.sinks is not None:
             set_(self, "sinks", tuple(self.sinks))
         if self.is_main_process is not None:
@@ -289,6 +301,8 @@ class ProbeConfig:
             "attention_stats": self.attention_stats,
             "alerts": [rule.describe() + f" on {rule.metric}" for rule in self.alerts],
             "random_range": self.random_range,
+            "qk_clip_tau": self.qk_clip_tau,
+            "tracker_top_k": self.tracker_top_k,
         }
 
 

@@ -3,6 +3,8 @@
 * Keys: :func:`tracker_key`, the TensorBoard tags of :func:`attn_probe.formats.tags.scalar_tag`
   (``attn_probe/{group}/{metric}/layer_{LL}[/head_{HH}]``, ``.../{median|q25|q75}``) with
   every character outside ``[A-Za-z0-9_./-]`` (which every tracker accepts) rewritten as ``_``.
+  With per-head values and not ``per_head``, the key budget of :mod:`attn_probe.sinks.head_budget`
+  (``.../layer_{LL}/heads_{min|median|max}``, ``.../layer_{LL}/top_{R}[_head]``).
 * :class:`TrackerSink`, the base of the plain-loop sinks, and :class:`TrackerFanOut`, which
   sends to the targets (:class:`TrackerTarget`) that the Trainer, Lightning and Accelerate integrations
   hand it (W&B apart: the integrations give it a :class:`~attn_probe.sinks.wandb.WandbSink`).
@@ -22,6 +24,7 @@ from typing import Any
 from ..formats.tags import scalar_tag
 from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 from . import RunInfo, Sink, Snapshot
+from .head_budget import DEFAULT_TOP_K, head_budget, top_k_of
 
 __all__ = ["KEY_PATTERN", "STEP_KEY", "TrackerSink", "tracker_key", "tracker_metrics", "import_tracker",
            "current_trackio_run", "TrackerTarget", "TrackerFanOut"]
@@ -37,7 +40,7 @@ def _clean(part: str) -> str:
 
 
 def tracker_key(group: str, metric: str, layer: int | None = None, head: int | None = None,
-                stat: str | None = None) -> str:
+                stat: str | None = None, summary: str | None = None) -> str:
     """Tracker key of one series: :func:`attn_probe.formats.tags.scalar_tag`, valid for every tracker.
 
     Example:
@@ -46,17 +49,19 @@ def tracker_key(group: str, metric: str, layer: int | None = None, head: int | N
         >>> tracker_key("self", "directionality", stat="median")
         'attn_probe/self/directionality/median'
     """
-    tag = scalar_tag(group, metric, layer=layer, head=head, stat=stat)
-    if KEY_PATTERN.match(tag) and tag.count("/") == (4 if head is not None else 3):
+    tag = scalar_tag(group, metric, layer=layer, head=head, stat=stat, summary=summary)
+    if KEY_PATTERN.match(tag) and tag.count("/") == (4 if head is not None or summary is not None else 3):
         return tag
-    return scalar_tag(_clean(group), _clean(metric), layer=layer, head=head, stat=stat)
+    return scalar_tag(_clean(group), _clean(metric), layer=layer, head=head, stat=stat, summary=summary)
 
 
 def tracker_metrics(snapshot: Snapshot, *, per_head: bool = False, layers: bool = True,
-                    stats: bool = True) -> dict[str, float]:
-    """``{key: value}`` of one snapshot: per-layer values, heads if ``per_head``, and the stats.
+                    stats: bool = True, top_k: int | None = DEFAULT_TOP_K) -> dict[str, float]:
+    """``{key: value}`` of one snapshot: per-layer values, every head if ``per_head``, and the stats.
 
-    Values are floats; NaN (an undefined score) is kept.
+    Without ``per_head``, a snapshot's per-head values are summed up per layer and metric
+    (:mod:`attn_probe.sinks.head_budget`: min/median/max over heads, the ``top_k`` top heads and
+    their indices; ``top_k=None``: none of it). Values are floats; NaN (an undefined score) is kept.
     """
     out: dict[str, float] = {}
     if stats:
@@ -67,6 +72,9 @@ def tracker_metrics(snapshot: Snapshot, *, per_head: bool = False, layers: bool 
             if r.head is None and not layers or r.head is not None and not per_head:
                 continue
             out[tracker_key(r.group, r.metric, layer=r.layer, head=r.head)] = float(r.value)
+    if layers and not per_head and top_k is not None:
+        for (group, metric, layer, name), value in head_budget(snapshot.records, top_k).items():
+            out[tracker_key(group, metric, layer=layer, summary=name)] = value
     return out
 
 
@@ -148,7 +156,8 @@ class TrackerSink(Sink):
             raise RuntimeError(f"{type(self).__name__}.log() before start() or after finish()")
         if not self._guard_made:
             self._make_guard()
-        values = tracker_metrics(snapshot, per_head=self.per_head)
+        values = tracker_metrics(snapshot, per_head=self.per_head,
+                                 top_k=top_k_of(self.run_info.config if self.run_info is not None else None))
         if values:
             _send_guarded(self.guard, int(snapshot.step), self._send, snapshot, values)
 
@@ -206,11 +215,14 @@ class TrackerFanOut(Sink):
         self.targets = list(targets)
         self.per_head = bool(per_head)
         self.resume_step: int | None = None
+        #: top heads per layer in the key budget (the run's ``tracker_top_k``, set at ``start``)
+        self.top_k: int | None = DEFAULT_TOP_K
         #: per target (by position), its guard once made (``None``: send everything)
         self.guards: dict[int, ResendGuard | None] = {}
 
     def start(self, run: RunInfo) -> None:
         self.resume_step = run.resume_step
+        self.top_k = top_k_of(run.config)
 
     def _guard(self, i: int, target: TrackerTarget) -> ResendGuard | None:
         if i not in self.guards:
@@ -219,7 +231,7 @@ class TrackerFanOut(Sink):
 
     def log(self, snapshot: Snapshot) -> None:
         step = int(snapshot.step)
-        values = tracker_metrics(snapshot, per_head=self.per_head)
+        values = tracker_metrics(snapshot, per_head=self.per_head, top_k=self.top_k)
         errors = []
         for i, target in enumerate(self.targets):
             try:

@@ -363,7 +363,7 @@ def test_combine_over_two_ranks_equals_one_process():
         def reduce(tensor, op):
             calls.append(op)
             mine = len([c for c in calls if c == op]) - 1
-            theirs = [torch.cat([other.max_logit, other.input_norm]),
+            theirs = [torch.cat([other.max_logit, other.input_norm, other.signed_max]),
                       torch.cat([other.entropy_sum, other.tokens])][0 if op == "max" else 1]
             assert mine == 0
             return torch.maximum(tensor, theirs) if op == "max" else tensor + theirs
@@ -374,6 +374,7 @@ def test_combine_over_two_ranks_equals_one_process():
     for a, b in zip(whole.tables(), combined.tables(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(combined.input_norms(), whole.input_norms())
+    torch.testing.assert_close(combined.signed_max, whole.signed_max, atol=1e-12, rtol=1e-12)
 
 
 def _gloo_worker(rank: int, port: int, out: str) -> None:
@@ -670,8 +671,9 @@ def test_logit_stats_are_float32_under_the_callers_autocast(dtype):
     p = torch.softmax(logits, -1)
     ref_ent = -(p * torch.log(p)).sum(-1).sum(dim=(0, 2))
     with torch.autocast("cpu", dtype=dtype):
-        top, ent, count = logit_stats(q, k, scaling)
+        top, ent, count, top_signed = logit_stats(q, k, scaling)
     assert top.dtype == torch.float32
     assert torch.allclose(top.double(), ref_max, rtol=1e-5, atol=0)
+    assert torch.allclose(top_signed.double(), logits.amax(dim=(0, 2, 3)), rtol=1e-5, atol=0)
     assert torch.allclose(ent.double(), ref_ent, rtol=1e-5, atol=0)
     assert count.tolist() == [2 * 33] * 4

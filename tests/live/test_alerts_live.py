@@ -94,7 +94,8 @@ def test_a_failed_attention_measurement_fires_no_alert_and_stops_nothing(tmp_pat
     (dict(alerts=[AlertRule("symmetry", above=0.5, layers=(1,))], layers=[0]),
      "layer 1 is not measured (measured layers: 0)"),
     (dict(alerts=[AlertRule("logit_bound_ratio", above=0.5)], attention_stats=True, metrics=["symmetry"]),
-     "'logit_bound_ratio' is not logged in this run (logged metrics: entropy, max_logit, symmetry)"),
+     "'logit_bound_ratio' is not logged in this run (logged metrics: entropy, heads_over_tau, max_logit, "
+     "max_logit_signed, qk_clip_scale, symmetry)"),
 ], ids=["heads-without-per-head", "layer-outside-the-model", "layer-not-measured", "metric-not-logged"])
 def test_a_rule_that_can_never_fire_is_refused_at_attach(tmp_path, options, why):
     with pytest.raises(ValueError) as info:

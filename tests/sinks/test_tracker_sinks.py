@@ -89,11 +89,20 @@ def test_tracker_metrics_sends_layers_and_stats_and_heads_only_when_asked():
                Record("self", 1, None, "symmetry", float("nan"))]
     snap = Snapshot(step=3, wall_time=1.0, records=records,
                     stats={("self", "symmetry", s): 0.5 for s in ("median", "q25", "q75")})
+    plain = {"attn_probe/self/symmetry/layer_00", "attn_probe/self/symmetry/layer_01",
+             *(f"attn_probe/self/symmetry/{s}" for s in ("median", "q25", "q75"))}
+    assert set(tracker_metrics(snap, top_k=None)) == plain
+    # the default: per-head values summed up per layer (the key budget), never a head_ key
     default = tracker_metrics(snap)
-    assert set(default) == {"attn_probe/self/symmetry/layer_00", "attn_probe/self/symmetry/layer_01",
-                            *(f"attn_probe/self/symmetry/{s}" for s in ("median", "q25", "q75"))}
+    layer0 = "attn_probe/self/symmetry/layer_00/"
+    assert set(default) == plain | {layer0 + n for n in ("heads_min", "heads_median", "heads_max", "top_1",
+                                                          "top_1_head", "top_2", "top_2_head", "top_3", "top_3_head")}
     assert math.isnan(default["attn_probe/self/symmetry/layer_01"])
-    assert tracker_metrics(snap, per_head=True)["attn_probe/self/symmetry/layer_00/head_01"] == -0.25
+    assert default[layer0 + "heads_max"] == default[layer0 + "top_1"] == -0.25 and default[layer0 + "top_1_head"] == 1
+    assert math.isnan(default[layer0 + "top_2"]) and math.isnan(default[layer0 + "top_2_head"])  # one head only
+    every = tracker_metrics(snap, per_head=True)
+    assert every["attn_probe/self/symmetry/layer_00/head_01"] == -0.25
+    assert not any("heads_" in key or "/top_" in key for key in every)
 
 
 @pytest.mark.parametrize("module, cls, args", [

@@ -5,7 +5,8 @@ Where each rule is evaluated, so that every rank takes the same stop decision at
 - rules on ``max_logit`` and ``entropy`` (:data:`EVERY_RANK`): on every rank, from the values
   combined over ranks (identical everywhere), on the training thread when they are taken
   (:meth:`Alerting.check_attention`), even in the asynchronous mode;
-- rules on the weight metrics and ``logit_bound_ratio``: on the main process, which alone scores
+- rules on the weight metrics, ``logit_bound_ratio`` and the QK-clip dry run (``max_logit_signed``,
+  ``qk_clip_scale``, ``heads_over_tau``, :mod:`attn_probe.live.stages.qk_clip`): on the main process, which alone scores
   the weights, when its snapshot is published (:meth:`Alerting.check`). With ``stop_on_alert`` on
   several ranks their stop is shared: :meth:`Alerting.agree`, one MIN all-reduce of three
   integers on the probe's gloo group at every snapshot on every rank (bounded by
@@ -30,13 +31,15 @@ from ..config import ProbeConfig
 from ...distributed import Agreement, AgreementError
 from ...isolation import Failures, print_line
 from ...sinks import Snapshot
+from .qk_clip import CLIP_METRICS, OVER_METRIC
 
 __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]
 
 #: metrics whose values are combined over ranks before they are logged: identical on every rank
 EVERY_RANK = ("max_logit", "entropy")
-#: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound)
-DERIVED = ("logit_bound_ratio",)
+#: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound);
+#: NaN logits fire the rules on ``max_logit``
+DERIVED = ("logit_bound_ratio", *CLIP_METRICS)
 
 
 class Alerting:
@@ -143,6 +146,8 @@ def build_alerting(config: ProbeConfig, known: Collection[str], *, logged: Colle
     layers = set(layers)
     for rule in rules:
         why = impossible_rule(rule, logged=logged, per_head=config.per_head, layers=layers)
+        if why is None and rule.heads and rule.metric == OVER_METRIC:
+            why = f"{OVER_METRIC} is a per-layer count (no per-head values): leave heads=True out"
         if why is not None:
             raise ValueError(f"alert rule {rule.metric} {rule.describe()} can never fire: {why}")
     return Alerting(rules, stop_on_alert=config.stop_on_alert, callback=config.alert_callback,

@@ -34,6 +34,7 @@ from ...distributed import Agreement
 from ...extraction import AttentionLayer
 from ...isolation import Failures, safe_warn
 from ...scoring.pairs import QKPair, ScorePair, pair_metric_names
+from .qk_clip import CLIP_METRICS, DEFAULT_TAU, clip_tables, signed_columns
 
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
            "bound_ratio_table", "build_stage", "qk_bound_index"]
@@ -47,10 +48,12 @@ RATIO_METRIC = "logit_bound_ratio"
 
 class AttentionTables:
     """One step's host values: per layer a ``(2, 1 + H)`` table (rows :data:`ATTENTION_METRICS`),
-    the largest input norm and the scaling the attention received."""
+    the largest input norm, the scaling the attention received and (``signed``, per layer
+    ``(1 + H,)``) the signed max logit of the QK-clip dry run (:mod:`attn_probe.live.stages.qk_clip`)."""
 
     def __init__(self, stats: StepStats) -> None:
         self.tables = [t.cpu().numpy() for t in stats.tables()]
+        self.signed = None if stats.signed_max is None else signed_columns(stats.signed_max.cpu().numpy(), stats.heads)
         self.counted = [c.cpu().numpy() for c in stats.counted()]  # False: not measured (NaN, no alert)
         self.norms = stats.input_norms().cpu().numpy()
         self.scaling = stats.scaling
@@ -84,8 +87,9 @@ class AttentionStage:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None, *,
                  due: Callable[[int], bool] = lambda step: True, pairs: Sequence[ScorePair] = (),
-                 per_head: bool = True, failures: Failures | None = None) -> None:
+                 per_head: bool = True, failures: Failures | None = None, tau: float = DEFAULT_TAU) -> None:
         self.layers = list(layers)
+        self.tau = float(tau)  # the QK-clip dry run's threshold
         self.group = group
         self.due = due
         self.pairs = list(pairs)
@@ -186,7 +190,8 @@ class AttentionStage:
         if not measured:  # not this step's: every rank still takes part in the reduction
             stats = StepStats(stats.names, stats.heads, torch.full_like(stats.max_logit, -math.inf),
                               torch.zeros_like(stats.entropy_sum), torch.zeros_like(stats.tokens),
-                              torch.full_like(stats.input_norm, -math.inf), stats.scaling)
+                              torch.full_like(stats.input_norm, -math.inf), stats.scaling,
+                              None if stats.signed_max is None else torch.full_like(stats.signed_max, -math.inf))
         if self.group is not None:
             try:
                 stats = combine(stats, self._reduce)
@@ -247,6 +252,9 @@ class AttentionStage:
                 ratio = bound_ratio_table(table, tables[qk[0]][qk[1]], float(attention.norms[i]), attention.scaling[i])
                 table = np.concatenate([table[:, :ratio.shape[1]], ratio])
             extra.append((layer, names, table if self.per_head else table[:, :1]))
+            if attention.signed is not None:  # the QK-clip dry run beside max_logit
+                extra.extend((layer, clip_names, clip) for clip_names, clip in
+                             clip_tables(attention.signed[i], self.tau, self.per_head))
         return extra
 
     def close(self) -> None:
@@ -300,12 +308,13 @@ def metric_names(config: ProbeConfig, pairs: Sequence[ScorePair],
                  layers: Sequence[AttentionLayer]) -> tuple[list[str], list[str]]:
     """``(logged, alertable)``: the metrics the run logs (the pairs', then the activation metrics
     with ``attention_stats`` unless the model cannot be measured) and those an alert rule may
-    name (with ``attention_stats`` all three activation metrics, even where not measured)."""
+    name (with ``attention_stats`` all the activation metrics, even where not measured: also the
+    QK-clip dry run's :data:`~attn_probe.live.stages.qk_clip.CLIP_METRICS`)."""
     logged = pair_metric_names(pairs)
     if not config.attention_stats:
         return logged, logged
-    logged = [*logged, *(attention_metrics(pairs) if unavailable_reason(layers) is None else ())]
-    return logged, [*logged, "max_logit", "entropy", RATIO_METRIC]
+    logged = [*logged, *((*attention_metrics(pairs), *CLIP_METRICS) if unavailable_reason(layers) is None else ())]
+    return logged, list(dict.fromkeys([*logged, "max_logit", "entropy", RATIO_METRIC, *CLIP_METRICS]))
 
 
 def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], config: ProbeConfig, pairs: Sequence[ScorePair],
@@ -322,7 +331,7 @@ def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], config: Prob
                 and torch.distributed.get_world_size() > 1:
             group = Agreement(config.agreement_timeout).group
         stage = AttentionStage(model, layers, group, due=due, pairs=pairs, per_head=config.per_head,
-                               failures=failures)
+                               failures=failures, tau=config.qk_clip_tau)
     except Exception as exc:  # noqa: BLE001 - the weight metrics go on
         safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
                   "the weight metrics go on.")
