@@ -133,6 +133,20 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
     return [text for _, text in seen[:limit]], guess, fused
 
 
+def _unread_projections(root: nn.Module, pairs: list[tuple[str, str]]) -> str | None:
+    """``"layers.0.attn.q_proj (Conv1d)"``: the first child named in ``pairs`` that is not a projection
+    attn_probe reads, else ``None`` (then the head counts are what failed)."""
+    for path, module in root.named_modules():
+        children = dict(module.named_children())
+        for pair in pairs:
+            if not all(n in children for n in pair):
+                continue
+            for n in pair:
+                if architectures.projection(children[n], n) is None:
+                    return f"{path + '.' if path else ''}{n} ({type(children[n]).__name__})"
+    return None
+
+
 #: how the user's call takes ``qk_names``, by the public entry point found on the call stack
 #: (function or class name -> call form; ``{}`` is the pairs)
 _CALL_FORMS = {
@@ -299,6 +313,14 @@ def find_attention(
             )
         named = [path or "<root>" for path, m in root.named_modules()
                  if any(q in dict(m.named_children()) and k in dict(m.named_children()) for q, k in extra)]
+        unread = _unread_projections(root, extra)
+        if unread:
+            raise UnsupportedModelError(
+                f"attn_probe found the children named in qk_names in {type(root).__name__} but cannot read "
+                f"them as projections: {unread}. It reads nn.Linear, transformers Conv1D, PEFT LoRA wrappers and "
+                "torchtune LoRALinear/DoRALinear; describe another kind with attn_probe.register_adapter(fn) "
+                "(`attn-probe models` prints the recipe)."
+            )
         if named:
             raise UnsupportedModelError(
                 f"attn_probe found the projections named in qk_names in {', '.join(named[:3])}"

@@ -10,28 +10,31 @@ An attention module is recognised, in this order, by
   ModernBERT, multi-query GPTBigCode/Falcon), per-head ``(H, 3, dh)`` interleave
   (:func:`interleaved_qkv`: GPT-NeoX, BLOOM, Persimmon, Falcon, GPTBigCode, DeBERTa v1),
   per-KV-group rows (:func:`grouped_qkv`: Falcon ``new_decoder_architecture``), CodeGen's
-  four ``[q, v, k]`` blocks, ``torch.nn.MultiheadAttention``, timm's ``Attention`` (``qkv``),
-  LitGPT's ``CausalSelfAttention`` (``qkv``, GQA) and nanoGPT-style ``c_attn`` with ``n_head``.
+  four ``[q, v, k]`` blocks, ``torch.nn.MultiheadAttention`` and XLNet here; the layouts of the
+  stacks research code trains with (nanoGPT, timm, LitGPT, torchtitan) in
+  :mod:`attn_probe.extraction.stacks`.
 
-A projection may be an ``nn.Linear``, a transformers ``Conv1D`` (weight stored ``in x out``,
-transposed here) or a PEFT LoRA wrapper (the effective weight ``W + scale * B @ A`` in the
-adapter state of the moment the weights are read). Head counts come from module attributes and
-the config, never from weight shapes alone, and every ``split`` reads weights only through its
-getter. See
-``docs/supported-models.md`` for the tested model types.
+How one projection's weight is read (``nn.Linear``, ``Conv1D``, PEFT LoRA, torchtune
+LoRA/DoRA/QLoRA): :mod:`attn_probe.extraction.projections`; how fused rows split into heads:
+:mod:`attn_probe.extraction.rows`. Both are re-exported here, where adapters import them from.
+Head counts come from module attributes and the config, never from weight shapes alone, and
+every ``split`` reads weights only through its getter. See ``docs/supported-models.md`` for the
+tested model types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from .base import ParamGetter, Tensor, UnsupportedModelError
+from .base import ParamGetter, QKLayout, Tensor
 from .heads import check_head_counts, infer_head_dim
 from .heads import first_int as _int
+from .projections import Projection, attached_adapters, child_projection, is_lora, projection
+from .rows import class_is, contiguous_qkv, grouped_qkv, interleaved_qkv
+from .stacks import litgpt_layout, nanogpt_layout, timm_layout, torchtitan_layout
 
 #: Child-module name pairs (query, key) of attention modules with separate projections.
 SEPARATE_QK_NAMES: list[tuple[str, str]] = [
@@ -54,131 +57,7 @@ CROSS_ATTENTION_MARKERS = ("crossattention", "cross_attn", "encoder_attn", "encd
                            "encoder_decoder_attention")
 
 
-# --------------------------------------------------------------------------- projections
-@dataclass(frozen=True)
-class Projection:
-    """How to read the effective ``(out, in)`` weight of one projection module."""
-
-    param_names: tuple[str, ...]
-    out_features: int
-    in_features: int
-    weight: Callable[[ParamGetter], Tensor]
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
-
-
-def is_lora(module: nn.Module) -> bool:
-    """Whether ``module`` is a PEFT LoRA wrapper (its weight is ``base_layer`` plus the adapter)."""
-    return hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")
-
-
-def projection(module: nn.Module, path: str) -> Projection | None:
-    """A :class:`Projection` for ``module`` at ``path``, or ``None`` if it is not linear."""
-    prefix = f"{path}." if path else ""
-    if is_lora(module):
-        return _lora_projection(module, path, prefix)
-    if isinstance(module, nn.Linear):
-        weight = getattr(module, "weight", None)
-        if weight is not None and not weight.is_floating_point():
-            raise UnsupportedModelError(
-                f"{path}: weight is quantized ({type(weight).__name__}, {weight.dtype}); "
-                "attn_probe reads floating-point projection weights only (dequantize or merge first)"
-            )
-        name = f"{prefix}weight"
-        return Projection((name,), module.out_features, module.in_features, lambda get: get(name))
-    if _is_conv1d(module):
-        name = f"{prefix}weight"
-        return Projection((name,), module.nf, module.nx, lambda get: get(name).T)
-    return None
-
-
-def _lora_projection(module: nn.Module, path: str, prefix: str) -> Projection | None:
-    """A PEFT LoRA wrapper: declares the base weight and every attached adapter's A/B (so a sharded
-    walk gathers whichever is active); the adapter state is read each time the weight is."""
-    base = projection(module.base_layer, f"{prefix}base_layer")
-    if base is None:
-        return None
-    _applied_adapters(module, path)  # DoRA in use: refused now, not at the first snapshot
-    declared = [a for a in module.lora_A if a in module.lora_B]
-    factors = {a: (f"{prefix}lora_A.{a}.weight", f"{prefix}lora_B.{a}.weight") for a in declared}
-
-    def lora_weight(get: ParamGetter) -> Tensor:
-        w = base.weight(get)
-        sign, adapters = _applied_adapters(module, path)
-        for a in adapters:
-            if a not in factors:
-                raise UnsupportedModelError(
-                    f"{path}: adapter {a!r} was added after its layer was found; find the layers again"
-                )
-            a_name, b_name = factors[a]
-            w = w + sign * float(module.scaling[a]) * (get(b_name).to(w.dtype) @ get(a_name).to(w.dtype))
-        return w
-
-    names = base.param_names + tuple(n for pair in factors.values() for n in pair)
-    return Projection(names, base.out_features, base.in_features, lora_weight)
-
-
-def _applied_adapters(module: nn.Module, path: str) -> tuple[float, list[str]]:
-    """``(sign, adapters)``: the deltas ``scale * B A`` to add to the base weight now, as PEFT's
-    forward computes. Merged: none (the base weight holds them). Disabled: the merged ones are
-    taken out (the forward unmerges them first). Otherwise: the active adapters."""
-    if getattr(module, "disable_adapters", False):
-        sign, adapters = -1.0, list(getattr(module, "merged_adapters", []))
-    elif getattr(module, "merged", False):
-        sign, adapters = 1.0, []
-    else:
-        active = getattr(module, "active_adapters", None)
-        if active is None:
-            active = getattr(module, "active_adapter", [])
-        sign, adapters = 1.0, [a for a in ([active] if isinstance(active, str) else active) if a in module.lora_A]
-    variants = getattr(module, "lora_variant", {})
-    for a in adapters:
-        dora = getattr(module, "use_dora", {}).get(a, False)
-        if dora or a in variants:
-            kind = "DoRA" if dora else type(variants[a]).__name__
-            raise UnsupportedModelError(
-                f"{path}: {kind} adapters are not supported; merge them first (model.merge_and_unload())"
-            )
-    return sign, adapters
-
-
-def attached_adapters(attn: nn.Module) -> Callable[[], tuple[tuple[str, ...], ...]]:
-    """A cheap callable naming the adapters attached to each LoRA projection under ``attn`` (the
-    projections are found once, here): when its value changes, the layer's ``param_names`` are stale."""
-    loras = [m for m in attn.modules() if is_lora(m)]
-    return lambda: tuple(tuple(m.lora_A) for m in loras)
-
-
 # --------------------------------------------------------------------------- layouts
-@dataclass(frozen=True)
-class QKLayout:
-    """Result of recognising one attention module: ``split(get) -> (A (H, dh, d), B (H_kv, dh, d))``.
-
-    The one layout type of both pairs: W_q/W_k here, W_o^T/W_v for the OV pair
-    (:func:`attn_probe.extraction.ov.ov_layout`, ``labels=("W_o", "W_v")``).
-    """
-
-    param_names: tuple[str, ...]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    split: Callable[[ParamGetter], tuple[Tensor, Tensor]]
-    #: the factors' names, for errors
-    labels: tuple[str, str] = ("W_q", "W_k")
-
-    def factors(self, get: ParamGetter) -> tuple[Tensor, Tensor]:
-        """:attr:`split`, checked against the stated shapes (``ValueError`` otherwise)."""
-        a, b = self.split(get)
-        expected = ((self.num_heads, self.head_dim, self.hidden_size),
-                    (self.num_kv_heads, self.head_dim, self.hidden_size))
-        if (tuple(a.shape), tuple(b.shape)) != expected:
-            raise ValueError(f"extracted {self.labels[0]} {tuple(a.shape)} / {self.labels[1]} {tuple(b.shape)}, "
-                             f"expected {expected}")
-        return a, b
-
 
 #: Attention classes whose ``q_proj`` also computes a per-head output gate: its output is viewed
 #: ``(..., H, 2*dh)`` and chunked into (query, gate), so its rows are ``(H, 2, dh)`` and only
@@ -216,21 +95,6 @@ def separate_layout(
     return None
 
 
-def child_projection(attn: nn.Module, path: str, name: str) -> Projection | None:
-    """The :func:`projection` of ``attn``'s child module ``name`` (``None`` if it has none or it is not linear)."""
-    child = getattr(attn, name, None)
-    if not isinstance(child, nn.Module):
-        return None
-    return projection(child, f"{path}.{name}" if path else name)
-
-
-def class_is(attn: nn.Module, *names: str, module_suffix: str | None = None) -> bool:
-    """Narrow key: the module's class (or a base class, for user subclasses) has one of
-    ``names``, optionally defined in a Python module whose name ends with ``module_suffix``."""
-    return any(
-        cls.__name__ in names and (module_suffix is None or cls.__module__.endswith(module_suffix))
-        for cls in type(attn).__mro__
-    )
 
 
 def _by_class(attn: nn.Module, table: dict[str, tuple[str, str | None]]) -> str | None:
@@ -242,46 +106,6 @@ def _by_class(attn: nn.Module, table: dict[str, tuple[str, str | None]]) -> str 
             return child
     return None
 
-
-def contiguous_qkv(proj: Projection, num_heads: int, num_kv: int, head_dim: int) -> QKLayout | None:
-    """Rows ``[q (H*dh) | k (Hkv*dh) | v (Hkv*dh)]``, each block head-major (GPT-2, Phi-3, MPT, ...)."""
-    q_out, kv_out, d = num_heads * head_dim, num_kv * head_dim, proj.in_features
-    if proj.out_features != q_out + 2 * kv_out or num_heads % num_kv:
-        return None
-
-    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
-        w = proj.weight(get)
-        return w[:q_out].reshape(num_heads, head_dim, d), w[q_out : q_out + kv_out].reshape(num_kv, head_dim, d)
-
-    return QKLayout(proj.param_names, num_heads, num_kv, head_dim, d, split)
-
-
-def interleaved_qkv(proj: Projection, num_heads: int, head_dim: int) -> QKLayout | None:
-    """Rows grouped per head, ``(H, 3, dh)``: ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (GPT-NeoX, BLOOM, ...)."""
-    d = proj.in_features
-    if proj.out_features != 3 * num_heads * head_dim:
-        return None
-
-    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
-        w = proj.weight(get).reshape(num_heads, 3, head_dim, d)
-        return w[:, 0], w[:, 1]
-
-    return QKLayout(proj.param_names, num_heads, num_heads, head_dim, d, split)
-
-
-def grouped_qkv(proj: Projection, num_heads: int, num_kv: int, head_dim: int) -> QKLayout | None:
-    """Rows grouped per KV head, ``(Hkv, H/Hkv + 2, dh)``: the group's queries, then its k, then its v
-    (Falcon ``new_decoder_architecture``)."""
-    d = proj.in_features
-    if num_heads % num_kv or proj.out_features != (num_heads + 2 * num_kv) * head_dim:
-        return None
-    per = num_heads // num_kv
-
-    def split(get: ParamGetter) -> tuple[Tensor, Tensor]:
-        w = proj.weight(get).reshape(num_kv, per + 2, head_dim, d)
-        return w[:, :per].reshape(num_heads, head_dim, d), w[:, per]
-
-    return QKLayout(proj.param_names, num_heads, num_kv, head_dim, d, split)
 
 
 def _gpt2_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
@@ -497,56 +321,6 @@ def _xlnet_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
     return QKLayout((q_name, k_name), num_heads, num_heads, head_dim, d, split)
 
 
-def _nanogpt_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """nanoGPT-style ``CausalSelfAttention`` (Karpathy's nanoGPT and the research code built on it):
-    a ``c_attn`` ``nn.Linear(n_embd, 3 * n_embd)`` split as ``c_attn(x).split(n_embd, dim=2)`` into
-    ``[q | k | v]``, each viewed ``(n_head, n_embd // n_head)``. Keyed on the structure (any class
-    name): an ``nn.Linear`` child ``c_attn`` (not GPT-2's Conv1D) and int ``n_head`` and ``n_embd``
-    with ``c_attn`` of width ``n_embd -> 3 * n_embd``."""
-    c_attn = getattr(attn, "c_attn", None)
-    num_heads, d = _int(getattr(attn, "n_head", None)), _int(getattr(attn, "n_embd", None))
-    if not isinstance(c_attn, nn.Module) or num_heads is None or d is None or d % num_heads:
-        return None
-    if not isinstance(getattr(c_attn, "base_layer", c_attn), nn.Linear):  # (a LoRA wrapper reads its base)
-        return None
-    proj = child_projection(attn, path, "c_attn")
-    if proj is None or proj.in_features != d or proj.out_features != 3 * d:
-        return None
-    return contiguous_qkv(proj, num_heads, num_heads, d // num_heads)
-
-
-def _timm_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """timm's ``Attention`` (ViT, DeiT and the ViTs built on them: ``timm.layers.attention`` and the older
-    ``timm.models.vision_transformer``): ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``, so rows
-    ``[q | k | v]``, each head-major; ``head_dim`` from the module (timm >= 1.0) or
-    ``qkv.out_features / (3 * num_heads)``."""
-    if not any(c.__name__ == "Attention" and c.__module__.startswith("timm.") for c in type(attn).__mro__):
-        return None
-    proj = child_projection(attn, path, "qkv")
-    num_heads = _int(getattr(attn, "num_heads", None))
-    if proj is None or num_heads is None or proj.out_features % (3 * num_heads):
-        return None
-    head_dim = _int(getattr(attn, "head_dim", None)) or proj.out_features // (3 * num_heads)
-    return contiguous_qkv(proj, num_heads, num_heads, head_dim)
-
-
-def _litgpt_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | None:
-    """LitGPT ``CausalSelfAttention`` (``litgpt.model``, read from litgpt 0.5.13): ``qkv`` is
-    ``nn.Linear(n_embd, (n_head + 2 * n_query_groups) * head_size)`` split as
-    ``(n_head * head_size, n_query_groups * head_size, n_query_groups * head_size)`` into ``[q | k | v]``,
-    each head-major; keys are ``repeat_interleave``-d, so query head ``h`` meets KV head
-    ``h // (n_head / n_query_groups)``. Counts come from the module's ``config``. (Versions before
-    the ``qkv`` rename stored ``attn`` grouped per query group; those are not recognised.)"""
-    if not any(c.__name__ == "CausalSelfAttention" and c.__module__.startswith("litgpt.")
-               for c in type(attn).__mro__):
-        return None
-    cfg = getattr(attn, "config", None)
-    num_heads, num_kv, head_dim = (_int(getattr(cfg, a, None)) for a in ("n_head", "n_query_groups", "head_size"))
-    proj = child_projection(attn, path, "qkv")
-    if proj is None or num_heads is None or num_kv is None or head_dim is None:
-        return None
-    return contiguous_qkv(proj, num_heads, num_kv, head_dim)
-
 
 #: Fused layouts, tried in order on every module: ``(module, path, config) -> QKLayout | None``.
 #: Each one is keyed narrowly (attention class name) so it never misfires on another model.
@@ -559,9 +333,10 @@ FUSED_LAYOUTS: list[Callable[[nn.Module, str, Any], QKLayout | None]] = [
     _codegen_layout,
     _torch_mha_layout,
     _xlnet_layout,
-    _timm_layout,
-    _litgpt_layout,
-    _nanogpt_layout,
+    timm_layout,
+    litgpt_layout,
+    torchtitan_layout,
+    nanogpt_layout,
 ]
 
 
@@ -577,7 +352,10 @@ def describe_layouts() -> list[tuple[str, str]]:
     (:data:`SEPARATE_QK_NAMES`, :data:`FUSED_LAYOUTS` and their docstrings and class tables):
     what ``attn-probe models`` prints, so it never drifts from the code."""
     pairs = ", ".join(f"({q}, {k})" for q, k in SEPARATE_QK_NAMES)
-    rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config")]
+    rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config. "
+             "A projection is an nn.Linear, a transformers Conv1D, a PEFT LoRA wrapper or a torchtune "
+             "LoRALinear/DoRALinear (QLoRA's NF4 base dequantized), in the adapter state in force "
+             "(torchtune Llama-style MultiHeadAttention: q_proj/k_proj).")]
     for fn in FUSED_LAYOUTS:
         text = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
         table = _LAYOUT_CLASSES.get(fn.__name__)
@@ -659,4 +437,6 @@ __all__ = [
     "unwrap",
     "describe_layouts",
     "child_projection",
+    "class_is",
+    "is_lora",
 ]

@@ -82,3 +82,31 @@ class AttentionLayer:
         for h in heads:
             m += q[h].T @ k[h // group]
         return m
+
+
+@dataclass(frozen=True)
+class QKLayout:
+    """Result of recognising one attention module: ``split(get) -> (A (H, dh, d), B (H_kv, dh, d))``.
+
+    The one layout type of both pairs: W_q/W_k here, W_o^T/W_v for the OV pair
+    (:func:`attn_probe.extraction.ov.ov_layout`, ``labels=("W_o", "W_v")``).
+    """
+
+    param_names: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    split: Callable[[ParamGetter], tuple[Tensor, Tensor]]
+    #: the factors' names, for errors
+    labels: tuple[str, str] = ("W_q", "W_k")
+
+    def factors(self, get: ParamGetter) -> tuple[Tensor, Tensor]:
+        """:attr:`split`, checked against the stated shapes (``ValueError`` otherwise)."""
+        a, b = self.split(get)
+        expected = ((self.num_heads, self.head_dim, self.hidden_size),
+                    (self.num_kv_heads, self.head_dim, self.hidden_size))
+        if (tuple(a.shape), tuple(b.shape)) != expected:
+            raise ValueError(f"extracted {self.labels[0]} {tuple(a.shape)} / {self.labels[1]} {tuple(b.shape)}, "
+                             f"expected {expected}")
+        return a, b

@@ -3,14 +3,11 @@ that a layout's counts agree with them. Part of the architecture knowledge (:mod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from .base import UnsupportedModelError
-
-if TYPE_CHECKING:
-    from .architectures import QKLayout
+from .base import QKLayout, UnsupportedModelError
 
 
 def first_int(*values: Any) -> int | None:

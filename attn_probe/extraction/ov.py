@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .architectures import Projection, QKLayout, child_projection, class_is, is_lora, projection
-from .base import AttentionLayer, ParamGetter, Tensor, UnsupportedModelError
+from .base import AttentionLayer, ParamGetter, QKLayout, Tensor, UnsupportedModelError
+from .projections import Projection, child_projection, is_lora, projection
+from .rows import class_is
 
 __all__ = ["OVLayout", "ov_layout", "OV_ARCHITECTURES"]
 
@@ -41,7 +42,7 @@ _SEPARATE_VO = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 _BERT_SELF = ("BertSelfAttention", "RobertaSelfAttention", "RobertaPreLayerNormSelfAttention")
 
 
-#: the OV pair's layouts are :class:`~attn_probe.extraction.architectures.QKLayout` s (one type for
+#: the OV pair's layouts are :class:`~attn_probe.extraction.base.QKLayout` s (one type for
 #: both pairs' factor layouts); the name stays for code that imported it
 OVLayout = QKLayout
 

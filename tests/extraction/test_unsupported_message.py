@@ -136,8 +136,10 @@ def test_models_command_as_printed_lists_the_registry_and_a_working_recipe() -> 
     out = done.stdout
     for fn in FUSED_LAYOUTS:
         assert f"\n  {fn.__name__.strip('_').removesuffix('_layout')}\n" in out
-    for name in ("nanogpt", "timm", "litgpt", "separate projections"):
+    for name in ("nanogpt", "timm", "litgpt", "torchtitan", "separate projections"):
         assert f"\n  {name}\n" in out
+    flat = " ".join(out.split())
+    assert "FusedQKVLinear" in flat and "torchtune LoRALinear/DoRALinear" in flat  # issue 38: both stacks named
     assert 'find_kwargs={"qk_names": [("my_q", "my_k")]}' in out
     # the adapter recipe, run as printed, makes a fused model readable
     code = textwrap.dedent(out[out.index("    from attn_probe import register_adapter"):out.index("  Other layouts")])
@@ -221,3 +223,14 @@ def test_unnamed_shapes_without_letters_guess_the_first_two_projections() -> Non
     text = message(lambda: find_attention(model))
     assert "block (ModuleDict: a, b, c)" in text
     assert "qk_names=[('a', 'b')]" in text
+
+
+def test_unreadable_named_projections_are_named_not_the_head_count() -> None:
+    """qk_names naming children attn_probe cannot read as projections: the message names the child and
+    its class, instead of asking for a head count the module already states (issue 38)."""
+    attn = nn.Module()
+    attn.num_heads = 2
+    attn.q_proj, attn.k_proj = nn.Conv1d(16, 16, 1), nn.Conv1d(16, 16, 1)
+    text = message(lambda: find_attention(nn.ModuleDict({"attn": attn}), qk_names=[("q_proj", "k_proj")]))
+    assert "attn.q_proj (Conv1d)" in text and "cannot read them as projections" in text
+    assert "num_heads" not in text

@@ -1,0 +1,219 @@
+"""Verbatim-shaped modules of third-party layouts, for CI where the real package cannot be installed.
+
+Each class has the real module's attribute names and the same forward maths, written here (not copied)
+after reading the package's source; ``tests/extraction/test_stack_layouts.py`` checks each against the
+real package where that package imports (installed apart, ``pip install --target DIR --no-deps``).
+
+* torchtitan 0.3.0 (``torchtitan.models.common.attention``): ``GQAttention`` whose ``qkv_linear`` is a
+  ``FusedQKVLinear`` (one ``wqkv``, output viewed ``(..., n_kv_heads, heads_per_kv + 2, head_dim)`` and split
+  ``[heads_per_kv, 1, 1]`` into q, k, v) or a ``QKVLinear`` (``wq``/``wk``/``wv``). The real forward also
+  applies RoPE and an inner attention module; rotary is not part of ``W_qk`` and is left out here.
+* torchtune 0.6.1 (``torchtune.modules``): ``LoRALinear`` (``W x + (alpha / rank) B A x``, a ``disabled``
+  flag), ``DoRALinear`` (the base and LoRA outputs scaled by ``magnitude / ||W + s B A||_row``) and
+  ``MultiHeadAttention`` (``q_proj``/``k_proj``/``v_proj``/``output_proj``, keys expanded per group).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# --------------------------------------------------------------------------- torchtitan 0.3
+class FusedQKVLinear(nn.Module):
+    """torchtitan's fused projection: rows grouped per KV head, ``[q x heads_per_kv, k, v]``."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
+        self.heads_per_kv = n_heads // n_kv_heads
+        self.r_dim = self.heads_per_kv + 2
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs, seqlen, _ = x.shape
+        grouped = self.wqkv(x).view(bs, seqlen, -1, self.r_dim, self.head_dim)
+        xq, xk, xv = torch.split(grouped, [self.heads_per_kv, 1, 1], dim=-2)
+        return tuple(t.reshape(bs, seqlen, -1, self.head_dim) for t in (xq, xk, xv))
+
+
+class QKVLinear(nn.Module):
+    """torchtitan's unfused projection (``fuse_qkv=False``)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs, seqlen, _ = x.shape
+        return tuple(w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
+
+class GQAttention(nn.Module):
+    """torchtitan's grouped-query attention with a pluggable ``qkv_linear`` (RoPE left out)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, fuse_qkv: bool = True) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        self.head_dim = dim // n_heads
+        self.enable_gqa = self.n_heads > self.n_kv_heads
+        cls = FusedQKVLinear if fuse_qkv else QKVLinear
+        self.qkv_linear = cls(dim, self.n_heads, self.n_kv_heads, self.head_dim)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xk, xv = (t.transpose(1, 2) for t in self.qkv_linear(x))
+        out = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True, enable_gqa=self.enable_gqa)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, fuse_qkv: bool) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = GQAttention(dim, n_heads, n_kv_heads, fuse_qkv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.attention_norm(x))
+
+
+class TitanModel(nn.Module):
+    """A Llama-3-shaped torchtitan model: ``tok_embeddings``, ``layers``, ``norm``, ``output``."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, n_layers: int = 2,
+                 vocab: int = 30, fuse_qkv: bool = True) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TitanBlock(dim, n_heads, n_kv_heads, fuse_qkv) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+# --------------------------------------------------------------------------- torchtune 0.6
+class LoRALinear(nn.Module):
+    """torchtune's ``LoRALinear`` (no quantized base here: that needs torchao)."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float, use_bias: bool = False) -> None:
+        super().__init__()
+        self.in_dim, self.out_dim, self.rank, self.alpha, self.use_bias = in_dim, out_dim, rank, alpha, use_bias
+        self._quantize_base = False
+        linear = nn.Linear(in_dim, out_dim, bias=use_bias)
+        self.disabled = False
+        self.register_parameter("weight", nn.Parameter(linear.weight))
+        self.register_parameter("bias", nn.Parameter(linear.bias) if use_bias else None)
+        self.dropout = nn.Identity()
+        self.lora_a = nn.Linear(in_dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_dim, bias=False)
+        self.merged = False
+        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
+        return out + (self.alpha / self.rank) * self.lora_b(self.lora_a(self.dropout(x)))
+
+
+class DoRALinear(nn.Module):
+    """torchtune's ``DoRALinear``: output rows rescaled by ``magnitude / ||W + scaling B A||_row``."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float, use_bias: bool = False) -> None:
+        super().__init__()
+        self.in_dim, self.out_dim, self.scaling, self.use_bias = in_dim, out_dim, alpha / rank, use_bias
+        self._quantize_base = False
+        linear = nn.Linear(in_dim, out_dim, bias=use_bias)
+        self.disabled = False
+        self.register_parameter("weight", nn.Parameter(linear.weight))
+        self.register_parameter("bias", nn.Parameter(linear.bias) if use_bias else None)
+        self.dropout = nn.Identity()
+        self.lora_a = nn.Linear(in_dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_dim, bias=False)
+        self.magnitude = nn.Parameter(torch.empty(out_dim))
+        nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b.weight)
+
+    @torch.no_grad()
+    def initialize_dora_magnitude(self) -> None:
+        self.magnitude.copy_(self._get_weight_norm(self.weight, self.lora_b.weight @ self.lora_a.weight))
+
+    def _get_weight_norm(self, weight: torch.Tensor, lora_weight: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.norm(weight + self.scaling * lora_weight, dim=1).to(weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base_out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return base_out
+        x = self.dropout(x)
+        lora_out = self.lora_b(self.lora_a(x))
+        eye = torch.eye(self.lora_a.weight.shape[1], device=x.device, dtype=x.dtype)
+        lora_weight = self.lora_b(self.lora_a(eye)).T
+        norm = self._get_weight_norm(self.weight.to(x.dtype), lora_weight.detach()).detach()
+        scale = (self.magnitude / norm).view(1, -1)
+        return (scale - 1) * base_out + scale * lora_out * self.scaling + base_out
+
+
+class MultiHeadAttention(nn.Module):
+    """torchtune's ``MultiHeadAttention`` (self-attention path, no KV cache, no positional embedding)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, q_proj: nn.Module, k_proj: nn.Module,
+                 v_proj: nn.Module, output_proj: nn.Module) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.embed_dim = num_heads, num_kv_heads, embed_dim
+        self.head_dim = embed_dim // num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = q_proj, k_proj, v_proj, output_proj
+        self.pos_embeddings = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        y = x if y is None else y
+        b, s_x, _ = x.shape
+        q_per_kv = self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).view(b, s_x, self.num_kv_heads * q_per_kv, self.head_dim).transpose(1, 2)
+        k = self.k_proj(y).view(b, y.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(y).view(b, y.shape[1], -1, self.head_dim).transpose(1, 2)
+        if self.num_heads != self.num_kv_heads:
+            shape = (b, self.num_kv_heads, q_per_kv, -1, self.head_dim)
+            k, v = (t.unsqueeze(2).expand(shape).flatten(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.output_proj(out.transpose(1, 2).reshape(b, s_x, -1))
+
+
+def tune_attention(embed_dim: int = 32, num_heads: int = 4, num_kv_heads: int = 2, rank: int = 4,
+                   alpha: float = 8.0, dora: bool = False) -> MultiHeadAttention:
+    """torchtune's ``lora_llama3_self_attention`` shape: adapters on q, k and v, a plain output projection."""
+    head_dim = embed_dim // num_heads
+    cls = DoRALinear if dora else LoRALinear
+    return MultiHeadAttention(
+        embed_dim, num_heads, num_kv_heads,
+        cls(embed_dim, num_heads * head_dim, rank, alpha), cls(embed_dim, num_kv_heads * head_dim, rank, alpha),
+        cls(embed_dim, num_kv_heads * head_dim, rank, alpha), nn.Linear(embed_dim, embed_dim, bias=False))
+
+
+class TuneModel(nn.Module):
+    """Layers of torchtune attention (``layers.N.attn``, as torchtune's ``TransformerSelfAttentionLayer``)."""
+
+    def __init__(self, n_layers: int = 2, vocab: int = 30, dora: bool = False, **kwargs) -> None:
+        super().__init__()
+        embed_dim = kwargs.get("embed_dim", 32)
+        self.tok_embeddings = nn.Embedding(vocab, embed_dim)
+        self.layers = nn.ModuleList(nn.ModuleDict({"attn": tune_attention(dora=dora, **kwargs)}) for _ in range(n_layers))
+        self.output = nn.Linear(embed_dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(ids)
+        for layer in self.layers:
+            x = x + layer["attn"](x)
+        return self.output(x)
