@@ -224,7 +224,7 @@ class AttnProbeCallback(Callback):
             start_step=step, log_dir=log_dir, writer=writer, sinks=sinks or None, is_main_process=main,
             purge_stale=True, restart=False, extra_config=header))
         self.run_log_dir = self.probe.log_dir if main else None
-        if self.probe.attention is not None:
+        if self.probe.measures_activations:
             self.probe.arm_after_update = False  # armed at on_train_batch_start: never for validation
         if main:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
@@ -239,32 +239,32 @@ class AttnProbeCallback(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         probe = self.probe
-        if probe is None or probe.attention is None:
+        if probe is None or not probe.measures_activations:
             return
         step = int(trainer.global_step)
         if getattr(pl_module, "automatic_optimization", True):  # this micro-batch belongs to the next step
             probe.arm_attention(step + 1)
         else:  # manual optimisation: the batch is the step, however many optimizer steps it takes
             try:
-                probe.attention.arm_for_batch(range(step + 1, step + 1 + max(1, len(trainer.optimizers))))
+                probe.arm_for_batch(range(step + 1, step + 1 + max(1, len(trainer.optimizers))))
             except Exception as exc:  # noqa: BLE001 - never stops training
                 probe.failure_log.report("arming the attention capture", exc)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.probe is not None and self.probe.attention is not None \
+        if self.probe is not None and self.probe.measures_activations \
                 and getattr(pl_module, "automatic_optimization", True):  # manual: the batch's end stops it
             self.probe.stop_attention()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.probe is not None and self.probe.attention is not None:
+        if self.probe is not None and self.probe.measures_activations:
             self.probe.stop_attention()  # validation forwards are not the step's
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         probe = self.probe
         step = int(trainer.global_step)
-        if probe is not None and probe.attention is not None and not getattr(pl_module, "automatic_optimization", True):
+        if probe is not None and probe.measures_activations and not getattr(pl_module, "automatic_optimization", True):
             try:
-                probe.attention.end_batch(step)
+                probe.end_batch(step)
             except Exception as exc:  # noqa: BLE001 - never stops training
                 probe.failure_log.report("ending the attention capture's batch", exc)
         if probe is None or step == self._last_global_step:  # an accumulation micro-batch

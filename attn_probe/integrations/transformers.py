@@ -448,12 +448,12 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         probe = self.probe
-        if probe is not None and probe.attention is not None:  # attention_stats: this step's forwards if due
+        if probe is not None and probe.measures_activations:  # attention_stats: this step's forwards if due
             probe.arm_after_update = False  # not after on_step_end: evaluation runs between the steps
             probe.arm_attention(int(state.global_step) + 1)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.probe is not None and self.probe.attention is not None:
+        if self.probe is not None and self.probe.measures_activations:
             self.probe.stop_attention()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -25,6 +25,7 @@ transformers nor accelerate.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import weakref
@@ -34,20 +35,21 @@ import torch
 from torch import nn
 
 from ..baselines import random_range
-from .config import ProbeConfig, config_from_options
-from .counting import ForwardPasses, OptimizerUpdates
 from ..distributed import Agreement, AgreementError, is_main_process, world_info
 from ..extraction import AttentionLayer
-from .images import render_heatmap
-from ..isolation import Failures, never_raise, safe_warn
 from ..formats.logdir import LogDirError, LogDirInUseError
+from ..isolation import Failures, never_raise, safe_warn
 from ..scoring.pairs import QKPair, ScorePair
 from ..sinks import Record, Snapshot
-from .stages.alerting import agree_stop, attention_rows, build_alerting
 from ..sinks.assembly import Assembler
+from .config import ProbeConfig, config_from_options
+from .counting import ForwardPasses, OptimizerUpdates
+from .images import render_heatmap
+from .quantities import Quantity, build_quantities
+from .stages.alerting import agree_stop, build_alerting
 from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
-from .stages.measurement import Measurement, find_layers
+from .stages.measurement import Measured, Measurement, find_layers
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
 
 __all__ = [
@@ -145,7 +147,7 @@ class Probe:
         self.decision = StepDecision(cfg.schedule, cfg.image_schedule, agreement)
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
                                        is_main_process=self.is_main_process, failures=self.failure_log)
-        self.assembler = Assembler([pair.metrics for pair in self.pairs])
+        self.assembler = Assembler()
         self.alerting = build_alerting(cfg, alertable, logged=self.metrics, layers=[lay.layer for lay in layers],
                                        is_main_process=self.is_main_process,
                                        failures=self.failure_log)  # ValueError: a rule that can never fire
@@ -175,6 +177,9 @@ class Probe:
                                                             self.decision.measures_forwards, self.failure_log)
         if self.attention is not None:
             self.attention.after_update(self.step)  # the first update after attach (never raises)
+        #: what a snapshot measures, in the order taken and assembled (:mod:`attn_probe.live.quantities`)
+        self.quantities: list[Quantity] = build_quantities([pair.metrics for pair in self.pairs], cfg.schedule,
+                                                           cfg.image_schedule, self.attention, cfg.per_head)
 
     # -- state read through the stages ---------------------------------------------------------
     @property
@@ -225,35 +230,39 @@ class Probe:
 
     # -- running the stages --------------------------------------------------------------------
     def _take(self, step: int, images: bool | None, asynchronous: bool, weights: bool = True) -> Snapshot | None:
-        """Stages 2 to 4 at ``step`` (already decided): measure (weights; attention), assemble, write.
+        """Stages 2 to 4 at ``step`` (already decided): take each quantity, walk, assemble, write.
 
-        Every rank issues the same collectives whatever happens here: the attention combine,
-        then the walk, then the stop decision (:func:`~attn_probe.live.stages.alerting.agree_stop`),
-        also when the measurement fails. ``weights=False``: a step whose weight snapshot is
-        skipped (the previous asynchronous one is still being scored) still combines the
-        attention values and agrees on the stop on every rank.
+        Every rank issues the same collectives whatever happens here: each quantity's
+        :meth:`~attn_probe.live.quantities.Quantity.take` in the list's order (the attention
+        combine), then the walk, then the stop decision
+        (:func:`~attn_probe.live.stages.alerting.agree_stop`), also when the measurement fails.
+        ``weights=False``: a step whose weight snapshot is skipped (the previous asynchronous one
+        is still being scored) still takes the quantities and agrees on the stop on every rank.
         """
-        stage = self.attention
-        attention = stage.take(step) if stage is not None else None  # every rank
+        taken = [(quantity, quantity.take(step)) for quantity in self.quantities]  # every rank
         snap = None
         try:
-            if attention is not None and self.alerting is not None:  # the combined values: the same on every rank
-                try:  # local: must not keep this rank out of the walk's collectives below
-                    self.alerting.check_attention(step, attention_rows(stage.layers, attention.tables,
-                                                                       per_head=self.config.per_head,
-                                                                       counted=attention.counted))
-                except Exception as exc:  # noqa: BLE001
-                    self.failure_log.report("the alert rules", exc)
+            if self.alerting is not None:
+                for quantity, value in taken:  # the combined values: the same on every rank
+                    try:  # local: must not keep this rank out of the walk's collectives below
+                        rows = quantity.alert_rows(value)
+                        if rows is not None:
+                            self.alerting.check_attention(step, rows)
+                    except Exception as exc:  # noqa: BLE001
+                        self.failure_log.report("the alert rules", exc)
             if weights:
-                snap = self.measurement.measure(  # the attention values join the weight tables before the assembly
-                    step, images, asynchronous=asynchronous, finish=lambda m: self.assembler.assemble(
-                        m.step, m.tables, m.images, stage.extra_tables(m.tables, attention) if stage is not None else ()))
+                snap = self.measurement.measure(step, images, asynchronous=asynchronous,
+                                                finish=functools.partial(self._assemble, taken))
                 if snap is not None:
                     self._publish(snap)
         finally:
             if not self.decision.disabled:
                 agree_stop(self.alerting, step, self.decision.disable)
         return snap
+
+    def _assemble(self, taken: list[tuple[Quantity, Any]], measured: Measured) -> Snapshot:
+        """Every quantity's rows of ``measured`` (main process; on the scoring worker when asynchronous)."""
+        return self.assembler.assemble(measured.step, [quantity.rows(measured, value) for quantity, value in taken])
 
     def _publish(self, snapshot: Snapshot) -> None:
         """An assembled snapshot: the alert rules (every rank), then the outputs (main process; never raises)."""
@@ -367,6 +376,23 @@ class Probe:
             self.attention.arm_if_due(step)
 
     @never_raise
+    @property
+    def measures_activations(self) -> bool:
+        """Whether a quantity is measured in the training forwards (the attention statistics):
+        the loop then tells the probe where a step's forwards begin and end."""
+        return self.attention is not None
+
+    def arm_for_batch(self, steps: Any) -> None:
+        """Measure this batch's forwards for the first due step of ``steps`` (manual optimisation:
+        a batch makes several updates). Never raises."""
+        if self.attention is not None:
+            self.attention.arm_for_batch(steps)
+
+    def end_batch(self, step: int) -> None:
+        """The batch whose forwards :meth:`arm_for_batch` armed ended at ``step``."""
+        if self.attention is not None:
+            self.attention.end_batch(step)
+
     def stop_attention(self) -> None:
         """No more forwards belong to the armed step (the Trainer's ``on_pre_optimizer_step``)."""
         if self.attention is not None:

@@ -23,8 +23,8 @@ from ..formats.tags import layer_stats
 
 __all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
 
-#: per layer, each pair's host table ``(len(pair.metrics), 1 + H * per_head)``
-LayerTables = Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]]
+#: one layer's values of one quantity: ``(layer, metric names, host table (len(names), 1 + H))``
+LayerTable = tuple[AttentionLayer, Sequence[str], np.ndarray]
 
 
 def layer_statistics(records: Iterable[Record]) -> dict[tuple[str, str, str], float]:
@@ -50,34 +50,36 @@ def snapshot_from_rows(step: int, rows: Iterable[dict[str, Any]], metrics: Seque
 
 
 class Assembler:
-    """Snapshots of the live probe from host tables; warns once about non-finite values.
+    """Snapshots of the live probe from every quantity's host tables; warns once about non-finite
+    weight values.
 
-    ``pair_metrics``: per pair, the metric names of its table's rows, in the pairs' order.
+    :meth:`assemble` takes the rows of each quantity (:class:`attn_probe.live.quantities.Rows`:
+    ``tables``, ``images``, ``checked``), in the probe's order of quantities.
     """
 
-    def __init__(self, pair_metrics: Sequence[Sequence[str]]) -> None:
-        self.pair_metrics = [tuple(m) for m in pair_metrics]
+    def __init__(self) -> None:
         self.warned_nonfinite = False
 
-    def assemble(self, step: int, tables: LayerTables,
-                 images: dict[tuple[str, int], np.ndarray],
-                 extra: Sequence[tuple[AttentionLayer, Sequence[str], np.ndarray]] = ()) -> Snapshot:
+    def assemble(self, step: int, outputs: Sequence[Any]) -> Snapshot:
         """The snapshot at ``step``: a record per layer, head and metric, and the statistics.
 
-        ``extra``: more ``(layer, metric names, table)`` of quantities measured beside the
-        weights (the attention statistics), in the same layout.
+        Records go layer by layer (in the order the first quantity lists its layers), each
+        layer's quantities in the given order. Non-finite values of a quantity whose rows are
+        ``checked`` (the weight metrics) are warned about once.
         """
+        by_layer: dict[tuple[str, int], list[tuple[AttentionLayer, Sequence[str], np.ndarray, bool]]] = {}
+        images: dict[tuple[str, int], np.ndarray] = {}
+        for out in outputs:
+            images.update(out.images)
+            for layer, metrics, table in out.tables:
+                by_layer.setdefault((layer.group, layer.layer), []).append((layer, metrics, table, out.checked))
         records: list[Record] = []
         nonfinite: list[str] = []
-        by_layer: dict[tuple, list] = {}
-        for layer, metrics, table in extra:
-            by_layer.setdefault((layer.group, layer.layer), []).append((metrics, table))
-        for layer, layer_tables in tables:
-            weights = list(zip(self.pair_metrics, layer_tables, strict=True))
-            for k, (metrics, table) in enumerate([*weights, *by_layer.pop((layer.group, layer.layer), [])]):
+        for entries in by_layer.values():
+            for layer, metrics, table, checked in entries:
                 for head, metric, value in table_entries(metrics, table):
                     records.append(Record(layer.group, layer.layer, head, metric, value))
-                    if head is None and k < len(weights) and not math.isfinite(value):
+                    if checked and head is None and not math.isfinite(value):
                         nonfinite.append(f"{layer.name} {metric}")
         if nonfinite and not self.warned_nonfinite:
             self.warned_nonfinite = True

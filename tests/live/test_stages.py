@@ -20,6 +20,8 @@ from attn_probe.formats.logdir import LogDirInUseError
 from attn_probe.scoring.pairs import QKPair
 from attn_probe.definitions import symmetry_score
 from attn_probe.sinks import Record, RunInfo
+from attn_probe.live.quantities import WeightMetrics
+from attn_probe.live.stages.measurement import Measured
 from attn_probe.sinks.assembly import Assembler, layer_statistics, snapshot_from_rows
 from attn_probe.live.stages.decision import StepDecision
 from attn_probe.live.stages.measurement import Measurement
@@ -108,7 +110,8 @@ def test_assembly_records_and_statistics_against_numpy():
     tables = [(layer, [gen.normal(size=(2, 1 + layer.num_heads))]) for layer in layers]
     tables[2][1][0][0, 0] = math.nan  # a NaN layer value is left out of the statistics
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        snap = Assembler([("symmetry", "spectral_norm")]).assemble(5, tables, {})
+        snap = Assembler().assemble(5, [WeightMetrics([("symmetry", "spectral_norm")], None).rows(
+            Measured(5, tables, {}), None)])
     assert snap.step == 5 and len(snap.records) == len(layers) * 2 * (1 + layers[0].num_heads)
     sym = [t[0][0, 0] for _, t in tables]
     finite = [v for v in sym if math.isfinite(v)]
