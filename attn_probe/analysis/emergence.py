@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["run_shapes", "DEFAULT_SDS", "DEFAULT_HOLD", "DEFAULT_WINDOW", "EMERGENCE_METRICS", "Event", "departure",
+__all__ = ["run_shapes", "lazy_shapes", "DEFAULT_SDS", "DEFAULT_HOLD", "DEFAULT_WINDOW", "EMERGENCE_METRICS", "Event", "departure",
            "takeoff", "series_events", "emergence", "format_emergence", "header_shapes", "median_events"]
 
 #: standard deviations of the random range a score must stay beyond (``k``)
@@ -228,6 +228,22 @@ def run_shapes(runs: Any) -> dict[str, dict[tuple[str, int], Any]]:
         if shapes:
             out[name] = shapes
     return out
+
+
+def lazy_shapes(runs: Any) -> Any:
+    """A callable ``run -> {(group, layer): LayerShape}`` for :func:`emergence`'s ``shapes=`` that
+    reads :func:`run_shapes` of ``runs`` on its first call only (only runs without a logged range
+    ask); ``None`` when ``runs`` is a DataFrame (no directories to read)."""
+    if hasattr(runs, "columns"):
+        return None
+    found: dict[str, dict] = {}
+
+    def shapes(run: str) -> Mapping[tuple[str, int], Any]:
+        if not found:
+            found.update(run_shapes(runs) or {"": {}})
+        return found.get(run) or found.get(run.rsplit("#", 1)[0], {})
+
+    return shapes
 
 
 def _ranges_from_shapes(shapes: Mapping[tuple[str, int], Any]) -> dict[tuple[str, int, str], tuple[float, float]]:

@@ -45,13 +45,6 @@ def run(args: argparse.Namespace) -> int:
 def _emergence(df, args: argparse.Namespace):  # noqa: ANN001, ANN202 - pandas is imported lazily
     """Departure and takeoff per run, group and score (:mod:`attn_probe.analysis.emergence`); a run
     without a logged random range gets it from its run header's layer shapes."""
-    from ..analysis.emergence import emergence, run_shapes
+    from ..analysis.emergence import emergence, lazy_shapes
 
-    found: dict = {}
-
-    def shapes(run: str) -> dict:
-        if "all" not in found:
-            found["all"] = run_shapes(args.runs)
-        return found["all"].get(run) or found["all"].get(run.rsplit("#", 1)[0], {})
-
-    return emergence(df, k=args.sds, shapes=shapes)
+    return emergence(df, k=args.sds, shapes=lazy_shapes(args.runs))

@@ -253,3 +253,29 @@ def test_summary_prints_the_events(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "attn_probe", "summary", str(run), "--sds", "0"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert bad.returncode == 2 and "k must be" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plot_marks_the_median_layers_events():
+    """`plot_dynamics` draws a dotted line at the median layer's departure and a dashed one at its
+    takeoff, in the symmetry panel only (directionality: not measurable at d = 128, no marker)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from attn_probe.analysis.plots import plot_dynamics
+    from attn_probe.baselines.random_range import PROBE_ENTRIES, LayerShape, random_range
+
+    rr = random_range(LayerShape(128, 32, 4, 4), budget=None, max_entries=PROBE_ENTRIES)
+    sym = table({0: step_curve(500, high=0.3), 1: step_curve(700, high=0.6)}, mean=rr.symmetry, sd=rr.symmetry_sd)
+    dirn = table({0: [-0.9] * len(STEPS), 1: [-0.9] * len(STEPS)}, metric="directionality",
+                 mean=rr.directionality, sd=rr.directionality_sd)
+    fig = plot_dynamics(pd.concat([sym, dirn]))
+
+    def vertical(ax):
+        return sorted((line.get_xdata()[0], line.get_linestyle()) for line in ax.lines
+                      if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2)
+
+    sym_ax, dir_ax = fig.axes[:2]
+    assert sym_ax.get_title() == "symmetry" and dir_ax.get_title() == "directionality"
+    assert vertical(sym_ax) == [(500, ":"), (700, "--")]
+    assert vertical(dir_ax) == []
+    assert vertical(plot_dynamics(pd.concat([sym, dirn]), events=False).axes[0]) == []
