@@ -279,3 +279,28 @@ def test_plot_marks_the_median_layers_events():
     assert vertical(sym_ax) == [(500, ":"), (700, "--")]
     assert vertical(dir_ax) == []
     assert vertical(plot_dynamics(pd.concat([sym, dirn]), events=False).axes[0]) == []
+
+
+def test_the_demo_verdict_says_when_each_model_emerged(tmp_path):
+    """The demo's verdict lines: the encoder's symmetry departure and takeoff, their distance from
+    the plateau exit, and the decoder's symmetry 'not emerged' (its own run's trajectory)."""
+    from types import SimpleNamespace
+
+    from attn_probe.demo.events import emergence_lines
+
+    def write(run_dir: Path, values: list[float]) -> None:
+        run_dir.mkdir()
+        lines = [_header(0, False)] + [_row(0, layer, x, m) for layer in range(2)  # as the probe: first
+                                       for m, x in (("random_symmetry", MEAN), ("random_symmetry_sd", SD))]
+        lines += [_row(s, layer, v) for s, v in zip(STEPS, values, strict=True) for layer in range(2)]
+        (run_dir / "attn_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    write(tmp_path / "encoder", step_curve(800))
+    write(tmp_path / "decoder", [0.2 if s in (50, 75) else MEAN for s in STEPS])  # crosses and falls back
+    models = {kind: SimpleNamespace(run_dir=tmp_path / kind) for kind in ("encoder", "decoder")}
+    lines = emergence_lines(models, {"encoder": 570, "decoder": None})
+    assert any(line.startswith("  encoder symmetry: departure 800, takeoff 800 (230 steps after the plateau exit)")
+               for line in lines), lines
+    assert "  decoder symmetry: not emerged" in lines
+    missing = {"encoder": SimpleNamespace(run_dir=tmp_path / "none")}
+    assert emergence_lines(missing, {}) == []
