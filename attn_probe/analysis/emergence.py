@@ -15,8 +15,10 @@ the rules are stated in docs/post-hoc.md ("When the structure emerged"):
   median of ``window`` (5) logged steps and ``mean`` the random range's mean (the score of an
   untrained layer). The takeoff is the first logged step from which that running median stays
   past ``mean + R / 2`` (half of the final rise). Claimed only after a departure and when
-  ``|R| >= k sd`` (a minimum rise); a running median ignores spikes of up to ``window // 2``
-  logged steps.
+  ``|R| >= 2 k sd`` (a minimum rise: the half-way level itself lies beyond ``k`` sd, outside
+  the random range); a running median ignores spikes of up to ``window // 2`` logged steps.
+  The takeoff can precede the departure where the score dipped back into the range after it
+  had risen (the departure is the step after the last dip).
 
 Neither event is ever claimed for a run that did not leave the range (``not emerged``). An
 event that holds from the first logged step is marked ``at_start`` (it happened at or before
@@ -67,7 +69,7 @@ class Event:
     ``status``: ``emerged``, ``not emerged``, ``not measurable`` (``k sd`` of the range covers
     the score's whole range ``[-1, 1]``), ``no random range`` or ``no finite values``.
     ``departure``/``takeoff``: logged steps, ``None`` unless emerged (``takeoff`` also ``None``
-    when the rise is under ``k sd``: ``note`` says so); ``*_at_start``: the event holds from the
+    when the rise is under ``2 k sd``: ``note`` says so); ``*_at_start``: the event holds from the
     first logged step (it happened at or before it). ``rise``: final running median minus the
     range's mean. ``note``: why, in words.
     """
@@ -176,8 +178,8 @@ def series_events(steps: Sequence[int], values: Sequence[float], mean: float, sd
     ev = departure(st, vs, mean, sd, k=k, hold=hold)
     if ev.status != EMERGED:
         return ev
-    step, at_start, rise = takeoff(st, vs, mean, k * sd, window=window)
-    note = "" if step is not None else f"rise {rise:+.3f} is under {k:g} sd: no takeoff"
+    step, at_start, rise = takeoff(st, vs, mean, 2 * k * sd, window=window)
+    note = "" if step is not None else f"rise {rise:+.3f} is under 2 x {k:g} sd: no takeoff"
     return Event(**{**ev.__dict__, "takeoff": step, "takeoff_at_start": at_start, "rise": rise, "note": note})
 
 
@@ -367,7 +369,7 @@ def describe(row: Any) -> str:
     if row.status == EMERGED:
         text = f"departure {_event_text(row.departure, row.departure_at_start)}, "
         if _missing(row.takeoff):
-            return text + "no takeoff (rise under k sd)"
+            return text + f"no takeoff (rise {row.rise:+.3f} under 2 x {row.k:g} sd)"
         return text + f"takeoff {_event_text(row.takeoff, row.takeoff_at_start)}"
     if row.status == NOT_MEASURABLE:
         return f"not measurable at this width ({row.k:g} sd = {row.k * row.sd:.2f})"

@@ -123,9 +123,12 @@ def test_a_small_rise_departs_without_a_takeoff():
     ev = series_events(STEPS, values, MEAN, SD, hold=1)
     assert (ev.status, ev.departure, ev.takeoff) == (EMERGED, STEPS[-1], None)
     assert "no takeoff" in ev.note
-    # a rise just over 3 sd takes off; one just under it departs (beyond 3 sd) but... cannot stay under
-    ev = series_events(STEPS, step_curve(300, low=0.0, high=0.1), 0.0, 0.03)
-    assert (ev.status, ev.departure, ev.takeoff) == (EMERGED, 300, 300)  # 0.1 > 3 * 0.03
+    # the minimum rise is 2 x 3 sd (the half-way level beyond 3 sd): 0.17 departs without a
+    # takeoff, 0.19 takes off
+    ev = series_events(STEPS, step_curve(300, low=0.0, high=0.17), 0.0, 0.03)
+    assert (ev.status, ev.departure, ev.takeoff) == (EMERGED, 300, None)
+    ev = series_events(STEPS, step_curve(300, low=0.0, high=0.19), 0.0, 0.03)
+    assert (ev.status, ev.departure, ev.takeoff) == (EMERGED, 300, 300)
 
 
 def test_already_beyond_at_the_first_step_is_marked_at_start():
