@@ -385,9 +385,12 @@ def _layer_text(row: Any) -> str:
 def format_emergence(table: pd.DataFrame) -> str:
     """Plain text of :func:`emergence`'s table: per run, one line per group and score with the
     median layer's events and each layer's ``departure/takeoff`` (``no``: not emerged, ``n/m``:
-    not measurable at this width, ``?``: no random range). Names escaped."""
+    not measurable at this width, ``?``: no random range). A run with no random range for any
+    layer (nor layer shapes to compute it) is left out; ``""`` when none is left. Names escaped."""
     from ..logdir import printable
 
+    known = table[~table["status"].isin([NO_RANGE, NO_VALUES])]
+    table = table[table["run"].isin(set(known["run"]))]  # runs with no range at all: left out
     if table.empty:
         return ""
     k = float(table["k"].iloc[0])

@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
         if events is not None and not events.empty:
             from ..analysis.emergence import format_emergence
 
-            print()
-            print(format_emergence(events))
+            text = format_emergence(events)
+            if text:
+                print()
+                print(text)
     return 0
 
 

@@ -307,3 +307,14 @@ def test_the_demo_verdict_says_when_each_model_emerged(tmp_path):
     assert "  decoder symmetry: not emerged" in lines
     missing = {"encoder": SimpleNamespace(run_dir=tmp_path / "none")}
     assert emergence_lines(missing, {}) == []
+
+
+def test_a_run_without_any_range_gets_no_emergence_lines():
+    from attn_probe.analysis.emergence import format_emergence
+
+    no_range = emergence(table({0: step_curve(300)}, run="bare", logged_range=False))
+    assert format_emergence(no_range) == ""
+    both = emergence(pd.concat([table({0: step_curve(300)}, run="bare", logged_range=False),
+                                table({0: step_curve(300)}, run="ranged")]))
+    text = format_emergence(both)
+    assert "run ranged" in text and "run bare" not in text
