@@ -194,6 +194,7 @@ def plot_dynamics(
     figsize: tuple[float, float] | None = None,
     path: str | os.PathLike | None = None,
     reference: str | Sequence[str] | Any | None = None,
+    events: bool = True,
 ) -> Figure:
     """The emergent-dynamics figure: metrics of the layer-level matrices against training steps.
 
@@ -223,6 +224,10 @@ def plot_dynamics(
     grey horizontal band, mean ± 2 sd (medians across layers), labelled "random W_qk (±2 sd)".
     ``random_*`` rows are never panels of their own.
 
+    ``events`` (median mode): a dotted vertical line at each series' median-layer departure and a
+    dashed one at its takeoff, in its colour (:mod:`attn_probe.analysis.emergence`; a run without a
+    logged range gets it from its run header's shapes when ``df_or_runs`` names run directories).
+
     NaN values are left out (lines join the finite steps). A metric with no finite value keeps
     its panel, with the note "no finite values", and a
     :class:`~attn_probe.analysis.trajectory.TrajectoryWarning` names it; when nothing chosen
@@ -243,6 +248,7 @@ def plot_dynamics(
 
     df = as_frame(df_or_runs)
     df = df[df["head"].isna()]
+    with_ranges = df
     is_random = df["metric"].str.startswith(RANDOM_PREFIX)
     random_rows, df = df[is_random], df[~is_random]
     present = list(dict.fromkeys(df["metric"]))
@@ -393,6 +399,15 @@ def plot_dynamics(
                        label=RANDOM_BAND_LABEL)
             shown[metric].extend((lo_, hi_))
             random_drawn = True
+    if events and not per_layer:
+        from .emergence import EMERGENCE_METRICS, emergence, lazy_shapes
+        from .emergence_plot import draw_events
+
+        found = emergence(with_ranges[with_ranges["run"].isin(runs) & with_ranges["group"].isin(chosen_groups)],
+                          shapes=lazy_shapes(df_or_runs), metrics=[m for m in chosen_metrics if m in EMERGENCE_METRICS])
+        for handle, text in draw_events(axes, chosen_metrics, found, series, _RUN_COLOURS):
+            handles.append(handle)
+            labels.append(text)
     if random_drawn:
         from matplotlib.patches import Patch
 

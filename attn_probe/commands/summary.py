@@ -13,14 +13,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plain-text table (default) or CSV on stdout (names a spreadsheet would run "
                              "as formulas get a leading ')")
     parser.add_argument("--digits", type=int, default=2, help="decimals in the text table (default 2)")
+    parser.add_argument("--sds", type=float, default=3.0, metavar="K",
+                        help="the text table's emergence lines: a departure is K sd of the random range (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import cli_errors
     from ..analysis.summary import format_summary, summarize
+    from ..analysis.trajectory import load_trajectory
 
     with cli_errors("summary"):
-        table = summarize(args.runs)
+        df = load_trajectory(args.runs)
+        table = summarize(df)
+        events = None if args.format == "csv" else _emergence(df, args)
     if args.format == "csv":
         from ..analysis.trajectory import escape_formulas
 
@@ -29,4 +34,19 @@ def run(args: argparse.Namespace) -> int:
         print(table.to_csv(index=False, lineterminator="\r\n"), end="")  # RFC 4180: a name's \r is quoted
     else:
         print(format_summary(table, digits=args.digits))
+        if events is not None and not events.empty:
+            from ..analysis.emergence import format_emergence
+
+            text = format_emergence(events)
+            if text:
+                print()
+                print(text)
     return 0
+
+
+def _emergence(df, args: argparse.Namespace):  # noqa: ANN001, ANN202 - pandas is imported lazily
+    """Departure and takeoff per run, group and score (:mod:`attn_probe.analysis.emergence`); a run
+    without a logged random range gets it from its run header's layer shapes."""
+    from ..analysis.emergence import emergence, lazy_shapes
+
+    return emergence(df, k=args.sds, shapes=lazy_shapes(args.runs))

@@ -260,6 +260,9 @@ def interpret(result: DemoResult, *, cuda: bool | None = None) -> list[str]:
             lines.append(f"{kind}: still on the unigram plateau (final loss {r.final_loss:.3f}; it leaves "
                          f"once {PLATEAU_LOGS} logs in a row are <= {threshold:.2f} = unigram entropy {h:.2f} "
                          f"- {PLATEAU_MARGIN})")
+    from .events import emergence_lines
+
+    lines.extend(emergence_lines(result.models, result.plateau_exits))
     if cfg.decoder_objective == "paper-mlm" and "decoder" in result.models:
         lines.append("decoder objective: paper-mlm (the released code's masked-LM collator fed to the causal LM); "
                      "its loss is not comparable with a next-token loss")
