@@ -3,7 +3,9 @@
 The weight metrics bound what the attention logits *could* be; this module measures what they
 *are*, on the steps a caller arms, from the q and k that the model's attention function
 receives (transformers' ``ALL_ATTENTION_FUNCTIONS`` interface: after rotary embeddings, keys
-before grouped-query repetition, with the model's own ``scaling``).
+before grouped-query repetition, with the model's own ``scaling``), or, for modules that call
+``torch.nn.functional.scaled_dot_product_attention`` themselves, that call receives
+(:mod:`attn_probe.sdpa_capture`; masks: :mod:`attn_probe.attention_masks`).
 
 For query head ``h`` (key head ``g(h) = h // (H / H_kv)``), batch row ``b``, query ``i`` and
 key ``j`` the logit is
@@ -476,9 +478,10 @@ class AttentionCapture:
                 mask = args[pos]
             masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         counted = torch.is_grad_enabled() or not self.training_only
-        if counted:  # the compile guard and the sdpa calls' interception (attn_probe.sdpa_capture)
+        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.sdpa_capture)
+        if pushed:
             self._mode.__enter__()
-        self._frames.append((counted, masks, counted))
+        self._frames.append((counted, masks, pushed))
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         if self._frames and self._frames.pop()[2]:

@@ -21,15 +21,20 @@ function) pass straight through. :func:`sdpa_call` reads the call as torch does:
 
 ``dropout_p`` is not applied: the statistics describe the attention distribution before dropout.
 
-**Where the mode is pushed.** Only inside a counted forward of the watched model (the capture's
-forward pre-hook on the model pushes it, its always-called forward hook pops it: well nested
-within the forward, on the thread that runs it); never during backward, the optimizer step,
-evaluation under ``no_grad`` or steps that are not due. It is pushed for every armed capture,
-including one that measures through transformers' interface alone, because the mode stack is
-part of what ``torch.compile`` guards on at the entry of a compiled frame, unlike module hooks:
-code compiled before the probe attached (a model of the same class compiled earlier in the
-process) is not reused for a due step, it is traced again with the probe's hooks and wrapper.
-Steps that are not due run the code compiled without the probe.
+**Where the mode is pushed.** Only inside a counted forward of the watched model, and only when
+some watched layer is an sdpa layer (the capture's forward pre-hook on the model pushes it, its
+always-called forward hook pops it: well nested within the forward, on the thread that runs it);
+never during backward, the optimizer step, evaluation under ``no_grad`` or steps that are not due.
+
+**torch.compile.** The mode stack is part of what the compiler guards on at the entry of a
+compiled frame (module hooks are not): a due step does not reuse code compiled without the
+probe, also code compiled before the probe attached (a model of the same class compiled earlier
+in the process); it compiles one more variant with the mode, the hooks and the statistics.
+Steps that are not due run the code compiled without the probe. Models measured through
+transformers' interface alone do not get the mode: with it, Llama under ``torch.compile``
+failed in torch 2.13 (the root hooks are traced there, and a graph break inside the interface
+wrapper under the mode left a corrupted state: ``Tensor.device`` read a ``Size``); for them code
+compiled before attach stays a warned and counted cause of missing rows.
 """
 
 from __future__ import annotations

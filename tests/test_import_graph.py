@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     # measured attention quantities; the attention-function registry glue they read through
     # (integrations.attention_functions: transformers' get_interface wrapped, imports no module of
     # the package, so it sits here rather than with the rest of integrations/)
-    ("integrations.attention_functions", "attention_stats"),
+    # (attention_masks: which keys a query row sees; sdpa_capture: torch's own attention calls)
+    ("integrations.attention_functions", "attention_masks", "sdpa_capture", "attention_stats"),
     # scored weight pairs
     ("pairs",),
     # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out);
