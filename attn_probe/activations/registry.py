@@ -161,6 +161,11 @@ def disarm(capture: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def calls_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s forward calls transformers' attention interface (its source says so)."""
+    return "get_interface(" in _forward_source(type(module))
+
+
 def implementation(module: nn.Module) -> str | None:
     """The attention implementation name transformers resolved for ``module`` (its config's)."""
     config = getattr(module, "config", None)
@@ -204,5 +209,5 @@ def unavailable_reason(layers: Sequence[AttentionLayer]) -> str | None:
 # The capture: one per watched model
 # ---------------------------------------------------------------------------------------------
 
-__all__ = ["FAMILIES", "acquire", "arm", "disarm", "implementation", "installed_wrappers", "release",
+__all__ = ["FAMILIES", "acquire", "arm", "calls_interface", "disarm", "implementation", "installed_wrappers", "release",
            "unavailable_reason"]

@@ -3,7 +3,9 @@
 The weight metrics bound what the attention logits *could* be; this module measures what they
 *are*, on the steps a caller arms, from the q and k that the model's attention function
 receives (transformers' ``ALL_ATTENTION_FUNCTIONS`` interface: after rotary embeddings, keys
-before grouped-query repetition, with the model's own ``scaling``).
+before grouped-query repetition, with the model's own ``scaling``), or, for modules that call
+``torch.nn.functional.scaled_dot_product_attention`` themselves, that call receives
+(:mod:`attn_probe.sdpa_capture`; masks: :mod:`attn_probe.attention_masks`).
 
 For query head ``h`` (key head ``g(h) = h // (H / H_kv)``), batch row ``b``, query ``i`` and
 key ``j`` the logit is
@@ -76,8 +78,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -85,9 +86,12 @@ from torch import nn
 from ..extraction.architectures import unwrap
 from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
-from . import registry as registry
-from .registry import installed_wrappers, unavailable_reason
 from ..isolation import Failures, safe_warn
+from . import registry as registry
+from .masks import RowMask, row_mask
+from .registry import installed_wrappers
+from .sdpa import SdpaMode, measured_by_sdpa, running_hooks, sdpa_call, unavailable_reason
+from .steps import StepStats, combine, logit_bound_ratio  # noqa: F401  (their documented home before the split)
 
 Tensor = torch.Tensor
 
@@ -101,10 +105,6 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 # ---------------------------------------------------------------------------------------------
 # The statistics (pure functions: tensors in, tensors out)
 # ---------------------------------------------------------------------------------------------
-
-#: (r0, r1) -> (allowed (B|1, H|1, r1 - r0, Lk) bool or None for all, additive bias or None)
-RowMask = Callable[[int, int], "tuple[Tensor | None, Tensor | None]"]
-
 
 def logit_stats(
     query: Tensor,
@@ -200,193 +200,6 @@ def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | Non
     return max_abs, ent, count, max_signed
 
 
-def _float_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
-    """An additive float mask -> (visible, bias): visible above ``max(dtype min / 2, -1e30)``."""
-    visible = mask > max(torch.finfo(mask.dtype).min / 2, -1e30)
-    bias = mask.masked_fill(~visible, 0)
-    return visible, bias
-
-
-def _flash_segments(kwargs: Mapping, length: int, device: torch.device) -> Tensor | None:
-    """Packed-sequence ids ``(1, length)`` from ``cu_seq_lens_q`` or packed ``position_ids``."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        bounds = torch.as_tensor(cu, device=device)[1:-1]
-        return torch.bucketize(torch.arange(length, device=device), bounds, right=True)[None]
-    pos = kwargs.get("position_ids")
-    if pos is not None and pos.shape[0] == 1 and pos.shape[-1] == length and length > 1:
-        return torch.cumsum((pos.reshape(1, -1) == 0).long(), dim=-1)
-    return None
-
-
-def row_mask(
-    family: str,
-    module: nn.Module,
-    attention_mask: Tensor | None,
-    kwargs: Mapping,
-    q_len: int,
-    k_len: int,
-    device: torch.device,
-) -> RowMask:
-    """The visible keys of query rows, as the implementation ``family`` reads its arguments.
-
-    ``eager``/``sdpa``: a 4D boolean (``True`` = visible) or additive float mask, its last
-    ``k_len`` columns; ``None`` means all keys for eager and, for sdpa, causal (upper-left,
-    keys cut to ``q_len``) when ``q_len > 1`` and the call is causal. ``flash``: causal
-    bottom-right, the 2D padding mask's last ``k_len`` columns, ``sliding_window`` and packed
-    sequences. ``position_bias`` (kwargs) is an additive bias.
-    """
-    causal_kw = kwargs.get("is_causal")
-    causal = bool(causal_kw if causal_kw is not None else getattr(module, "is_causal", True))
-    position_bias = kwargs.get("position_bias")
-    offset = k_len - q_len
-
-    if family in ("eager", "sdpa") and attention_mask is not None and attention_mask.dim() == 4:
-        mask = attention_mask[..., -q_len:, :k_len] if attention_mask.shape[-2] >= q_len else attention_mask
-
-        def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
-            m = mask[..., r0:r1, :] if mask.shape[-2] > 1 else mask
-            bias = position_bias[..., r0:r1, :k_len] if position_bias is not None else None
-            if m.dtype == torch.bool:
-                return m.to(device), bias
-            visible, extra = _float_mask(m.to(device))
-            return visible, extra if bias is None else bias + extra
-
-        return rows
-
-    if family == "flash":
-        pad = attention_mask[:, -k_len:].to(device=device, dtype=torch.bool) if attention_mask is not None else None
-        window = kwargs.get("sliding_window")
-        segments = _flash_segments(kwargs, k_len, device) if q_len == k_len else None
-        kpos = torch.arange(k_len, device=device)
-
-        def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
-            qpos = torch.arange(r0, r1, device=device)[:, None] + offset
-            allowed = torch.ones(r1 - r0, k_len, dtype=torch.bool, device=device)
-            if causal:
-                allowed = allowed & (kpos[None] <= qpos)
-            if window is not None and k_len > window:
-                allowed = allowed & ((qpos - kpos[None]).abs() < window)
-            allowed = allowed[None, None]
-            if segments is not None:
-                allowed = allowed & (segments[:, None, r0:r1, None] == segments[:, None, None, :])
-            if pad is not None:
-                allowed = allowed & pad[:, None, None, :]
-            return allowed, None
-
-        return rows
-
-    # eager/sdpa without a 4D mask
-    sdpa_causal = family == "sdpa" and attention_mask is None and q_len > 1 and causal
-    if not sdpa_causal and position_bias is None:
-        return lambda r0, r1: (None, None)
-    kpos = torch.arange(k_len, device=device)
-
-    def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
-        bias = position_bias[..., r0:r1, :k_len] if position_bias is not None else None
-        if not sdpa_causal:
-            return None, bias
-        qpos = torch.arange(r0, r1, device=device)[:, None]
-        return (kpos[None] <= qpos)[None, None], bias  # upper-left, which also cuts keys to q_len
-
-    return rows
-
-
-def logit_bound_ratio(max_logit: Tensor, qk_bound: Tensor, input_norm: Tensor | float, scaling: float) -> Tensor:
-    """How much of its weight-only bound the measured logit uses.
-
-    .. math:: r = \\frac{\\max |\\ell|}{\\sigma_{max}(W_q^h)\\,\\sigma_{max}(W_k^h)\\,\\|x\\|_{max}^2\\, s}
-
-    ``qk_bound`` as the weight metric of that name (per head; the layer value is the max over
-    heads), ``input_norm`` the largest ``||x||_2`` of the attention's input on the step, ``s`` the
-    scaling. At most 1 for bias-free q/k projections without QK-norm or position biases (rotary
-    embeddings are rotations; an attention factor in them, as in YaRN, scales the logits by its
-    square); q/k biases (BERT, GPT-2) can make it exceed 1. NaN where the bound is 0 or either
-    side is missing.
-    """
-    bound = qk_bound.to(torch.float64) * torch.as_tensor(input_norm, dtype=torch.float64) ** 2 * scaling
-    ratio = max_logit.to(torch.float64) / bound
-    return torch.where(bound > 0, ratio, torch.full_like(ratio, math.nan))
-
-
-# ---------------------------------------------------------------------------------------------
-# One step's values and their distributed reduction
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepStats:
-    """One step's accumulated values, flat over ``(layer, head)`` so ranks reduce two tensors.
-
-    ``max_logit``, ``entropy_sum``, ``tokens``: ``(sum heads,)`` float64 in layer order, layer
-    ``i``'s heads at ``offsets[i]:offsets[i + 1]``; ``input_norm (layers,)``; ``-inf`` marks
-    a max with nothing seen. ``scaling[i]`` is what layer ``i``'s attention received;
-    ``signed_max`` (like ``max_logit``) the largest signed logit, ``None`` where not kept.
-    """
-
-    names: tuple[str, ...]
-    heads: tuple[int, ...]
-    max_logit: Tensor
-    entropy_sum: Tensor
-    tokens: Tensor
-    input_norm: Tensor
-    scaling: tuple[float | None, ...]
-    signed_max: Tensor | None = None
-
-    @property
-    def offsets(self) -> list[int]:
-        out = [0]
-        for h in self.heads:
-            out.append(out[-1] + h)
-        return out
-
-    def tables(self) -> list[Tensor]:
-        """Per layer a float64 ``(2, 1 + H)`` table, rows :data:`ATTENTION_METRICS`, column 0
-        the layer (max over heads; mean of the head entropies), the core's layout. NaN where
-        nothing was counted."""
-        nan = torch.tensor(math.nan, dtype=torch.float64, device=self.max_logit.device)
-        mx = torch.where(self.max_logit == -math.inf, nan, self.max_logit)  # +inf is a real overflow
-        ent = torch.where(self.tokens > 0, self.entropy_sum / self.tokens.clamp_min(1), nan)
-        out = []
-        off = self.offsets
-        for i in range(len(self.heads)):
-            m, e = mx[off[i]:off[i + 1]], ent[off[i]:off[i + 1]]
-            head_max = self.max_logit[off[i]:off[i + 1]].amax()
-            layer_max = torch.where(head_max == -math.inf, nan, head_max)
-            out.append(torch.stack([torch.cat([layer_max[None], m]), torch.cat([e.mean()[None], e])]))
-        return out
-
-    def counted(self) -> list[Tensor]:
-        """Per layer a bool ``(1 + H,)``: whether any token was counted (column 0: in any head).
-        A column that was not counted is NaN in :meth:`tables` because nothing was measured (no
-        forward reached the layer, or its measurement failed), not because the logits were NaN."""
-        seen = self.tokens > 0
-        off = self.offsets
-        return [torch.cat([seen[off[i]:off[i + 1]].any()[None], seen[off[i]:off[i + 1]]])
-                for i in range(len(self.heads))]
-
-    def input_norms(self) -> Tensor:
-        """``(layers,)`` largest input norm per layer, NaN where none was seen."""
-        return torch.where(torch.isinf(self.input_norm), math.nan, self.input_norm)
-
-
-def combine(stats: StepStats, reduce: Callable[[Tensor, str], Tensor]) -> StepStats:
-    """Reduce ``stats`` over ranks with ``reduce(tensor, op)``, ``op`` ``"max"`` then ``"sum"``.
-
-    Exactly two calls in this order on every rank, with tensors of the same shape (every watched
-    layer has its slots whether or not this rank saw it), so a collective per call is safe:
-    ``[max_logit, input_norm, signed_max]`` by max, ``[entropy_sum, tokens]`` by sum. The combined
-    entropy is the token-weighted mean over all ranks' tokens.
-    """
-    n, m = stats.max_logit.numel(), stats.input_norm.numel()
-    signed = [] if stats.signed_max is None else [stats.signed_max]
-    maxes = reduce(torch.cat([stats.max_logit, stats.input_norm, *signed]), "max")
-    sums = reduce(torch.cat([stats.entropy_sum, stats.tokens]), "sum")
-    return StepStats(stats.names, stats.heads, maxes[:n], sums[:n], sums[n:], maxes[n:n + m], stats.scaling,
-                     maxes[n + m:] if signed else None)
-
-
-
 class AttentionCapture:
     """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
 
@@ -428,7 +241,11 @@ class AttentionCapture:
         self._offsets = [0]
         for h in self.heads:
             self._offsets.append(self._offsets[-1] + h)
-        self._implementations = sorted({str(registry.implementation(layer.module)) for layer in self.layers})
+        #: per layer: measured from its scaled_dot_product_attention calls (attn_probe.sdpa_capture)
+        self.sdpa = tuple(measured_by_sdpa(layer) for layer in self.layers)
+        self._implementations = self._interface_names()
+        self._running: list[int] = []  # the sdpa layers whose forward is running, innermost last
+        self._mode = SdpaMode(self.observe_sdpa)
         self._unmeasured: list[str] | None = None  # the last switched-to names found unmeasured
         try:
             params = inspect.signature(self.root.forward).parameters
@@ -439,13 +256,19 @@ class AttentionCapture:
         self._hooks: list = []
         self._armed = False
         self._closed = False
-        #: one frame per forward of the model being run: (counted, its 2D masks)
-        self._frames: list[tuple[bool, dict[str, Tensor | None]]] = []
+        #: one frame per forward of the model being run: (counted, its 2D masks, mode pushed)
+        self._frames: list[tuple[bool, dict[str, Tensor | None], bool]] = []
         self._buffers: list[Tensor] | None = None
         self._failed_step = False
         self._warned = False
         self.failures: list[str] = []
-        registry.acquire(self._implementations)
+        if self._implementations:
+            registry.acquire(self._implementations)
+
+    def _interface_names(self) -> list[str]:
+        """The implementation names of the layers measured through transformers' interface."""
+        return sorted({str(registry.implementation(layer.module))
+                       for layer, sdpa in zip(self.layers, self.sdpa, strict=True) if not sdpa})
 
     # -- step control -------------------------------------------------------------------------
 
@@ -482,13 +305,17 @@ class AttentionCapture:
         for i, layer in enumerate(self.layers):
             self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._input_hook(i)),
                                                                       with_kwargs=True))
+            if self.sdpa[i]:
+                enter, leave = running_hooks(self._running, i)
+                self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(enter)))
+                self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
         registry.arm(self)
         self._armed = True
 
     def _resolve(self) -> None:
         """Follow an attention implementation switched after construction (``set_attn_implementation``):
         wrap the new names when they are measured; else nothing is measured and the stage says why."""
-        now = sorted({str(registry.implementation(layer.module)) for layer in self.layers})
+        now = self._interface_names()
         if now == self._implementations or now == self._unmeasured:
             return
         if unavailable_reason(self.layers) is not None:
@@ -505,6 +332,7 @@ class AttentionCapture:
             hook.remove()
         self._hooks = []
         self._frames = []
+        self._running.clear()
         self._armed = False
 
     @property
@@ -536,7 +364,8 @@ class AttentionCapture:
         if self._closed:
             return
         self.disarm()
-        registry.release(self._implementations)
+        if self._implementations:
+            registry.release(self._implementations)
         self._closed = True
 
     def __enter__(self) -> AttentionCapture:
@@ -565,11 +394,15 @@ class AttentionCapture:
             if mask is None and pos < len(args):  # the bound forward's parameters exclude self
                 mask = args[pos]
             masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        self._frames.append((torch.is_grad_enabled() or not self.training_only, masks))
+        counted = torch.is_grad_enabled() or not self.training_only
+        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.sdpa_capture)
+        if pushed:
+            self._mode.__enter__()
+        self._frames.append((counted, masks, pushed))
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        if self._frames:
-            self._frames.pop()
+        if self._frames and self._frames.pop()[2]:
+            self._mode.__exit__(None, None, None)
 
     def _counted(self) -> bool:
         return bool(self._frames) and self._frames[-1][0]
@@ -618,25 +451,40 @@ class AttentionCapture:
             scaling = kwargs.get("scaling")
             if scaling is None:
                 scaling = query.shape[-1] ** -0.5
-            with torch.no_grad():
-                q_len, k_len = query.shape[2], key.shape[2]
-                rows = row_mask(family, module, attention_mask, kwargs, q_len, k_len, query.device)
-                sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
-                top, ent, tok, top_signed = logit_stats(
-                    query, key, float(scaling), rows,
-                    query_valid=self._query_mask(i, query.shape[0], q_len),
-                    softcap=kwargs.get("softcap"), sinks=sinks, chunk_elements=self.chunk_elements,
-                )
-                mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
-                o0, o1 = self._offsets[i], self._offsets[i + 1]
-                mx[o0:o1].copy_(torch.maximum(mx[o0:o1], top.to(mx)))
-                signed[o0:o1].copy_(torch.maximum(signed[o0:o1], top_signed.to(signed)))
-                ent_sum[o0:o1].add_(ent.to(ent_sum))
-                tokens[o0:o1].add_(tok.to(tokens))
-                scale[i:i + 1].fill_(float(scaling))
-                seen[i:i + 1].add_(1)
+            rows = row_mask(family, module, attention_mask, kwargs, query.shape[2], key.shape[2], query.device)
+            sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
+            self._measure(i, query, key, float(scaling), rows, softcap=kwargs.get("softcap"), sinks=sinks)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
+
+    def observe_sdpa(self, args: tuple, kwargs: dict) -> None:
+        """One ``scaled_dot_product_attention`` call inside a counted forward (from :class:`SdpaMode`):
+        the innermost sdpa layer running, if any, adds its statistics; never raises."""
+        if not self._running or not self._counted():
+            return  # an unwatched module's call, or transformers' own sdpa function (measured by observe)
+        i = self._running[-1]
+        try:
+            query, key, scaling, rows = sdpa_call(args, kwargs, self.heads[i])
+            self._measure(i, query, key, scaling, rows)
+        except Exception as exc:  # never take training down
+            self._fail(f"{self.names[i]}: {exc!r}")
+
+    def _measure(self, i: int, query: Tensor, key: Tensor, scaling: float, rows: Callable, *,
+                 softcap: float | None = None, sinks: Tensor | None = None) -> None:
+        """Layer ``i``'s statistics of one call added to the step's accumulators (may raise)."""
+        with torch.no_grad():
+            top, ent, tok, top_signed = logit_stats(
+                query, key, scaling, rows, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
+                softcap=softcap, sinks=sinks, chunk_elements=self.chunk_elements,
+            )
+            mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
+            o0, o1 = self._offsets[i], self._offsets[i + 1]
+            mx[o0:o1].copy_(torch.maximum(mx[o0:o1], top.to(mx)))
+            signed[o0:o1].copy_(torch.maximum(signed[o0:o1], top_signed.to(signed)))
+            ent_sum[o0:o1].add_(ent.to(ent_sum))
+            tokens[o0:o1].add_(tok.to(tokens))
+            scale[i:i + 1].fill_(float(scaling))
+            seen[i:i + 1].add_(1)
 
     def _fail(self, message: str) -> None:
         """Count a failure (once per step in ``failure_log``), warn about the first one only."""

@@ -610,9 +610,10 @@ def test_unavailable_reasons():
     assert "reorder_and_upcast_attn" in unavailable_reason(find_attention(gpt2))
     with pytest.raises(ValueError, match="reorder_and_upcast_attn"):
         AttentionCapture(gpt2, find_attention(gpt2))
+    # a module outside transformers' interface is measured from its scaled_dot_product_attention
+    # calls (attn_probe.activations.sdpa); one that makes none is warned about at its first due step
     mha = torch.nn.Sequential(torch.nn.MultiheadAttention(16, 2))
-    reason = unavailable_reason(find_attention(mha))
-    assert reason is not None and "does not call transformers' attention interface" in reason
+    assert unavailable_reason(find_attention(mha)) is None
     llama = _llama("eager")
     assert unavailable_reason(find_attention(llama)) is None
     llama.config._attn_implementation_internal = "flex_attention"  # what set_attn_implementation records

@@ -35,6 +35,7 @@ from ...extraction import AttentionLayer
 from ...isolation import Failures, safe_warn
 from ...scoring.pairs import QKPair, ScorePair, pair_metric_names
 from .qk_clip import CLIP_METRICS, DEFAULT_TAU, clip_tables, signed_columns
+from ...activations.sdpa import measured_by_sdpa
 
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
            "bound_ratio_table", "build_stage", "qk_bound_index"]
@@ -280,9 +281,20 @@ def missing_reason(layers: Sequence[AttentionLayer], nothing: bool) -> str:
     if now is not None:  # e.g. model.set_attn_implementation(...) after attach
         return (f"the model changed after the probe attached ({now.removeprefix('attention statistics are unavailable: ')}). "
                 "Attach after switching the attention implementation, or switch back.")
+    sdpa = [measured_by_sdpa(layer) for layer in layers]
+    if any(sdpa) and not nothing:
+        return ("no training forward reached those layers' torch.nn.functional.scaled_dot_product_attention while "
+                "the step was armed (layers skipped, e.g. LayerDrop or an early exit, or attention computed "
+                "otherwise: a manual softmax(q k^T), nn.MultiheadAttention, FlexAttention are not measured).")
     if not nothing:
         return ("no training forward reached those layers while the step was armed (layers skipped, e.g. "
                 "LayerDrop or an early exit).")
+    if all(sdpa):
+        return ("no training forward (gradients enabled) of the watched model called "
+                "torch.nn.functional.scaled_dot_product_attention inside a watched attention module while the "
+                "step was armed. Likely causes: attention computed otherwise (a manual softmax(q k^T), "
+                "nn.MultiheadAttention, FlexAttention: not measured); only torch.no_grad forwards ran in the step; "
+                "or the loop's forwards run outside the step the probe sees (Lightning manual optimisation).")
     return ("no training forward (gradients enabled) reached transformers' attention interface while the "
             "step was armed. Likely causes: code compiled by torch.compile before the probe attached is reused "
             "without the probe's wrapper (attach before the first compile of this model class in the process, "
