@@ -37,7 +37,7 @@ from ..baselines import random_range
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from ..distributed import Agreement, AgreementError, is_main_process, world_info
-from ..extraction import AttentionLayer
+from ..extraction import AttentionLayer, entry_point
 from .images import render_heatmap
 from ..isolation import Failures, never_raise, safe_warn
 from ..formats.logdir import LogDirError, LogDirInUseError
@@ -125,6 +125,7 @@ class Probe:
     ``outputs``: ``None`` off the main process); tests use their documented seams.
     """
 
+    @entry_point("Probe")  # an unsupported model's message shows the fix as a Probe(...) call
     def __init__(self, model: nn.Module, config: ProbeConfig | None = None, **options: Any) -> None:
         self.config = cfg = config_from_options(config, **options)
         self.model = model
