@@ -45,10 +45,9 @@ Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_pro
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
-
-import sys
 
 try:  # the ``lightning`` package; else the older ``pytorch_lightning`` (neither type-checks callbacks by package)
     from lightning.pytorch.callbacks import Callback
@@ -342,13 +341,10 @@ def _flush(probe: Probe) -> None:
 def _logger_target(logger: Any) -> Any:
     """A Lightning logger as a target of the probe's tracker fan-out: values through ``log_metrics``."""
     from ..sinks.trackers import TrackerTarget
-    from ..sinks.tracker_record import TrackerRun
+    from .tracker_run import tracker_run
 
-    name = type(logger).__name__
-    version = getattr(logger, "version", None)
-    label = f"the Trainer's {name}"
-    return TrackerTarget(name, lambda: TrackerRun(f"lightning:{name}", None if version is None else str(version), label),
-                         lambda values, step: logger.log_metrics(values, step=step))
+    run = tracker_run(logger, "lightning")  # its version now, as the logger is set up
+    return TrackerTarget(type(logger).__name__, lambda: run, lambda values, step: logger.log_metrics(values, step=step))
 
 
 def _stop_line(probe: Probe, trainer: Any, step: int) -> None:
