@@ -1,10 +1,13 @@
-"""Which run directory a (resumed) training session writes: the policy, as plain values.
+"""Which run directory a (resumed) training session writes: the policy, decided and carried out.
 
-Paths, run ids and steps in, a decision out; no Trainer, no transformers. The Trainer glue
-(:class:`attn_probe.integrations.transformers.AttnProbeCallback`) reads the saved run from the
-checkpoint's ``trainer_state.json`` (:func:`saved_run`), asks :func:`choose_run` what to do and
-carries the decision out (pointing the Trainer's TensorBoard callback, warning, choosing the
-default directory).
+Paths, run ids and steps in, a decision out (:func:`choose_run`); no Trainer, no transformers, no
+lightning. :func:`settle_run` carries the decision out for an integration through the small
+:class:`RunDirs` adapter the integration implements by reading its framework's state (its default
+TensorBoard directory, the directories of writers already open, and pointing a writer not yet open),
+and returns the directory and the run's identity (:class:`RunPlan`), warning once where a user should
+know. The Trainer callback (``TrainerDirs``) reads the saved run from the checkpoint's
+``trainer_state.json`` (:func:`saved_run`); the Lightning callback (``LightningDirs``, a ``fixed``
+directory: its logger's) from its own checkpoint state.
 
 The rules (``docs/live-probe.md``, "Hugging Face Trainer"):
 

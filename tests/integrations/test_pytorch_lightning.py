@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, lines_by_run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None,
