@@ -31,6 +31,12 @@ Resume: ``watch(model, accelerator=acc, start_step=G)``. The trajectory drops it
 restart marker (``SessionLog.START`` at G) into the tracker's writer, the newest event file of
 the run, so TensorBoard drops the interrupted run's events at steps ``>= G`` (the user's
 logged losses too) and each step shows once. The same logic serves every resume path.
+
+Run directory: Accelerate saves no record of the probe's run with its checkpoints
+(``accelerator.save_state`` knows nothing of it), so there is nothing for
+:func:`attn_probe.live.resume_policy.settle_run` to decide: the directory is ``log_dir=``, else the
+TensorBoard tracker's (its writer), else the probe's own default; on ``start_step=G`` the trajectory
+continues the last run it holds (the probe's resume cut).
 """
 
 from __future__ import annotations
