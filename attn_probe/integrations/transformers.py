@@ -329,11 +329,13 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         try:
             self.probe = build(log_dir)
         except LogDirError as exc:
+            checkpoint_run = plan is not None and plan.from_checkpoint
             retry = retry_dir(plan, exc, TrainerDirs(args, handler), step, args.output_dir) if plan else None
             if retry is None:
                 raise
             log_dir = retry
-            self._take(plan)  # a fresh run has an identity of its own
+            if checkpoint_run:  # a fresh run instead of the checkpoint's: an identity of its own, in its header too
+                self._take(plan)
             self.probe = build(log_dir)
         self._live_run.update(run_log_dir=log_dir, run_output_dir=os.path.abspath(str(args.output_dir)),
                               run_log_dir_relative=relative_to(log_dir, args.output_dir) if log_dir is not None else None)
