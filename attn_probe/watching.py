@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .extraction import entry_point
 from .live.config import config_from_options
 from .integrations.accelerate import ACCELERATE_OPTIONS, watch_accelerated
 from .live.probe import Probe
@@ -15,6 +16,7 @@ from .live.schedules import ScheduleLike
 __all__ = ["watch"]
 
 
+@entry_point("watch")  # an unsupported model's message shows the fix as a watch(...) call
 def watch(
     model: nn.Module,
     *,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
@@ -23,6 +25,7 @@ __all__ = [
     "FUSED_LAYOUTS",
     "unwrap",
     "GROUPS",
+    "entry_point",
 ]
 
 
@@ -147,7 +150,7 @@ def _unread_projections(root: nn.Module, pairs: list[tuple[str, str]]) -> str | 
     return None
 
 
-#: how the user's call takes ``qk_names``, by the public entry point found on the call stack
+#: how the user's call takes ``qk_names``, by the public entry point that marked itself (:func:`entry_point`)
 #: (function or class name -> call form; ``{}`` is the pairs)
 _CALL_FORMS = {
     "watch": 'attn_probe.watch(model, ..., find_kwargs={{"qk_names": {}}})',
@@ -159,25 +162,27 @@ _CALL_FORMS = {
 }
 
 
-def _entry_point() -> str:
-    """The public attn_probe function the user called (the outermost attn_probe frame on the
-    stack that is a known entry point), for the form of the fix: only on the error path."""
-    import sys
+#: the public call the user made (a key of :data:`_CALL_FORMS`), set by that call (:func:`entry_point`)
+_ENTRY: ContextVar[str | None] = ContextVar("attn_probe_entry_point", default=None)
 
-    entry = "find_attention"
-    frame = sys._getframe(1)
-    while frame is not None:
-        if str(frame.f_globals.get("__name__", "")).startswith("attn_probe"):
-            code = frame.f_code
-            qualname = getattr(code, "co_qualname", None)  # Python >= 3.11: "AttnProbeCallback.on_init_end"
-            if qualname is not None:
-                names = [qualname.split(".")[0], code.co_name]
-            else:  # 3.10: a method's class from its self
-                this = frame.f_locals.get("self")
-                names = [code.co_name] + ([c.__name__ for c in type(this).__mro__] if this is not None else [])
-            entry = next((n for n in names if n in _CALL_FORMS), entry)
-        frame = frame.f_back
-    return entry
+
+@contextmanager
+def entry_point(name: str) -> Iterator[None]:
+    """Mark the public call ``name`` (``"watch"``, ``"attach"``, ``"AttnProbeCallback"``, ``"Probe"``,
+    ``"score_model"``) around its work, as a ``with`` block or a decorator: an unsupported model's
+    message then shows the fix in that call's form. The outermost mark wins (``watch`` builds a
+    ``Probe``: the user called ``watch``)."""
+    token = _ENTRY.set(name) if _ENTRY.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _ENTRY.reset(token)
+
+
+def _entry_point() -> str:
+    """The public attn_probe call the user made (:func:`entry_point`; none marked: ``find_attention``)."""
+    return _ENTRY.get() or "find_attention"
 
 
 def call_form(entry: str, pairs: str) -> str:

@@ -31,6 +31,12 @@ Resume: ``watch(model, accelerator=acc, start_step=G)``. The trajectory drops it
 restart marker (``SessionLog.START`` at G) into the tracker's writer, the newest event file of
 the run, so TensorBoard drops the interrupted run's events at steps ``>= G`` (the user's
 logged losses too) and each step shows once. The same logic serves every resume path.
+
+Run directory: Accelerate saves no record of the probe's run with its checkpoints
+(``accelerator.save_state`` knows nothing of it), so there is nothing for
+:func:`attn_probe.live.resume_policy.settle_run` to decide: the directory is ``log_dir=``, else the
+TensorBoard tracker's (its writer), else the probe's own default; on ``start_step=G`` the trajectory
+continues the last run it holds (the probe's resume cut).
 """
 
 from __future__ import annotations
@@ -41,15 +47,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..isolation import safe_warn
 from ..live.config import ProbeConfig
 from ..live.counting import EngineSteps
-from ..isolation import safe_warn
 from ..live.probe import Probe
 
 #: options of ``watch(accelerator=...)`` only: what its non-TensorBoard trackers get
 ACCELERATE_OPTIONS = ("trackers", "trackers_per_head", "wandb_separate_run")
 
-__all__ = ["ACCELERATE_OPTIONS", "accelerator_targets", "accelerate_tracker_run", "watch_accelerated", "tensorboard_tracker_writer"]
+__all__ = ["ACCELERATE_OPTIONS", "accelerator_targets", "watch_accelerated", "tensorboard_tracker_writer"]
 
 
 def tensorboard_tracker_writer(accelerator: Any) -> Any:
@@ -79,32 +85,16 @@ def accelerator_targets(trackers: Sequence[Any]) -> list[Any]:
     """The accelerator's trackers as targets (:class:`~attn_probe.sinks.trackers.TrackerTarget`) of the
     probe's tracker fan-out (W&B apart: :func:`watch_accelerated` gives it a ``WandbSink``): each
     gets the values through its public ``GeneralTracker.log`` with ``step=``, and its run is
-    identified through ``GeneralTracker.tracker`` (:func:`accelerate_tracker_run`) for the resume guard.
+    identified through ``GeneralTracker.tracker`` (:func:`~attn_probe.integrations.tracker_run.tracker_run`) for the resume guard.
     """
     from ..sinks.trackers import TrackerTarget
+    from .tracker_run import tracker_run
 
     def target(tracker: Any) -> TrackerTarget:
-        return TrackerTarget(_tracker_name(tracker), lambda: accelerate_tracker_run(tracker),
+        return TrackerTarget(_tracker_name(tracker), lambda: tracker_run(tracker, "accelerate"),
                              lambda values, step: tracker.log(values, step=step))
 
     return [target(t) for t in trackers]
-
-
-def accelerate_tracker_run(tracker: Any) -> Any:
-    """The :class:`~attn_probe.sinks.tracker_record.TrackerRun` of an Accelerate tracker (``GeneralTracker.tracker``)."""
-    from ..sinks.tracker_record import TrackerRun, mlflow_run, trackio_run
-
-    name = _tracker_name(tracker)
-    run = getattr(tracker, "tracker", None)
-    if name == "mlflow" and run is not None:
-        import mlflow
-
-        run_id = run.info.run_id
-        client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
-        return mlflow_run(client, run_id, label=f"the accelerator's MLflow run {run_id}")
-    if name == "trackio" and run is not None:
-        return trackio_run(run, label=f"the accelerator's trackio run {getattr(run, 'name', None)!r}")
-    return TrackerRun(f"accelerate:{name}", None, f"the accelerator's {name} tracker")
 
 
 def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:

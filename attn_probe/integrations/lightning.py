@@ -1,5 +1,10 @@
 """Lightning integration: ``lightning.Trainer(callbacks=[AttnProbeCallback(every=100)])``.
 
+The same callback serves the ``lightning`` package and the older ``pytorch_lightning`` one, with
+either installed or both: it subclasses ``lightning.pytorch``'s ``Callback`` when ``lightning`` can
+be imported, else ``pytorch_lightning``'s, and tells the loggers of both packages apart by
+class (:func:`_is_tensorboard_logger`).
+
 Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_probe.integrations.accelerate`:
 
 * **Model**: the submodule named by ``module="..."``; by default the one child of the
@@ -40,17 +45,20 @@ Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_pro
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
+try:  # the ``lightning`` package; else the older ``pytorch_lightning`` (neither type-checks callbacks by package)
+    from lightning.pytorch.callbacks import Callback
+except ImportError:
+    from pytorch_lightning.callbacks import Callback
 
-from ..live.config import ProbeConfig, config_from_options
-from ..extraction import find_attention
-from ..formats.trajectory import new_run_id
+from ..extraction import entry_point, find_attention
 from ..formats.logdir import default_log_dir
+from ..live.config import ProbeConfig, config_from_options
 from ..live.probe import Probe
-from ..live.resume_policy import holds_run, last_run_id, same_path, why_not_held
+from ..live.resume_policy import SavedRun, resumed_line, settle_run
 from ..live.schedules import ScheduleLike
 from ..live.stages.alerting import print_line
 
@@ -147,6 +155,7 @@ class AttnProbeCallback(Callback):
             raise ValueError(f"AttnProbeCallback(module={self.module!r}): {type(pl_module).__name__} has no such "
                              f"submodule ({exc})") from None
 
+    @entry_point("AttnProbeCallback")
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":  # UnsupportedModelError before any training
             find_attention(self.watched_model(pl_module), groups=self.config.groups, layers=self.config.layers,
@@ -155,10 +164,8 @@ class AttnProbeCallback(Callback):
     # -- where it writes (global zero) -----------------------------------------------------------
     def _tensorboard_writer(self, trainer: Any) -> Any:
         """The first TensorBoardLogger's ``SummaryWriter`` (torch's), or ``None`` without one."""
-        from lightning.pytorch.loggers import TensorBoardLogger
-
         for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if _is_tensorboard_logger(logger):
                 writer = logger.experiment
                 if not type(writer).__module__.startswith("torch.utils.tensorboard"):
                     raise TypeError(f"attn_probe: the TensorBoardLogger writes with {type(writer).__module__}."
@@ -168,12 +175,10 @@ class AttnProbeCallback(Callback):
         return None
 
     def _other_loggers(self, trainer: Any) -> list[Any]:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
         if self.trackers is False:
             return []
         names = None if self.trackers is True else {str(n).lower() for n in self.trackers}
-        return [lg for lg in trainer.loggers if not isinstance(lg, TensorBoardLogger)
+        return [lg for lg in trainer.loggers if not _is_tensorboard_logger(lg)
                 and (names is None or type(lg).__name__.lower() in names)]
 
     # -- the run -------------------------------------------------------------------------------
@@ -185,38 +190,27 @@ class AttnProbeCallback(Callback):
         self._last_global_step = step
         main = bool(trainer.is_global_zero)
         restored = self.restored if step > 0 else None
-        parent = restored.get("run_log_dir") if restored else None
-        saved_id = restored.get("run_id") if restored and isinstance(restored.get("run_id"), str) else None
+        saved = None
+        if restored:
+            saved_id = restored.get("run_id")
+            saved = SavedRun(restored.get("run_log_dir"), None, None, saved_id if isinstance(saved_id, str) else None)
         held = bool(restored) and restored.get("last_snapshot_step") == step  # the checkpoint's run holds step
         writer, log_dir, sinks = None, self.log_dir, list(self.sinks or [])
-        header: dict[str, Any] = {"integration": "lightning.Trainer"}
-        continues, lost = False, ""
+        header: dict[str, Any] = {"integration": _integration(trainer)}
+        plan, continues = None, False
         if main:
             if log_dir is None:
                 writer = self._tensorboard_writer(trainer)
-                if writer is None:
-                    log_dir = os.path.join(str(trainer.default_root_dir), default_log_dir())
-            from ..sinks.tensorboard import writer_log_dir
-
-            where = os.path.expanduser(log_dir) if log_dir is not None else writer_log_dir(writer)
-            if saved_id is not None:  # the run is its id: a directory's name never decides
-                continues = holds_run(where, saved_id)
-                lost = "" if continues or not same_path(parent or "", where) else why_not_held(where, saved_id)
-                self.run_id = saved_id if continues else new_run_id()
-            else:  # a checkpoint of an earlier version, without a run id: its directory is all there is
-                continues = parent is not None and same_path(parent, where)
-                self.run_id = last_run_id(where) if continues else new_run_id()  # None: rows without header
-            if self.run_id is not None:
-                header["run_id"] = self.run_id
-            if parent is not None and not continues:
-                header.update(parent_run=parent, parent_step=step, parent_run_id=saved_id)
+            plan = settle_run(step, saved, LightningDirs(trainer, writer), log_dir=log_dir, output_dir=None)
+            continues = plan.continues
+            header.update(plan.identity)
             others = self._other_loggers(trainer)
             if others:
                 from ..sinks.trackers import TrackerFanOut
 
                 sinks.append(TrackerFanOut([_logger_target(lg) for lg in others], per_head=self.trackers_per_head))
-        else:
-            where = None
+            if log_dir is None and writer is None:
+                log_dir = plan.directory
         # the same choice on every rank (the snapshot of the resumed step is a collective)
         continues = bool(trainer.strategy.broadcast(continues, src=0)) if step > 0 else False
         skip_resumed = held and not continues
@@ -224,16 +218,13 @@ class AttnProbeCallback(Callback):
             start_step=step, log_dir=log_dir, writer=writer, sinks=sinks or None, is_main_process=main,
             purge_stale=True, restart=False, extra_config=header))
         self.run_log_dir = self.probe.log_dir if main else None
+        if plan is not None:
+            self.run_id = plan.run_id
         if self.probe.measures_activations:
             self.probe.arm_after_update = False  # armed at on_train_batch_start: never for validation
         if main:
             self.probe.announce(every=self.config.every, unit="optimizer steps")
-            if parent is not None and not continues:
-                why = (f"a new run there, since {lost}" if lost else
-                       "a new logger version; TensorBoardLogger(version=...) keeps one directory")
-                print_line(f"attn_probe: resumed at step {step} from a checkpoint of the run in {parent}; the "
-                           f"trajectory continues {'after' if skip_resumed else 'from'} step {step} in "
-                           f"{self.run_log_dir} ({why}).")
+            resumed_line(plan, step, self.run_log_dir, skipped=skip_resumed)
         if not skip_resumed:
             self.probe.snapshot(step)
 
@@ -299,6 +290,47 @@ class AttnProbeCallback(Callback):
 
 
 # ------------------------------------------------------------------------------------ helpers
+class LightningDirs:
+    """Lightning's TensorBoard run as the run-directory policy reads it
+    (:class:`attn_probe.live.resume_policy.RunDirs`): the first ``TensorBoardLogger``'s open writer,
+    else ``<default_root_dir>/runs/<time>_<host>``. Its directory is final (``fixed``): a logger's
+    version directory cannot be moved, so nothing is pointed."""
+
+    fixed = True
+
+    def __init__(self, trainer: Any, writer: Any) -> None:
+        self.trainer, self.writer = trainer, writer
+
+    def default_dir(self) -> str:
+        if self.writer is not None:
+            from ..sinks.tensorboard import writer_log_dir
+
+            return writer_log_dir(self.writer)
+        return os.path.join(str(self.trainer.default_root_dir), default_log_dir())
+
+    def open_dirs(self) -> list[str]:
+        return [self.default_dir()] if self.writer is not None else []
+
+    def point(self, directory: str) -> None:
+        pass  # the logger's directory is fixed at its construction
+
+
+def _is_tensorboard_logger(logger: Any) -> bool:
+    """Whether ``logger`` is a ``TensorBoardLogger`` of ``lightning`` or of ``pytorch_lightning`` (whichever
+    is loaded: a Trainer's loggers come from its own package, already imported)."""
+    for package in ("lightning.pytorch.loggers", "pytorch_lightning.loggers"):
+        cls = getattr(sys.modules.get(package), "TensorBoardLogger", None)
+        if isinstance(cls, type) and isinstance(logger, cls):
+            return True
+    return False
+
+
+def _integration(trainer: Any) -> str:
+    """The run header's ``integration``: ``lightning.Trainer`` or ``pytorch_lightning.Trainer``."""
+    package = type(trainer).__module__.split(".")[0]
+    return "pytorch_lightning.Trainer" if package == "pytorch_lightning" else "lightning.Trainer"
+
+
 def _flush(probe: Probe) -> None:
     try:
         probe.flush()
@@ -309,13 +341,10 @@ def _flush(probe: Probe) -> None:
 def _logger_target(logger: Any) -> Any:
     """A Lightning logger as a target of the probe's tracker fan-out: values through ``log_metrics``."""
     from ..sinks.trackers import TrackerTarget
-    from ..sinks.tracker_record import TrackerRun
+    from .tracker_run import tracker_run
 
-    name = type(logger).__name__
-    version = getattr(logger, "version", None)
-    label = f"the Trainer's {name}"
-    return TrackerTarget(name, lambda: TrackerRun(f"lightning:{name}", None if version is None else str(version), label),
-                         lambda values, step: logger.log_metrics(values, step=step))
+    run = tracker_run(logger, "lightning")  # its version now, as the logger is set up
+    return TrackerTarget(type(logger).__name__, lambda: run, lambda values, step: logger.log_metrics(values, step=step))
 
 
 def _stop_line(probe: Probe, trainer: Any, step: int) -> None:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["reporting_callbacks", "wandb_callbacks", "trainer_targets", "trainer_wandb_sink", "trainer_tracker_run"]
+__all__ = ["reporting_callbacks", "wandb_callbacks", "trainer_targets", "trainer_wandb_sink"]
 
 
 def reporting_callbacks(handler: Any, which: bool | Sequence[str]) -> list[Any]:
@@ -34,7 +34,7 @@ def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
     Each tracker applies its own conventions (MLflow's step, ...) in the Trainer's own run. Nothing goes
     through ``Trainer.log``: no progress-bar lines, no ``log_history`` entries, no duplicate
     TensorBoard tags. The state passed is a copy whose ``global_step`` is the snapshot's step.
-    Its run is identified (:func:`trainer_tracker_run`) before its first snapshot; a callback
+    Its run is identified (:func:`~attn_probe.integrations.tracker_run.tracker_run`) before its first snapshot; a callback
     that has not set itself up yet (with :func:`attach` the probe's ``on_train_begin`` runs
     first) gets the ``on_train_begin`` it was about to get, with the Trainer's arguments
     (``begin_kwargs``: the model, ...), so that its run exists.
@@ -44,11 +44,12 @@ def trainer_targets(callbacks: Sequence[Any], args: Any, state: Any, *,
     from transformers import TrainerControl
 
     from ..sinks.trackers import TrackerTarget
+    from .tracker_run import tracker_run
 
     def target(cb: Any) -> TrackerTarget:
         def run() -> Any:
             _set_up(cb, args, state, begin_kwargs)
-            return trainer_tracker_run(cb)
+            return tracker_run(cb, "trainer")
 
         def send(values: dict[str, float], step: int) -> None:
             at = copy.copy(state)
@@ -88,35 +89,3 @@ def trainer_wandb_sink(cb: Any, args: Any, state: Any, *, separate_run: bool, pe
         return getattr(sys.modules.get("wandb"), "run", None)
 
     return WandbSink(user_run, separate_run=separate_run, per_head=per_head, log_config=separate_run)
-
-
-def trainer_tracker_run(cb: Any) -> Any:
-    """The :class:`~attn_probe.sinks.tracker_record.TrackerRun` a Trainer integration callback logs into.
-
-    MLflow: the active run (read back); trackio: the current run (recorded); any other
-    integration: its class name (recorded). (W&B is a sink of its own: :func:`trainer_wandb_sink`.)
-    """
-    import transformers.integrations as integrations
-
-    from ..sinks.tracker_record import TrackerRun, mlflow_run, trackio_run
-
-    def kind(class_name: str) -> bool:
-        cls = getattr(integrations, class_name, None)
-        return isinstance(cls, type) and isinstance(cb, cls)
-
-    name = type(cb).__name__
-    if kind("MLflowCallback"):
-        mlflow = sys.modules.get("mlflow")
-        active = mlflow.active_run() if mlflow is not None else None
-        if active is not None:
-            run_id = active.info.run_id
-            client = mlflow.MlflowClient(tracking_uri=mlflow.get_tracking_uri())
-            return mlflow_run(client, run_id, label=f"the Trainer's MLflow run {run_id}")
-    elif kind("TrackioCallback"):
-        from ..sinks.trackers import current_trackio_run
-
-        trackio = sys.modules.get("trackio")
-        run = current_trackio_run(trackio) if trackio is not None else None
-        if run is not None:
-            return trackio_run(run, label=f"the Trainer's trackio run {getattr(run, 'name', None)!r}")
-    return TrackerRun(f"trainer:{name}", None, f"the Trainer's {name}")

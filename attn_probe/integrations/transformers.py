@@ -30,12 +30,12 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..live.config import ProbeConfig, config_from_options
-from ..extraction import find_attention
-from ..isolation import safe_warn
+from ..extraction import entry_point, find_attention
 from ..formats.logdir import default_log_dir
+from ..isolation import safe_warn
+from ..live.config import ProbeConfig, config_from_options
 from ..live.probe import Probe
-from ..live.resume_policy import LiveRunField, SavedRun, choose_run, previous_runs, relative_to, saved_run
+from ..live.resume_policy import LiveRunField, RunPlan, relative_to, retry_dir, saved_run, settle_run
 from ..live.schedules import ScheduleLike
 from ..live.stages.alerting import print_line
 from .trainer_trackers import reporting_callbacks, trainer_targets, trainer_wandb_sink, wandb_callbacks
@@ -98,6 +98,28 @@ def trainer_log_dir(args: Any, handler: Any = None) -> str:
         if getattr(cb, "tb_writer", None) is None:
             cb.logging_dir = log_dir  # it has not started: make it write where we write
     return log_dir
+
+
+class TrainerDirs:
+    """The Trainer's TensorBoard run as the run-directory policy reads it
+    (:class:`attn_probe.live.resume_policy.RunDirs`): its ``TensorBoardCallback`` instances."""
+
+    fixed = False
+
+    def __init__(self, args: Any, handler: Any) -> None:
+        self.args, self.handler = args, handler
+
+    def default_dir(self) -> str:
+        return trainer_log_dir(self.args, self.handler)
+
+    def open_dirs(self) -> list[str]:
+        return [str(cb.logging_dir) for cb in _tensorboard_callbacks(self.handler)
+                if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)]
+
+    def point(self, directory: str) -> None:
+        for cb in _tensorboard_callbacks(self.handler):
+            if getattr(cb, "tb_writer", None) is None:
+                cb.logging_dir = directory  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
 
 
 class AttnProbeCallback(TrainerCallback, ExportableState):
@@ -192,8 +214,8 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         #: attributes set from outside, e.g. by a Trainer restoring callback states from a checkpoint:
         #: information about that checkpoint, never this run's identity (:class:`LiveRunField`)
         self.restored_attributes: dict[str, Any] = {}
-        #: ``(step, (run directory, from_checkpoint))`` chosen while the Trainer restored callback states
-        self._early_choice: tuple[int, tuple[str, bool]] | None = None
+        #: ``(step, plan)`` chosen while the Trainer restored callback states
+        self._early_choice: tuple[int, RunPlan] | None = None
         #: ``(parent run directory, step)`` of a run branched from another output_dir's checkpoint
         self.parent_run: tuple[str, int] | None = None
         #: the run headers' identity fields of this run (run_id, parent_run_id, parent_step, ...)
@@ -218,6 +240,7 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative,
                                "run_output_dir": self.run_output_dir, "run_id": self.run_id}}
 
+    @entry_point("AttnProbeCallback")  # the outermost mark wins: attach() marks itself first
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)
 
@@ -235,119 +258,20 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                   "Use attn_probe.attach(trainer, ...) instead of callbacks=[...] to avoid this.")
         return handler
 
-    def _choose_log_dir(self, args: Any, state: Any, handler: Any) -> tuple[str, bool]:
-        """The run directory: ``log_dir=``, else the saved one on resume, else the Trainer's TensorBoard run.
-
-        Returns ``(directory, from_checkpoint)``; ``from_checkpoint`` says it is the run saved with
-        the checkpoint (which :meth:`on_train_begin` gives up for a fresh one if it cannot be written).
-        Also sets the run's identity (:meth:`_set_identity`): the checkpoint's run id when its run
-        is continued (found by that id in the directory's trajectory), else a new id, with the
-        checkpoint's run as parent when there is one. The decision is
-        :func:`attn_probe.live.resume_policy.choose_run`'s; this carries it out on the Trainer.
-        """
+    def _plan(self, args: Any, state: Any, handler: Any) -> RunPlan:
+        """The run directory and identity, from :func:`attn_probe.live.resume_policy.settle_run`, which
+        decides and carries it out on the Trainer's TensorBoard run (:class:`TrainerDirs`): ``log_dir=``,
+        else the saved run on resume (found by its run id), else the Trainer's TensorBoard run."""
         step = int(state.global_step)
         saved = saved_run(getattr(state, "stateful_callbacks", None)) if step > 0 else None
-        env_dir = os.getenv("TENSORBOARD_LOGGING_DIR")
-        from_env = env_dir is not None
-        choice = choose_run(step, saved, log_dir=self.log_dir, output_dir=args.output_dir, trainer_dir_from_env=from_env,
-                            trainer_dir=env_dir)
-        self.parent_run = None
-        self._set_identity(choice.run_id, parent=choice.parent_id, step=choice.parent_step, legacy=choice.legacy)
-        if choice.kind == "given":
-            if not from_env:
-                # with attach() this runs before the TensorBoardCallback opens its writer: make the
-                # Trainer's loss go to the same run (no public setter exists)
-                _point_tensorboard(handler, choice.directory)
-            return choice.directory, False
-        if choice.kind == "branch":
-            return self._branched_log_dir(args, handler, step, saved), False
-        if choice.kind == "fresh":
-            return self._fresh_log_dir(args, handler, step, saved.path, choice.problem, saved.run_id), False
-        if choice.kind == "continue":
-            found = choice.directory
-            if choice.relocated:
-                _warn(f"attn_probe: the probe's run saved with the checkpoint, {saved.path}, no longer exists; "
-                      f"continuing the run found at the same place under output_dir, {found}.")
-            # continue the run of the checkpoint: the trajectory stays one run; tell a
-            # TensorBoardCallback that has not opened its writer yet to write there too
-            _point_tensorboard(handler, found)
-            trainer_dirs = {str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
-                            if getattr(cb, "tb_writer", None) is not None}
-            if trainer_dirs - {found}:
-                _warn(f"attn_probe: resuming the probe's run in {found} (saved with the checkpoint); the "
-                      f"Trainer's TensorBoard logs of this session go to {', '.join(sorted(trainer_dirs))}. "
-                      "Use attn_probe.attach(trainer, ...) (or set TENSORBOARD_LOGGING_DIR) to keep both in one run.")
-            return found, True
-        log_dir = trainer_log_dir(args, handler)
-        if state.global_step > 0 and saved is None:
-            previous = previous_runs(args.output_dir, log_dir)
-            if previous:
-                _warn(f"attn_probe: resuming at step {state.global_step} in a new run directory {log_dir}; "
-                      f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
-                      "Give log_dir= to continue a run.")
-        return log_dir, False
+        return settle_run(step, saved, TrainerDirs(args, handler), log_dir=self.log_dir, output_dir=args.output_dir,
+                          env_dir=os.getenv("TENSORBOARD_LOGGING_DIR"))
 
-    def _set_identity(self, run_id: str | None, *, parent: str | None = None, step: int | None = None,
-                      legacy: bool = False) -> None:
-        """This run's id (``run_id``, continued, or a new one) and its run-header fields.
-
-        ``parent``/``step``: the run this one branched from (its id) and where; ``legacy``: a
-        resume from a checkpoint written before run ids, whose rows in the trajectory carry no
-        header (the new id continues them: ``continues_unidentified``).
-        """
-        from ..formats.trajectory import new_run_id
-
-        self._live_run["run_id"] = run_id or new_run_id()
-        self._identity = {"run_id": self.run_id}
-        if parent is not None:
-            self._identity.update(parent_run_id=parent, parent_step=step)
-        if legacy:
-            self._identity["continues_unidentified"] = True
-
-    def _branched_log_dir(self, args: Any, handler: Any, step: int, saved: SavedRun) -> str:
-        """A new run under this ``output_dir`` for a checkpoint of another run; one line names the parent.
-
-        The parent's run directory belongs to another ``output_dir``: it is neither continued nor
-        modified. ``(parent, step)`` goes into this run's header (:attr:`parent_run`), and the
-        parent's run id into its trajectory header. A directory of that name that already holds
-        another run (two runs started in the same second: the same default name) is not
-        written: a unique sibling is taken. ``saved``: the checkpoint's run.
-        """
-        log_dir = _unused_dir(trainer_log_dir(args, handler), handler)
-        self.parent_run = (saved.path, step)
-        self._set_identity(None, parent=saved.run_id, step=step)
-        where = f" ({saved.output_dir})" if saved.output_dir else ""
-        which = f" (run id {saved.run_id})" if saved.run_id else ""
-        _warn(f"attn_probe: branched from the probe's run {saved.path} at step {step}{which}: the checkpoint's "
-              f"run was recorded under another output_dir{where}, whose run this run cannot continue or modify; "
-              f"logging continues from step {step} in a new run directory {log_dir} (run id {self.run_id}).")
-        return log_dir
-
-    def _fresh_log_dir(self, args: Any, handler: Any, step: int, saved: str, problem: str,
-                       saved_id: str | None = None) -> str:
-        """A new run directory for a resumed run whose saved one is unusable; warns once, naming both.
-
-        The run gets a new id, with the checkpoint's run as its parent.
-        """
-        self._set_identity(None, parent=saved_id, step=step)
-        opened = [str(cb.logging_dir) for cb in _tensorboard_callbacks(handler)
-                  if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)]
-        if opened:  # the Trainer's TensorBoard run of this session (callbacks=[...]): join it
-            log_dir = opened[0]
-        else:
-            log_dir = os.path.join(args.output_dir, default_log_dir())
-            if os.path.lexists(log_dir):  # the unusable run itself, if it started in this second
-                from ..formats.logdir import LogDirError, unique_log_dir
-
-                try:
-                    log_dir = unique_log_dir(log_dir)
-                except LogDirError:
-                    pass  # the probe's own check names the problem
-            _point_tensorboard(handler, log_dir)
-        _warn(f"attn_probe: cannot continue the probe's run saved with the checkpoint, {saved} ({problem}); "
-              f"logging continues from step {step} in a new run directory {log_dir}. The steps before "
-              f"{step} stay in the earlier run (wherever it now is); pass log_dir= to choose the directory.")
-        return log_dir
+    def _take(self, plan: RunPlan) -> None:
+        """Make ``plan``'s identity this run's (:attr:`run_id`, :attr:`parent_run`, the header fields)."""
+        self._live_run["run_id"] = plan.run_id
+        self._identity = dict(plan.identity)
+        self.parent_run = plan.parent_run
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # the training loop entered again without ending (auto_find_batch_size after an out-of-memory
@@ -365,17 +289,15 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
         main = bool(state.is_world_process_zero)
         step = int(state.global_step)
         self._max_steps = int(getattr(state, "max_steps", 0) or 0)
-        log_dir, purge_stale, from_checkpoint, handler = None, True, False, None
+        plan, purge_stale, handler = None, True, None
         sinks = list(self.sinks or [])
         if main:
             handler = self._handler()
             early, self._early_choice = self._early_choice, None
-            if early is not None and early[0] == step:
-                log_dir, from_checkpoint = early[1]
-            else:
-                log_dir, from_checkpoint = self._choose_log_dir(args, state, handler)
+            plan = early[1] if early is not None and early[0] == step else self._plan(args, state, handler)
+            self._take(plan)
             if step > 0:
-                purge_stale = not self._restart_via_trainer_writer(handler, log_dir, step)
+                purge_stale = not self._restart_via_trainer_writer(handler, plan.directory, step)
             trackers = reporting_callbacks(handler, self.trackers)
             begin = {"model": model, **kwargs}
             on_wandb = wandb_callbacks(trackers)
@@ -388,37 +310,32 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
             sinks.extend(trainer_wandb_sink(cb, args, state, separate_run=self.wandb_separate_run,
                                             per_head=self.trackers_per_head, begin_kwargs=begin)
                          for cb in on_wandb)
-        from ..formats.logdir import LogDirError, LogDirInUseError, unique_log_dir
+        from ..formats.logdir import LogDirError
 
         if restart and previous_id is not None:  # the same run, started over at this step
-            self._set_identity(previous_id)
-        header = {"integration": "transformers.Trainer", "output_dir": str(args.output_dir), **self._identity}
-        if main and self.parent_run is not None:  # lineage of a branched run, in its run header
-            header.update(parent_run=self.parent_run[0], parent_step=self.parent_run[1])
+            self._live_run["run_id"] = previous_id
+            self._identity = {"run_id": previous_id}
 
         def build(where: str | None) -> Probe:
+            header = {"integration": "transformers.Trainer", "output_dir": str(args.output_dir), **self._identity}
+            if main and self.parent_run is not None:  # lineage of a branched run, in its run header
+                header.update(parent_run=self.parent_run[0], parent_step=self.parent_run[1])
             return Probe(model, self.config.replace(
                 start_step=step, log_dir=where, sinks=sinks or None, is_main_process=main, purge_stale=purge_stale,
                 restart=restart, extra_config=header,
             ))
 
+        log_dir = plan.directory if plan is not None else None
         try:
             self.probe = build(log_dir)
-        except LogDirInUseError:
-            chosen_by_default = self.log_dir is None and os.getenv("TENSORBOARD_LOGGING_DIR") is None
-            if not chosen_by_default or log_dir is None:
-                raise
-            # another run (e.g. a second Trainer started in the same second) writes the default
-            # directory: take a unique sibling rather than failing
-            taken, log_dir = log_dir, unique_log_dir(log_dir)
-            _warn(f"attn_probe: {taken} is in use by another run; this probe writes to {log_dir}")
-            self.probe = build(log_dir)
         except LogDirError as exc:
-            if not from_checkpoint or log_dir is None:
+            checkpoint_run = plan is not None and plan.from_checkpoint
+            retry = retry_dir(plan, exc, TrainerDirs(args, handler), step, args.output_dir) if plan else None
+            if retry is None:
                 raise
-            # the saved run exists but cannot be written (permissions, a read-only mount, a file
-            # in the way): a resumed run must not fail for that; continue in a fresh directory
-            log_dir = self._fresh_log_dir(args, handler, step, log_dir, str(exc), self._identity.get("run_id"))
+            log_dir = retry
+            if checkpoint_run:  # a fresh run instead of the checkpoint's: an identity of its own, in its header too
+                self._take(plan)
             self.probe = build(log_dir)
         self._live_run.update(run_log_dir=log_dir, run_output_dir=os.path.abspath(str(args.output_dir)),
                               run_log_dir_relative=relative_to(log_dir, args.output_dir) if log_dir is not None else None)
@@ -562,38 +479,11 @@ def _attached_instance_being_restored(cls: type, *, marked: bool) -> Any:
     callback._early_choice = None
     is_main = getattr(trainer, "is_world_process_zero", None)
     if callable(is_main) and is_main():
-        callback._early_choice = (int(trainer.state.global_step),
-                                  callback._choose_log_dir(trainer.args, trainer.state, handler))
+        callback._early_choice = (int(trainer.state.global_step), callback._plan(trainer.args, trainer.state, handler))
     return callback
 
 
-def _unused_dir(log_dir: str, handler: Any) -> str:
-    """``log_dir``, or a unique sibling when it already holds another run's files (and the
-    Trainer's TensorBoard writer is not open there): a new run never writes another run's files."""
-    from ..formats.events import has_event_files
-    from ..formats.trajectory import TRAJECTORY_FILENAME
-    from ..formats.logdir import LogDirError, unique_log_dir
-
-    opened = {os.path.realpath(str(cb.logging_dir)) for cb in _tensorboard_callbacks(handler)
-              if getattr(cb, "tb_writer", None) is not None and getattr(cb, "logging_dir", None)}
-    if os.path.realpath(log_dir) in opened or not (
-            os.path.isfile(os.path.join(log_dir, TRAJECTORY_FILENAME)) or has_event_files(log_dir)):
-        return log_dir
-    try:
-        chosen = unique_log_dir(log_dir)
-    except LogDirError:
-        return log_dir  # the probe's own check names the problem
-    _point_tensorboard(handler, chosen)
-    return chosen
-
-
-def _point_tensorboard(handler: Any, log_dir: str) -> None:
-    """Make the Trainer's TensorBoardCallbacks that have not opened their writer yet write to ``log_dir``."""
-    for cb in _tensorboard_callbacks(handler):
-        if getattr(cb, "tb_writer", None) is None:
-            cb.logging_dir = log_dir  # no public setter exists; TENSORBOARD_LOGGING_DIR is global
-
-
+@entry_point("attach")
 def attach(trainer: Any, every: ScheduleLike | None = 100, **options: Any) -> AttnProbeCallback:
     """Attach a probe to ``trainer``: ``attn_probe.attach(trainer, every=100)``; returns the callback.
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..baselines import random_range
 from ..distributed import Agreement, AgreementError, is_main_process, world_info
-from ..extraction import AttentionLayer
+from ..extraction import AttentionLayer, entry_point
 from ..formats.logdir import LogDirError, LogDirInUseError
 from ..isolation import Failures, never_raise, safe_warn
 from ..scoring.pairs import QKPair, ScorePair
@@ -127,6 +127,7 @@ class Probe:
     ``outputs``: ``None`` off the main process); tests use their documented seams.
     """
 
+    @entry_point("Probe")  # an unsupported model's message shows the fix as a Probe(...) call
     def __init__(self, model: nn.Module, config: ProbeConfig | None = None, **options: Any) -> None:
         self.config = cfg = config_from_options(config, **options)
         self.model = model

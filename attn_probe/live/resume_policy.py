@@ -1,10 +1,13 @@
-"""Which run directory a (resumed) training session writes: the policy, as plain values.
+"""Which run directory a (resumed) training session writes: the policy, decided and carried out.
 
-Paths, run ids and steps in, a decision out; no Trainer, no transformers. The Trainer glue
-(:class:`attn_probe.integrations.transformers.AttnProbeCallback`) reads the saved run from the
-checkpoint's ``trainer_state.json`` (:func:`saved_run`), asks :func:`choose_run` what to do and
-carries the decision out (pointing the Trainer's TensorBoard callback, warning, choosing the
-default directory).
+Paths, run ids and steps in, a decision out (:func:`choose_run`); no Trainer, no transformers, no
+lightning. :func:`settle_run` carries the decision out for an integration through the small
+:class:`RunDirs` adapter the integration implements by reading its framework's state (its default
+TensorBoard directory, the directories of writers already open, and pointing a writer not yet open),
+and returns the directory and the run's identity (:class:`RunPlan`), warning once where a user should
+know. The Trainer callback (``TrainerDirs``) reads the saved run from the checkpoint's
+``trainer_state.json`` (:func:`saved_run`); the Lightning callback (``LightningDirs``, a ``fixed``
+directory: its logger's) from its own checkpoint state.
 
 The rules (``docs/live-probe.md``, "Hugging Face Trainer"):
 
@@ -27,9 +30,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
-__all__ = ["LiveRunField", "Resolution", "RunChoice", "SavedRun", "choose_run", "holds_run", "last_run_id", "previous_runs",
+__all__ = ["LiveRunField", "Resolution", "RunChoice", "RunDirs", "RunPlan", "SavedRun", "choose_run", "fresh_dir", "holds_run",
+           "identity", "last_run_id", "previous_runs", "resumed_line", "retry_dir", "settle_run",
            "relative_to", "resolve_saved_run", "same_path", "saved_run", "why_not_held"]
 
 
@@ -201,8 +205,8 @@ def resolve_saved_run(saved: SavedRun | tuple[str, str | None, str | None, str |
     name: two runs whose directories have the same name (started in the same second) stay two,
     and ``problem`` says what the directory holds instead (a deleted, edited or damaged header).
     """
-    from ..formats.trajectory import TRAJECTORY_FILENAME
     from ..formats.logdir import LogDirError, check_log_dir
+    from ..formats.trajectory import TRAJECTORY_FILENAME
 
     path, relative, saved_output_dir, run_id = saved
     output_dir = str(output_dir)
@@ -286,3 +290,234 @@ def previous_runs(output_dir: str, current: str) -> list[str]:
     runs = [e for e in entries if os.path.isfile(os.path.join(e, TRAJECTORY_FILENAME))
             and os.path.realpath(e) != os.path.realpath(current)]
     return sorted(runs, key=os.path.getmtime)
+
+
+# ------------------------------------------------------------------ carrying the decision out
+class RunDirs(Protocol):
+    """What a framework tells the policy about its TensorBoard run, read from its own state.
+
+    Each integration implements it (the Trainer's ``TensorBoardCallback``, Lightning's
+    ``TensorBoardLogger``); :func:`settle_run` carries the decision out through it and nothing else.
+    ``fixed``: the framework's directory is final (Lightning: its logger's version directory, or
+    ``log_dir=``): a checkpoint's run continues there when the directory holds it, and is never
+    looked for elsewhere.
+    """
+
+    fixed: ClassVar[bool]
+
+    def default_dir(self) -> str | None:
+        """The framework's own TensorBoard run directory (where the probe writes by default)."""
+
+    def open_dirs(self) -> list[str]:
+        """The directories of the framework's TensorBoard writers already open."""
+
+    def point(self, directory: str) -> None:
+        """Make the framework's TensorBoard writers that are not open yet write to ``directory``."""
+
+
+@dataclass
+class RunPlan:
+    """What :func:`settle_run` chose: the directory, and the run's identity.
+
+    :attr:`identity`: the run-header fields (``run_id``, ``parent_run_id``, ``parent_step``,
+    ``continues_unidentified``); :attr:`parent_run` ``(parent directory, step)`` for a branch or a
+    resumed run in another directory; :attr:`from_checkpoint`: the directory is the checkpoint's
+    run (given up for a fresh one by :func:`retry_dir` if it cannot be written);
+    :attr:`continues`: the checkpoint's run continues (by id); :attr:`lost`: why a checkpoint's
+    run in the same directory is not continued (Lightning's message); :attr:`chosen_by_default`:
+    the framework's default directory, which a unique sibling replaces when another run is using it.
+    """
+
+    directory: str | None
+    identity: dict[str, Any]
+    parent_run: tuple[str, int] | None = None
+    from_checkpoint: bool = False
+    continues: bool = False
+    lost: str = ""
+    chosen_by_default: bool = False
+
+    @property
+    def run_id(self) -> str | None:
+        return self.identity.get("run_id")
+
+
+def identity(run_id: str | None, *, parent: str | None = None, step: int | None = None,
+             legacy: bool = False) -> dict[str, Any]:
+    """The run-header identity fields: ``run_id`` (continued, or a new one), the parent run
+    (its id and the step branched at) and ``continues_unidentified`` for a resume from a
+    checkpoint written before run ids (whose rows carry no header: the new id continues them)."""
+    from ..formats.trajectory import new_run_id
+
+    fields: dict[str, Any] = {"run_id": run_id or new_run_id()}
+    if parent is not None:
+        fields.update(parent_run_id=parent, parent_step=step)
+    if legacy:
+        fields["continues_unidentified"] = True
+    return fields
+
+
+def _warn(message: str) -> None:
+    from ..isolation import safe_warn
+
+    safe_warn(message, RuntimeWarning, stacklevel=4)
+
+
+def settle_run(step: int, saved: SavedRun | None, dirs: RunDirs, *, log_dir: str | None, output_dir: Any,
+               env_dir: str | None = None) -> RunPlan:
+    """The run directory and identity of a Trainer session starting at ``step``, carried out.
+
+    :func:`choose_run` decides; this points the framework's TensorBoard writer (``dirs``) where
+    the probe writes when it is not open yet, takes a unique sibling rather than another run's
+    files, and warns once for a relocated, branched, fresh or unrecorded run. ``env_dir``: the
+    framework's directory set by the user (``TENSORBOARD_LOGGING_DIR``), where a resume
+    continues the checkpoint's run only when it holds its id.
+    """
+    saved = saved if step > 0 else None
+    if dirs.fixed:
+        return _settle_fixed(step, saved, os.path.expanduser(log_dir) if log_dir is not None else dirs.default_dir())
+    choice = choose_run(step, saved, log_dir=log_dir, output_dir=output_dir,
+                        trainer_dir_from_env=env_dir is not None, trainer_dir=env_dir)
+    plan = RunPlan(None, identity(choice.run_id, parent=choice.parent_id, step=choice.parent_step,
+                                  legacy=choice.legacy), chosen_by_default=log_dir is None and env_dir is None)
+    if choice.kind == "given":
+        if env_dir is None:
+            # with attach() this runs before the TensorBoard writer opens: the loss goes to the same run
+            dirs.point(choice.directory)
+        plan.directory = choice.directory
+    elif choice.kind == "branch":
+        plan.directory = _unused_dir(dirs.default_dir(), dirs)
+        plan.parent_run = (saved.path, step)
+        plan.identity = identity(None, parent=saved.run_id, step=step)
+        where = f" ({saved.output_dir})" if saved.output_dir else ""
+        which = f" (run id {saved.run_id})" if saved.run_id else ""
+        _warn(f"attn_probe: branched from the probe's run {saved.path} at step {step}{which}: the checkpoint's "
+              f"run was recorded under another output_dir{where}, whose run this run cannot continue or modify; "
+              f"logging continues from step {step} in a new run directory {plan.directory} "
+              f"(run id {plan.run_id}).")
+    elif choice.kind == "fresh":
+        plan.directory = fresh_dir(plan, dirs, step, output_dir, saved.path, choice.problem, saved.run_id)
+    elif choice.kind == "continue":
+        found = plan.directory = choice.directory
+        plan.from_checkpoint = True
+        if choice.relocated:
+            _warn(f"attn_probe: the probe's run saved with the checkpoint, {saved.path}, no longer exists; "
+                  f"continuing the run found at the same place under output_dir, {found}.")
+        dirs.point(found)  # the trajectory stays one run: the framework's writer too, if not open yet
+        elsewhere = set(dirs.open_dirs()) - {found}
+        if elsewhere:
+            _warn(f"attn_probe: resuming the probe's run in {found} (saved with the checkpoint); the "
+                  f"Trainer's TensorBoard logs of this session go to {', '.join(sorted(elsewhere))}. "
+                  "Use attn_probe.attach(trainer, ...) (or set TENSORBOARD_LOGGING_DIR) to keep both in one run.")
+    else:
+        plan.directory = dirs.default_dir()
+        if step > 0 and saved is None:
+            previous = previous_runs(output_dir, plan.directory)
+            if previous:
+                _warn(f"attn_probe: resuming at step {step} in a new run directory {plan.directory}; "
+                      f"the checkpoint names no earlier probe run (the earlier run may be {previous[-1]}). "
+                      "Give log_dir= to continue a run.")
+    return plan
+
+
+def _settle_fixed(step: int, saved: SavedRun | None, where: str) -> RunPlan:
+    """A framework whose directory is final (:attr:`RunDirs.fixed`): the checkpoint's run continues
+    in ``where`` when its trajectory holds the checkpoint's run id; a checkpoint of an earlier
+    version, without a run id, continues only in its own directory (with that run's last id)."""
+    from ..formats.trajectory import new_run_id
+
+    parent, saved_id = (saved.path, saved.run_id) if saved is not None else (None, None)
+    lost = ""
+    if saved_id is not None:  # the run is its id: a directory's name never decides
+        continues = holds_run(where, saved_id)
+        lost = "" if continues or not same_path(parent or "", where) else why_not_held(where, saved_id)
+        run_id: str | None = saved_id if continues else new_run_id()
+    else:
+        continues = parent is not None and same_path(parent, where)
+        run_id = last_run_id(where) if continues else new_run_id()  # None: rows without header
+    fields: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
+    plan = RunPlan(where, fields, continues=continues, lost=lost)
+    if parent is not None and not continues:
+        fields.update(parent_run=parent, parent_step=step, parent_run_id=saved_id)
+        plan.parent_run = (parent, step)
+    return plan
+
+
+def resumed_line(plan: RunPlan, step: int, where: str | None, *, skipped: bool) -> None:
+    """One line for a framework with a final directory (:func:`_settle_fixed`) resumed from a checkpoint
+    of a run it does not continue: where the trajectory goes on, and why."""
+    from ..isolation import print_line
+
+    if plan.parent_run is None:
+        return
+    why = (f"a new run there, since {plan.lost}" if plan.lost else
+           "a new logger version; TensorBoardLogger(version=...) keeps one directory")
+    print_line(f"attn_probe: resumed at step {step} from a checkpoint of the run in {plan.parent_run[0]}; the "
+               f"trajectory continues {'after' if skipped else 'from'} step {step} in {where} ({why}).")
+
+
+def fresh_dir(plan: RunPlan, dirs: RunDirs, step: int, output_dir: Any, saved: str, problem: str,
+              saved_id: str | None = None) -> str:
+    """A new run directory for a resumed run whose saved one is unusable (``problem``); warns once,
+    naming both. The run gets a new id (in ``plan``), with the checkpoint's run as its parent: the
+    framework's TensorBoard run of this session when its writer is open, else a new default one."""
+    from ..formats.logdir import LogDirError, default_log_dir, unique_log_dir
+
+    plan.identity = identity(None, parent=saved_id, step=step)
+    plan.from_checkpoint = False
+    opened = dirs.open_dirs()
+    if opened:  # the framework's TensorBoard run of this session (callbacks=[...]): join it
+        log_dir = opened[0]
+    else:
+        log_dir = os.path.join(str(output_dir), default_log_dir())
+        if os.path.lexists(log_dir):  # the unusable run itself, if it started in this second
+            try:
+                log_dir = unique_log_dir(log_dir)
+            except LogDirError:
+                pass  # the probe's own check names the problem
+        dirs.point(log_dir)
+    _warn(f"attn_probe: cannot continue the probe's run saved with the checkpoint, {saved} ({problem}); "
+          f"logging continues from step {step} in a new run directory {log_dir}. The steps before "
+          f"{step} stay in the earlier run (wherever it now is); pass log_dir= to choose the directory.")
+    return log_dir
+
+
+def retry_dir(plan: RunPlan, error: Exception, dirs: RunDirs, step: int, output_dir: Any) -> str | None:
+    """Where to write after the probe refused ``plan.directory`` with ``error``, or ``None`` (raise it).
+
+    The default directory in use by another run (a second Trainer started in the same second): a
+    unique sibling. The checkpoint's run that cannot be written (permissions, a read-only mount, a
+    file in the way): a resumed run must not fail for that, it continues in a fresh directory.
+    """
+    from ..formats.logdir import LogDirError, LogDirInUseError, unique_log_dir
+
+    if plan.directory is None:
+        return None
+    if isinstance(error, LogDirInUseError):
+        if not plan.chosen_by_default:
+            return None
+        taken, plan.directory = plan.directory, unique_log_dir(plan.directory)
+        _warn(f"attn_probe: {taken} is in use by another run; this probe writes to {plan.directory}")
+        return plan.directory
+    if isinstance(error, LogDirError) and plan.from_checkpoint:
+        plan.directory = fresh_dir(plan, dirs, step, output_dir, plan.directory, str(error), plan.run_id)
+        return plan.directory
+    return None
+
+
+def _unused_dir(log_dir: str, dirs: RunDirs) -> str:
+    """``log_dir``, or a unique sibling when it already holds another run's files (and the
+    framework's TensorBoard writer is not open there): a new run never writes another run's files."""
+    from ..formats.events import has_event_files
+    from ..formats.logdir import LogDirError, unique_log_dir
+    from ..formats.trajectory import TRAJECTORY_FILENAME
+
+    opened = {os.path.realpath(d) for d in dirs.open_dirs()}
+    if os.path.realpath(log_dir) in opened or not (
+            os.path.isfile(os.path.join(log_dir, TRAJECTORY_FILENAME)) or has_event_files(log_dir)):
+        return log_dir
+    try:
+        chosen = unique_log_dir(log_dir)
+    except LogDirError:
+        return log_dir  # the probe's own check names the problem
+    dirs.point(chosen)
+    return chosen

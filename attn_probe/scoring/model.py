@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..core import METRICS, check_metrics, score_factors, table_rows
-from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
+from ..extraction import AttentionLayer, UnsupportedModelError, entry_point, find_attention
 from ..extraction.architectures import unwrap
 from ..extraction.base import ParamGetter
 from .pairs import OVPair, QKPair, ScorePair, check_pairs, pair_metric_names
@@ -212,6 +212,7 @@ def score_layer(
     return table_rows(layer, names, table.cpu().tolist())
 
 
+@entry_point("score_model")
 def score_model(
     model: nn.Module,
     per_head: bool = False,
