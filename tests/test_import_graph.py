@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     # scoring core, by job: algorithm choices, eigenvalue solvers, products, formulas, entry points
     ("reference", "core.algorithm"),
     ("core.spectra",),
-    ("core.products",),
+    ("core.products", "core.update"),
     ("core.formulas",),
     ("core", "tags", "alerts"),
     # what a score is compared with: the paper's trajectories (a stdlib leaf, above) and the
@@ -43,8 +43,9 @@ LAYERS: list[tuple[str, ...]] = [
     # post-hoc scoring, the heatmaps quantity; the sinks (plain data in, files and trackers out);
     # what scores are compared with (the paper's trajectories, the random-matrix range: core only)
     ("scoring", "images", "sinks", "tracker_record", "baselines"),
-    # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly
-    ("distributed", "checkpoint", "gguf", "config", "stages.assembly"),
+    # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly; the
+    # qk_update pair (a pair with a memory: named by the options, its missing values dropped by the assembly)
+    ("distributed", "checkpoint", "gguf", "config", "stages.assembly", "stages.update"),
     # the live probe's other stages
     ("stages",),
     # the façade

@@ -20,6 +20,7 @@ from ..extraction import AttentionLayer
 from ..isolation import safe_warn
 from ..sinks import Record, Snapshot
 from ..tags import layer_stats
+from .update import ABSENT_WHEN_UNDEFINED
 
 __all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
 
@@ -76,6 +77,8 @@ class Assembler:
             weights = list(zip(self.pair_metrics, layer_tables, strict=True))
             for k, (metrics, table) in enumerate([*weights, *by_layer.pop((layer.group, layer.layer), [])]):
                 for head, metric, value in table_entries(metrics, table):
+                    if metric in ABSENT_WHEN_UNDEFINED and not math.isfinite(value):
+                        continue  # no previous snapshot (qk_update): no row
                     records.append(Record(layer.group, layer.layer, head, metric, value))
                     if head is None and k < len(weights) and not math.isfinite(value):
                         nonfinite.append(f"{layer.name} {metric}")
