@@ -60,7 +60,7 @@ def _batches(q: Tensor, k: Tensor, per_head: bool) -> list[tuple[Tensor, Tensor]
 
 def _columns(parts: list[Tensor], n: int) -> Tensor:
     """Per-batch ``(n', G)`` values -> ``(L, 1 + H)``: the layer column, then the heads."""
-    return torch.cat([p.reshape(n, -1) for p in parts], 1)
+    return parts[0].reshape(n, -1) if len(parts) == 1 else torch.cat([p.reshape(n, -1) for p in parts], 1)
 
 
 def _gram_sum(x: Tensor, y: Tensor) -> Tensor:
@@ -136,11 +136,8 @@ def sketch_update_sq(s: Tensor, s_prev: Tensor) -> Tensor:
 
 
 def update_rate(update_sq: Tensor, previous_sq: Tensor) -> Tensor:
-    """``sqrt(||dM||^2) / sqrt(||M'||^2)``; NaN where ``M'`` is zero or a value is not finite."""
-    num = update_sq.clamp_min(0).sqrt()
-    den = previous_sq.clamp_min(0).sqrt()
-    ok = torch.isfinite(num) & torch.isfinite(den) & (den > 0)
-    return torch.where(ok, num / torch.where(ok, den, 1.0), float("nan"))
+    """``sqrt(||dM||^2 / ||M'||^2)``; NaN where ``M'`` is zero (or a value NaN: it propagates)."""
+    return torch.where(previous_sq > 0, (update_sq / previous_sq).clamp_min(0).sqrt(), float("nan"))
 
 
 def sketch_relative_sd(columns: int) -> float:

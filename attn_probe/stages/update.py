@@ -140,10 +140,9 @@ class QKUpdatePair(QKPair):
                      num_std: float) -> Tensor:
         """``(L, 1, 1 + H * per_head)`` float64 on the weights' device: the rate since each layer's previous
         snapshot (NaN: none), and the layers' current snapshot kept for the next call. Never raises."""
-        n, heads = queries.shape[:2]
-        out = torch.full((n, 1, 1 + heads * per_head), math.nan, dtype=torch.float64, device=queries.device)
+        n = queries.shape[0]
         try:
-            out[:, 0] = self._rates(layers, queries, keys, per_head)
+            return self._rates(layers, queries, keys, per_head)[:, None]
         except Exception as exc:  # noqa: BLE001 - the other metrics go on; no row for this one
             self.failures += 1
             self._previous.clear()  # no value measured against a half-updated state
@@ -152,7 +151,7 @@ class QKUpdatePair(QKPair):
                 safe_warn(f"attn_probe: {UPDATE_METRIC} could not be measured ({type(exc).__name__}: {exc}); it is "
                           "not logged for this snapshot. The other metrics are not affected. Later failures are "
                           "counted, not reported.")
-        return out
+        return self._nan(n, queries, per_head)[:, None]
 
     def _rates(self, layers: Sequence[AttentionLayer], queries: Tensor, keys: Tensor, per_head: bool) -> Tensor:
         n = len(layers)
@@ -174,8 +173,7 @@ class QKUpdatePair(QKPair):
                 self.held_bytes += per_layer  # reserved now, kept below
             else:
                 exact.append(False)
-        values = torch.full((n, 1 + queries.shape[1] * per_head), math.nan, dtype=torch.float64,
-                            device=queries.device)
+        values: Tensor | None = None
         for mode in (True, False):
             idx = [i for i in range(n) if exact[i] == mode]
             if not idx:
@@ -190,9 +188,15 @@ class QKUpdatePair(QKPair):
                 if whole:
                     values = rates
                 else:
+                    if values is None:
+                        values = self._nan(n, queries, per_head)
                     values[index] = rates
             self._keep(mode, [names[i] for i in idx], signature, q, k, per_head, per_layer)
-        return values
+        return values if values is not None else self._nan(n, queries, per_head)
+
+    @staticmethod
+    def _nan(n: int, queries: Tensor, per_head: bool) -> Tensor:
+        return torch.full((n, 1 + queries.shape[1] * per_head), math.nan, dtype=torch.float64, device=queries.device)
 
     def _exact(self, q: Tensor, k: Tensor, previous: list[_Previous | None], per_head: bool) -> Tensor | None:
         if any(p is None for p in previous):  # a layer new to this pair: none of this call's have a value
@@ -215,7 +219,7 @@ class QKUpdatePair(QKPair):
         have = [i for i, p in enumerate(previous) if p is not None]
         index = torch.tensor(have, device=q.device)
         kept = [previous[i] for i in have]
-        out = torch.full((len(previous), 1 + q.shape[1] * per_head), math.nan, dtype=torch.float64, device=q.device)
+        out = self._nan(len(previous), q, per_head)
         if exact:
             num, den = exact_update_sq(q.index_select(0, index), k.index_select(0, index), _rows(kept, "first", q.device),
                                        _rows(kept, "second", q.device), per_head=per_head, dtype=self.dtype)
