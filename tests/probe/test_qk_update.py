@@ -186,3 +186,32 @@ def test_its_own_tensorboard_chart_and_plot(tmp_path):
 
     fig = plot_dynamics(str(tmp_path / "run"), metrics="qk_update")
     assert fig.axes[0].get_yscale() == "log"
+
+
+def test_asynchronous_scoring_gives_the_same_values(tmp_path):
+    model = llama()
+    probe, saved = train(model, tmp_path, steps=2, metrics=METRICS, async_scoring=True)
+    got = rows(tmp_path)
+    assert probe.failures == 0 and sorted({r["step"] for r in got}) == [1, 2]
+    for r in got:
+        want = explicit_update(saved[r["step"]], saved[r["step"] - 1])[(r["layer"], None)]
+        assert r["value"] == pytest.approx(want, rel=1e-4)
+
+
+def test_a_failure_is_warned_once_and_the_other_metrics_go_on(tmp_path, monkeypatch):
+    from attn_probe.stages import update
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(update, "exact_update_sq", broken)
+    model = llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe, _ = train(model, tmp_path, steps=3, metrics=METRICS)
+    failed = [str(w.message) for w in caught if "could not be measured" in str(w.message)]
+    assert len(failed) == 1 and "injected" in failed[0], failed
+    # steps 1 and 3 fail; a failure forgets the previous snapshots, so step 2 only keeps its own
+    assert probe.pairs[-1].failures == 2 and probe.failures == 0
+    assert rows(tmp_path) == []
+    assert {r["step"] for r in rows(tmp_path, "symmetry")} == {0, 1, 2, 3}
