@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     # what scores are compared with (the paper's trajectories, the random-matrix range: core only)
     ("scoring", "images", "sinks", "tracker_record", "baselines"),
     # the walk over (sharded) layers, checkpoints, GGUF, the options; the snapshot assembly; the
-    # qk_update pair (a pair with a memory: named by the options, its missing values dropped by the assembly)
+    # qk_update pair (a pair with a memory, named by the options)
     ("distributed", "checkpoint", "gguf", "config", "stages.assembly", "stages.update"),
     # the live probe's other stages
     ("stages",),

@@ -39,6 +39,8 @@ Tensor = torch.Tensor
 
 #: the metric's name (JSONL ``metric`` field, TensorBoard tag segment)
 UPDATE_METRIC = "qk_update"
+#: metrics whose NaN means "no value" (no previous snapshot): the assembly writes no row for them
+ABSENT_WHEN_UNDEFINED = frozenset({UPDATE_METRIC})
 #: columns of the sketch ``Omega``: relative sd of ``||dM||^2`` at most ``sqrt(2 / 32)`` = 25 %, of ``||dM||`` about 13 %
 SKETCH_COLUMNS = 32
 #: seed of ``Omega`` (a local generator: every rank, run and resume draws the same matrix)

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..core import table_entries
+from ..core.update import ABSENT_WHEN_UNDEFINED
 from ..extraction import AttentionLayer
 from ..isolation import safe_warn
 from ..sinks import Record, Snapshot
 from ..tags import layer_stats
-from .update import ABSENT_WHEN_UNDEFINED
 
 __all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
 

@@ -18,7 +18,7 @@ standard deviation of at most about ``sqrt(1 / (2 r))`` (13 % at 32); one warnin
 **No value without a previous snapshot**: the first snapshot of a run, the first after a resume
 (the previous factors are not in the checkpoint: the first value after a resume is *absent*, not
 restored), and a layer whose shape changed (model surgery) write no ``qk_update`` row (the
-assembly drops the NaN, :data:`ABSENT_WHEN_UNDEFINED`). Only the main process scores, so the value
+assembly drops the NaN, :data:`attn_probe.core.update.ABSENT_WHEN_UNDEFINED`). Only the main process scores, so the value
 is the same with any number of ranks. A failure is warned once, counted in :attr:`QKUpdatePair.failures`,
 and gives no row; the other metrics go on.
 """
@@ -47,14 +47,12 @@ from ..extraction import AttentionLayer
 from ..isolation import safe_warn
 from ..pairs import QKPair
 
-__all__ = ["QKUpdatePair", "EXACT_HOST_BYTES", "ABSENT_WHEN_UNDEFINED", "split_update_metric", "with_update_pair"]
+__all__ = ["QKUpdatePair", "EXACT_HOST_BYTES", "split_update_metric", "with_update_pair"]
 
 Tensor = torch.Tensor
 
 #: host bytes the exact copies of the previous factors may take, all layers together
 EXACT_HOST_BYTES = 2 << 30
-#: metrics whose NaN means "no value" (no previous snapshot): the assembly writes no row for them
-ABSENT_WHEN_UNDEFINED = frozenset({UPDATE_METRIC})
 
 
 @dataclasses.dataclass
