@@ -215,3 +215,12 @@ def test_a_failure_is_warned_once_and_the_other_metrics_go_on(tmp_path, monkeypa
     assert probe.pairs[-1].failures == 2 and probe.failures == 0
     assert rows(tmp_path) == []
     assert {r["step"] for r in rows(tmp_path, "symmetry")} == {0, 1, 2, 3}
+
+
+def test_post_hoc_scoring_names_the_live_probe_and_an_alert_rule_may_name_it(tmp_path):
+    with pytest.raises(ValueError, match="the live probe logs it"):
+        attn_probe.score_model(llama(), metrics=["symmetry", "qk_update"])
+    fired = []
+    rule = attn_probe.alerts.AlertRule("qk_update", above=1e-6)
+    train(llama(), tmp_path, steps=2, metrics=METRICS, alerts=[rule], alert_callback=fired.append)
+    assert fired and min(a.step for a in fired) == 1  # none at step 0: no value there
