@@ -110,6 +110,7 @@ class QKUpdatePair(QKPair):
     def _clear(self) -> None:
         self._previous: dict[tuple[str, int], _Previous] = {}
         self._omega: dict[tuple[int, torch.device], Tensor] = {}
+        self._now: tuple[Tensor, Tensor] | None = None  # this call's sketches and ||M||^2, until kept
         #: bytes of exact copies held now; layers kept as sketches; failures (the first warned)
         self.held_bytes = 0
         self.sketched: set[tuple[str, int]] = set()
@@ -121,7 +122,7 @@ class QKUpdatePair(QKPair):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._previous, self._omega = {}, {}
+        self._previous, self._omega, self._now = {}, {}, None
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.dtype, self.host_bytes, self.sketch_columns))
