@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .products import Products
+from .update import UPDATE_METRIC
 
 Tensor = torch.Tensor
 Row = dict[str, Any]
@@ -120,6 +121,8 @@ def is_magnitude(metric: str) -> bool:
     """Whether ``metric`` (possibly with a pair prefix such as ``ov_``, or written under another
     name, :data:`WRITTEN_NAMES`) is one of :data:`MAGNITUDES`."""
     metric = next((old for old, new in WRITTEN_NAMES.items() if new == metric), metric)
+    if metric == UPDATE_METRIC:  # the live probe's relative change (attn_probe.core.update): >= 0, unbounded
+        return True
     return any(metric == m or metric.endswith("_" + m) for m in MAGNITUDES)
 
 

@@ -167,12 +167,16 @@ def train_model(
         from torch.utils.tensorboard import SummaryWriter
         from transformers.integrations import TensorBoardCallback
 
+        from attn_probe.core import DEFAULT_METRICS
+
         # loss and learning rate go into the same TensorBoard run as the scores; on resume,
         # TensorBoard drops the earlier run's events from the checkpoint's step on
         purge = checkpoint_step(resume_from) if resume_from else None
         all_callbacks[:0] = [
-            # the demo prints one TensorBoard command, for all its runs (run.py)
-            attn_probe.AttnProbeCallback(every=cfg.every, log_dir=str(run_dir), announce=False),
+            # the demo prints one TensorBoard command, for all its runs (run.py); with W_qk's
+            # update rate since the previous snapshot (docs/scores.md, "The update rate")
+            attn_probe.AttnProbeCallback(every=cfg.every, log_dir=str(run_dir), announce=False,
+                                         metrics=[*DEFAULT_METRICS, "qk_update"]),
             TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(run_dir), purge_step=purge)),
         ]
     args = TrainingArguments(

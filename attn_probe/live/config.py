@@ -19,10 +19,12 @@ from typing import Any
 
 from .asynchronous import DEFAULT_ASYNC_BYTES
 from ..core import DEFAULT_METRICS, check_metrics
+from ..core.update import UPDATE_METRIC
 from ..scoring.pairs import QKPair
 from .schedules import Schedule, ScheduleLike, as_schedule
 from ..scoring.model import resolve_pairs
 from ..sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
+from .stages.update import split_update_metric, with_update_pair
 
 __all__ = ["ProbeConfig", "config_from_options"]
 
@@ -113,7 +115,8 @@ class ProbeConfig:
 
     * ``every``: snapshot schedule: an int ``n`` (every ``n`` updates), a callable
       ``step -> bool`` (:mod:`attn_probe.live.schedules`), or ``None`` (only by hand);
-    * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.core.METRICS`);
+    * ``metrics``: metric names of the W_qk pair (:data:`attn_probe.core.METRICS`), and ``qk_update``,
+      W_qk's relative change since the previous snapshot (:mod:`attn_probe.live.stages.update`);
     * ``per_head``: also log every head's ``M_h``;
     * ``groups`` / ``layers``: restrict to these attention groups / layer indices;
     * ``num_std``: directionality threshold, ``mean + num_std * std``;
@@ -191,7 +194,7 @@ class ProbeConfig:
         self._check_writing()
         as_schedule(self.every)  # raises TypeError/ValueError for a bad schedule
         as_schedule(self.images_every)
-        set_(self, "metrics", check_metrics(self.metrics))
+        set_(self, "metrics", split_update_metric(self.metrics)[0])  # the core's names and qk_update
         if not isinstance(self.per_head, bool):
             raise TypeError(f"per_head must be True or False, got {self.per_head!r}")
         set_(self, "groups", _str_tuple("groups", self.groups))
@@ -209,7 +212,9 @@ class ProbeConfig:
             if not pairs:
                 raise ValueError("pairs is empty: nothing would be measured; leave it out for the W_qk pair")
             if any(isinstance(p, str) for p in pairs):  # "qk", "ov": named pairs with ``metrics``
-                pairs = tuple(resolve_pairs(pairs, self.metrics))
+                core = tuple(m for m in self.metrics if m != UPDATE_METRIC)
+                pairs = tuple(with_update_pair(resolve_pairs(pairs, core),
+                                               "qk" in pairs and UPDATE_METRIC in self.metrics))
             for p in pairs:
                 if not (hasattr(p, "metrics") and callable(getattr(p, "score", None))):
                     raise TypeError(f"pairs must hold score pairs (attn_probe.scoring.pairs.ScorePair), got {p!r}")
@@ -273,10 +278,12 @@ class ProbeConfig:
         return as_schedule(self.images_every)
 
     def score_pairs(self) -> list[Any]:
-        """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``."""
+        """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``; with ``qk_update``
+        among ``metrics`` also a fresh :class:`~attn_probe.stages.update.QKUpdatePair` (per call)."""
         if self.pairs is not None:
-            return list(self.pairs)
-        return [QKPair(self.metrics)]
+            return with_update_pair(list(self.pairs), False)
+        core = tuple(m for m in self.metrics if m != UPDATE_METRIC)
+        return with_update_pair([QKPair(core)] if core else [], UPDATE_METRIC in self.metrics)
 
     def replace(self, **changes: Any) -> ProbeConfig:
         """A copy with ``changes`` (validated like the constructor's options)."""

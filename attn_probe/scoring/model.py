@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..core import METRICS, check_metrics, score_factors, table_rows
+from ..core.update import UPDATE_METRIC
 from ..extraction import AttentionLayer, UnsupportedModelError, entry_point, find_attention
 from ..extraction.architectures import unwrap
 from ..extraction.base import ParamGetter
@@ -91,7 +92,11 @@ def _is_pair(value: Any) -> bool:
 
 
 def _core_metrics(metrics: tuple[str, ...] | None) -> tuple[str, ...]:
-    """Validated core metric names; a pair-prefixed name (``ov_symmetry``) is rejected with the right spelling."""
+    """Validated core metric names; a pair-prefixed name (``ov_symmetry``) is rejected with the right
+    spelling, ``qk_update`` (two snapshots of one run) with where it is measured."""
+    if UPDATE_METRIC in (metrics or ()):
+        raise ValueError(f"metric {UPDATE_METRIC!r} is the change since the previous snapshot of a training run: the "
+                         f"live probe logs it (watch(model, metrics=[..., {UPDATE_METRIC!r}])); one set of weights has none")
     for name in metrics or ():
         for pair, cls in PAIR_NAMES.items():
             bare = name[len(cls.prefix):] if cls.prefix and name.startswith(cls.prefix) else None

@@ -206,10 +206,13 @@ def _scores_as_stack(pair: ScorePair) -> bool:
     """Whether ``pair`` scores through the core unchanged, so that stacking gives its own numbers.
 
     True for :class:`QKPair` and its subclasses that keep its ``score``; a subclass that
-    defines its own ``score`` is called layer by layer, never bypassed by a stack.
+    defines its own ``score`` is called layer by layer, never bypassed by a stack, unless it
+    also scores stacks of named layers (``score_layers``, e.g. the stateful ``qk_update`` pair).
     """
     if not isinstance(pair, QKPair):
         return False
+    if callable(getattr(pair, "score_layers", None)):
+        return True
     return next(cls for cls in type(pair).__mro__ if "score" in vars(cls)) is QKPair
 
 
@@ -273,7 +276,12 @@ def score_stacks(pair: ScorePair, layers: Sequence[AttentionLayer], stacks: Sequ
             out[i] = pair.score(layers[i], stack.queries, stack.keys, per_head=per_head, num_std=num_std)
             continue
         assert isinstance(pair, QKPair)
-        table = pair.score_stack(stack.queries, stack.keys, per_head=per_head, num_std=num_std)
+        score_layers = getattr(pair, "score_layers", None)
+        if callable(score_layers):  # a pair that keeps state per layer needs their names
+            table = score_layers([layers[i] for i in stack.indices], stack.queries, stack.keys,
+                                 per_head=per_head, num_std=num_std)
+        else:
+            table = pair.score_stack(stack.queries, stack.keys, per_head=per_head, num_std=num_std)
         for j, i in enumerate(stack.indices):
             out[i] = table[j]
     return out  # type: ignore[return-value]

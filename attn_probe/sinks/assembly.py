@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..core import table_entries
+from ..core.update import ABSENT_WHEN_UNDEFINED
 from ..extraction import AttentionLayer
 from ..isolation import safe_warn
 from . import Record, Snapshot
@@ -78,6 +79,8 @@ class Assembler:
         for entries in by_layer.values():
             for layer, metrics, table, checked in entries:
                 for head, metric, value in table_entries(metrics, table):
+                    if metric in ABSENT_WHEN_UNDEFINED and not math.isfinite(value):
+                        continue  # no previous snapshot (qk_update): no row
                     records.append(Record(layer.group, layer.layer, head, metric, value))
                     if checked and head is None and not math.isfinite(value):
                         nonfinite.append(f"{layer.name} {metric}")

@@ -69,10 +69,13 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
     holds the other scores' Margin charts and every score's per-layer Multiline chart. The
     magnitudes (:func:`attn_probe.formats.tags.stats_for` gives them a ``max``) get their own category
     ``attn_probe/{group}/norms``: the same two charts plus a Multiline chart of the across-layer
-    max and median. Metrics logged once per run (``random_*``, the random-matrix range) get no
+    max and median. ``qk_update`` (W_qk's change since the previous snapshot) gets the same charts in
+    a category of its own, ``attn_probe/{group}/update rate``. Metrics logged once per run (``random_*``, the random-matrix range) get no
     chart. TensorBoard's layout has no axis-scale field; the log scale of the norm charts is a
     toggle in each chart's toolbar.
     """
+    from ..core.update import UPDATE_METRIC  # torch, like stats_for's attn_probe.core
+
     metrics = [m for m in metrics if not m.startswith(ONCE_PER_RUN_PREFIX)]
     layout: dict[str, dict[str, list[Any]]] = {}
     for group in groups:  # the paper's figure of every group first
@@ -82,9 +85,10 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
     for group in groups:
         scores: dict[str, list[Any]] = {}
         norms: dict[str, list[Any]] = {}
+        update: dict[str, list[Any]] = {}
         for metric in metrics:
             stats = stats_for(metric)
-            charts = norms if "max" in stats else scores
+            charts = update if metric == UPDATE_METRIC else norms if "max" in stats else scores
             if metric != PAPER_METRIC:
                 band = [scalar_tag(group, metric, stat=s) for s in BAND_STATS]  # Margin: value, lower, upper
                 charts[band_chart_title(metric)] = ["Margin", band]
@@ -97,6 +101,8 @@ def custom_scalars_layout(groups: list[str], metrics: list[str]) -> dict[str, di
             layout[f"{PREFIX}/{group}"] = scores
         if norms:
             layout[f"{PREFIX}/{group}/norms"] = norms
+        if update:
+            layout[f"{PREFIX}/{group}/update rate"] = update
     return layout
 
 
