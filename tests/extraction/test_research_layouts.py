@@ -21,11 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from third_party_layouts import GPT, Attention, CausalSelfAttention, NanoConfig
 from torch import nn
 
 from attn_probe import score_model
 from attn_probe.extraction import UnsupportedModelError, find_attention
-from third_party_layouts import GPT, Attention, CausalSelfAttention, NanoConfig
 
 
 # --------------------------------------------------------------------------- explicit float64 scores
