@@ -190,11 +190,8 @@ def test_trainer_logs_max_logit_and_entropy_against_the_reference(tmp_path, arch
 def test_unmeasurable_attention_warns_at_attach_and_weights_go_on(tmp_path):
     """GPT-2 with reorder_and_upcast_attn under eager computes attention itself: one warning at
     attach, the weight metrics are logged, no max_logit rows."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=16,
-                                       reorder_and_upcast_attn=True))
-    model.set_attn_implementation("eager")
+    model = tiny_model("gpt2", None, n_embd=32, n_layer=2, n_head=4, vocab_size=99, n_positions=16,
+                       reorder_and_upcast_attn=True, impl="eager")
     sink = Records()
     cb = AttnProbeCallback(every=1, attention_stats=True, sinks=[sink], log_dir=str(tmp_path / "tb"))
 

@@ -255,17 +255,16 @@ def test_missing_pandas_names_the_extra(tmp_path, monkeypatch):
 def test_reads_what_the_live_probe_writes(tmp_path):
     """End to end with the real probe: both sources agree, and recomputed statistics match
     the probe's own median/q25/q75 tags."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from helpers import tiny_model  # after the skip: helpers imports transformers
     import shutil
 
     import torch
 
     import attn_probe
 
-    torch.manual_seed(0)
-    model = transformers.BertModel(transformers.BertConfig(
-        vocab_size=30, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=20,
-        max_position_embeddings=8))
+    model = tiny_model("bert", 0, cls="BertModel", vocab_size=30, hidden_size=16, num_hidden_layers=3,
+                       num_attention_heads=2, intermediate_size=20, max_position_embeddings=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     probe = attn_probe.watch(model, optimizer=opt, log_dir=str(tmp_path / "run"), every=1)
     for _ in range(3):

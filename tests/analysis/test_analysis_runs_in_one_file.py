@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
-from transformers import BertConfig, BertForMaskedLM  # noqa: E402
+from helpers import tiny_model  # noqa: E402
 
 import attn_probe  # noqa: E402
 from attn_probe import load_trajectory  # noqa: E402
@@ -37,10 +37,8 @@ TOL = 1e-6
 
 
 def tiny_bert(seed):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=32, max_position_embeddings=SEQ)
-    return BertForMaskedLM(cfg)
+    return tiny_model("bert", seed, vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=SEQ)
 
 
 def reference(model):

@@ -71,16 +71,15 @@ HOSTILE = {
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> Path:
     """attn_probe.jsonl and event files of a real probe run: 3 layers, per-head rows, 4 steps."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from helpers import tiny_model  # after the skip: helpers imports transformers
     import torch
 
     import attn_probe
 
     root = tmp_path_factory.mktemp("real")
-    torch.manual_seed(0)
-    model = transformers.BertModel(transformers.BertConfig(
-        vocab_size=30, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=20,
-        max_position_embeddings=8))
+    model = tiny_model("bert", 0, cls="BertModel", vocab_size=30, hidden_size=16, num_hidden_layers=3,
+                       num_attention_heads=2, intermediate_size=20, max_position_embeddings=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

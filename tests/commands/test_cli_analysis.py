@@ -114,10 +114,11 @@ def test_plot_and_per_layer(runs, tmp_path, capsys):
 
 
 def test_heatmap(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=20, max_position_embeddings=8)
-    transformers.BertModel(cfg).save_pretrained(tmp_path / "ckpt")
+    pytest.importorskip("transformers")
+    from helpers import tiny_model  # after the skip: helpers imports transformers
+
+    tiny_model("bert", None, cls="BertModel", vocab_size=40, hidden_size=16, num_hidden_layers=2,
+               num_attention_heads=2, intermediate_size=20, max_position_embeddings=8).save_pretrained(tmp_path / "ckpt")
     code, _, err = run_cli(capsys, "heatmap", tmp_path / "ckpt", "--layer", "1", "--head", "0",
                            "-o", tmp_path / "hm.png")
     assert code == 0, err

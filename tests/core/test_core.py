@@ -10,18 +10,14 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_bert, tiny_llama
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-)
+from helpers import tiny_bert, tiny_llama, tiny_model
 
 import attn_probe
 from attn_probe import core as metrics_module
 from attn_probe.cli import main
+from attn_probe.definitions import directionality_score, symmetry_score
 from attn_probe.live.config import ProbeConfig
 from attn_probe.scoring.pairs import QKPair
-from attn_probe.definitions import directionality_score, symmetry_score
 
 
 def bert():
@@ -29,7 +25,7 @@ def bert():
 
 
 def gpt2():
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=16))
+    return tiny_model("gpt2", None, vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=16)
 
 
 def llama_gqa():

@@ -7,12 +7,10 @@ import math
 
 import pytest
 import torch
-from helpers import reference  # every metric of an explicit float64 matrix
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import reference, tiny_model  # reference: every metric of an explicit float64 matrix
 
 import attn_probe
 from attn_probe import core
-from attn_probe.scoring import pairs as pairs_module
 from attn_probe.core import (
     DEFAULT_METRICS,
     is_magnitude,
@@ -21,6 +19,7 @@ from attn_probe.core import (
     score_factors,
     spectra,
 )
+from attn_probe.scoring import pairs as pairs_module
 from attn_probe.scoring.pairs import QKPair
 
 
@@ -75,9 +74,8 @@ def test_stack_input_errors():
 
 
 def llama(layers=6, d=32):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=d, num_hidden_layers=layers, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_model("llama", 0, vocab_size=40, hidden_size=d, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16)
 
 
 def live_values(model, tmp_path, name, pairs=None):

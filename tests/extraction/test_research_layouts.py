@@ -6,12 +6,12 @@ computation from the module's *own* q/k: the attention module is run on the iden
 its forward hands to scaled-dot-product attention are captured (after the module's own split,
 head reshape and GQA expansion), and ``M = sum_h q_h k_h^T`` (``q_h = W_q^h^T`` as ``d x dh``).
 
-* nanoGPT: a verbatim-shaped ``CausalSelfAttention``/``Block``/``GPT`` written here after Karpathy's
-  public architecture (same attribute names, same ``c_attn(x).split(n_embd, dim=2)``).
+* nanoGPT: the verbatim-shaped ``CausalSelfAttention``/``Block``/``GPT`` of ``tests/third_party_layouts.py``
+  (Karpathy's public architecture: same attribute names, same ``c_attn(x).split(n_embd, dim=2)``).
 * timm: ``timm`` needs ``torchvision``, which does not install beside this machine's CPU torch, so
-  the module below is verbatim-shaped after ``timm.layers.attention.Attention`` (timm 1.0.31: same
-  attribute names, same ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``) and carries timm's
-  module name, by which the real class is recognised.
+  ``Attention`` of ``tests/third_party_layouts.py`` is verbatim-shaped after
+  ``timm.layers.attention.Attention`` (timm 1.0.31) and carries timm's module name, by which the real
+  class is recognised.
 * LitGPT: the real ``litgpt`` package (``GPT`` from a tiny ``Config``, GQA) when it imports; skipped
   otherwise (``pip install --no-deps litgpt``).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from third_party_layouts import GPT, Attention, CausalSelfAttention, NanoConfig
 from torch import nn
 
 from attn_probe import score_model
@@ -79,84 +80,7 @@ def assert_scores_equal_own(model: nn.Module, matrices: list[torch.Tensor]) -> N
         assert row["directionality"] == pytest.approx(directionality64(m), abs=1e-5), row["name"]
 
 
-# --------------------------------------------------------------------------- nanoGPT (verbatim-shaped)
-class NanoConfig:
-    def __init__(self, n_embd: int = 32, n_head: int = 4, n_layer: int = 2, block_size: int = 64,
-                 vocab_size: int = 50, bias: bool = True, dropout: float = 0.0) -> None:
-        self.n_embd, self.n_head, self.n_layer = n_embd, n_head, n_layer
-        self.block_size, self.vocab_size, self.bias, self.dropout = block_size, vocab_size, bias, dropout
-
-
-class CausalSelfAttention(nn.Module):
-    """Shaped as nanoGPT's ``model.py`` (attribute names and forward)."""
-
-    def __init__(self, config: NanoConfig) -> None:
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: NanoConfig) -> None:
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config: NanoConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config: NanoConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
-
-
+# --------------------------------------------------------------------------- nanoGPT
 def test_nanogpt_scores_equal_its_own_projections(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model = GPT(NanoConfig())
@@ -190,35 +114,7 @@ def test_nanogpt_style_with_other_widths_is_not_guessed() -> None:
         find_attention(nn.ModuleDict({"attn": attn}))
 
 
-# --------------------------------------------------------------------------- timm (verbatim-shaped)
-class Attention(nn.Module):
-    """Shaped as ``timm.layers.attention.Attention`` (timm 1.0.31): same attributes, same reshape.
-    ``__module__`` is timm's, as for the real class (timm cannot be imported here, see the module doc)."""
-
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False) -> None:
-        super().__init__()
-        head_dim = dim // num_heads
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.attn_dim = num_heads * head_dim
-        self.scale = head_dim ** -0.5
-        self.qkv = nn.Linear(dim, self.attn_dim * 3, bias=qkv_bias)
-        self.q_norm = nn.Identity()
-        self.k_norm = nn.Identity()
-        self.proj = nn.Linear(self.attn_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        x = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(x.transpose(1, 2).reshape(B, N, self.attn_dim))
-
-
-Attention.__module__ = "timm.layers.attention"
-
-
+# --------------------------------------------------------------------------- timm
 class ViTBlock(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()

@@ -18,32 +18,29 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers import REPO, SEQ, VOCAB, RandomTokens, lines_by_run
+from helpers import REPO, SEQ, VOCAB, RandomTokens, lines_by_run, tiny_model
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import attn_probe  # noqa: E402
-from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.lightning import AttnProbeCallback  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 
 WEIGHT_METRICS = ("symmetry", "directionality", "spectral_norm", "frobenius_norm", "stable_rank")
 
 
 def tiny_gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return tiny_model("gpt2", 0, vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def tiny_bert_no_dropout() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
+    return tiny_model("bert", 0, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)
 
 
 #: dropout-free: a validation loader draws its seed from torch's global generator, which would change the

@@ -41,18 +41,16 @@ sys.path.insert(0, sys.argv[3])  # tests/, for helpers
 import torch
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import TensorBoardLogger
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import attn_probe
 from attn_probe.lightning import AttnProbeCallback
-from helpers import SEQ, VOCAB, RandomTokens
+from helpers import SEQ, VOCAB, RandomTokens, tiny_model
 
 
 class LitLM(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4))
+        self.model = tiny_model("gpt2", 0, vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
 
     def training_step(self, batch, batch_idx):
         loss = self.model(**batch).loss

@@ -14,22 +14,18 @@ import pytest
 import torch
 from helpers import tiny_model
 from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
 
 import attn_probe
 from attn_probe import core as metrics_module
-from attn_probe.scoring.checkpoint import CheckpointError, CheckpointWeights, score_checkpoint
 from attn_probe.cli import main
+from attn_probe.definitions import directionality_score, symmetry_score
 from attn_probe.distributed import gather_scores
 from attn_probe.extraction import UnsupportedModelError
+from attn_probe.scoring.checkpoint import CheckpointError, CheckpointWeights, score_checkpoint
 from attn_probe.scoring.pairs import OVPair, QKPair
-from attn_probe.definitions import directionality_score, symmetry_score
 
 D, H = 32, 4
 DH = D // H
@@ -42,12 +38,12 @@ def bert():
 
 
 def gpt2():
-    return GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=D, n_layer=2, n_head=H, n_positions=16))
+    return tiny_model("gpt2", None, vocab_size=40, n_embd=D, n_layer=2, n_head=H, n_positions=16)
 
 
 def llama_gqa():
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
-                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16))
+    return tiny_model("llama", None, vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_heads=H,
+                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16)
 
 
 MODELS = {"bert": bert, "gpt2": gpt2, "llama-gqa": llama_gqa}
