@@ -25,20 +25,7 @@ from torch import nn
 
 from attn_probe import score_model
 from attn_probe.extraction import find_attention
-
-
-# --------------------------------------------------------------------------- the explicit float64 reference
-def symmetry64(m: torch.Tensor) -> float:
-    return float((m * m.T).sum() / (m * m).sum())
-
-
-def directionality64(m: torch.Tensor, num_std: float = 2.0) -> float:
-    def excess(norms: torch.Tensor) -> float:
-        tau = norms.mean() + num_std * norms.std(unbiased=True)
-        return float((norms[norms > tau] - tau).sum())
-
-    r, c = excess(m.norm(dim=1)), excess(m.norm(dim=0))
-    return 0.0 if r + c == 0 else (r - c) / (r + c)
+from tests.extraction.test_research_layouts import directionality64, symmetry64  # the explicit float64 scores
 
 
 def own_matrix(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
