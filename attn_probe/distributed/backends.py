@@ -192,12 +192,18 @@ def fsdp1_gather(stack: contextlib.ExitStack, units: tuple[nn.Module, ...], rank
 def dtensor_full(value: Tensor, asynchronous: bool = False) -> Tensor:
     """The full tensor of a DTensor (else ``value``); ``asynchronous``: issued, not waited for.
 
-    The asynchronous result is waited for by its first use (:func:`waited`).
+    The asynchronous result is waited for by its first use (:func:`waited`). Only a CUDA tensor
+    is gathered asynchronously: there the transfer runs on the communication stream beside the
+    scoring. A CPU gather (gloo) is always blocking: gloo and the scoring share the same cores,
+    so there is nothing to overlap, and an in-flight functional all-gather on gloo aborted a
+    rank with heap corruption once in CI (torch 2.13, FSDP2 with LoRA, not reproduced in 150
+    snapshots since). The walk's order (issue the next layer's gather, then hand out this
+    one) is the same on both devices.
     """
     dtensor = dtensor_class()
     if dtensor is None or not isinstance(value, dtensor):
         return value
-    if not asynchronous:
+    if not asynchronous or value.device.type != "cuda":
         return value.full_tensor()
     from torch.distributed.tensor import Replicate
 

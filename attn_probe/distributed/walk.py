@@ -179,7 +179,8 @@ def _walk_sharded(gathers: list[Gather], kind: str, agreement: Agreement, receiv
 
     DTensor (FSDP2, TP), on a rank that receives: gathers are issued without waiting, and a
     layer is yielded only once the next layer's gather is issued (after its agreement), so
-    the next transfer overlaps the caller's work on this one; at most two gathered layers
+    the next transfer overlaps the caller's work on this one (on CUDA; a CPU gather blocks,
+    :func:`~attn_probe.distributed.backends.dtensor_full`); at most two gathered layers
     are alive. Every rank still agrees on, and enters, the gathers in the same order. FSDP1
     and ZeRO-3 gather synchronously, one at a time.
     """
