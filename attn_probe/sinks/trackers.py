@@ -140,11 +140,20 @@ class TrackerSink(Sink):
         if self._open_now:
             raise RuntimeError(f"{type(self).__name__} is already started")
         self.run_info = run
-        self._open(run)
+        try:
+            self._open(run)
+            self._guard_made = False
+            if not self.guard_at_first_log:
+                self._make_guard()
+        except BaseException:
+            # what the open took is given back (a W&B key prefix, a run it created), then the failure
+            # goes to the caller as before
+            try:
+                self._close()
+            except Exception:  # noqa: BLE001 - the open's own error is the one to report
+                pass
+            raise
         self._open_now = True
-        self._guard_made = False
-        if not self.guard_at_first_log:
-            self._make_guard()
 
     def _make_guard(self) -> None:
         resume = self.run_info.resume_step if self.run_info is not None else None

@@ -328,3 +328,37 @@ def test_trackio_sink_owned_and_users_run(tmp_path):
     user_rows = [(step, m) for run_name, step, m in rows if run_name == "user"]
     assert {str(s): m["loss"] for s, m in user_rows if "loss" in m} == pytest.approx(losses, rel=1e-12)
     assert (STEPS, {"after": 1.0}) in user_rows
+
+
+def test_a_wandb_sink_whose_start_fails_gives_its_key_prefix_back(tmp_path, wandb_offline, monkeypatch):
+    """A start that fails after the sink claimed its key prefix in the user's run releases it: the
+    next probe on that run logs under ``attn_probe/``, not ``attn_probe_2/``."""
+    import wandb
+
+    from attn_probe.sinks.wandb import WandbSink
+
+    run = wandb.init(project="attn-probe-tests", dir=str(wandb_offline), mode="offline")
+    try:
+        failing = WandbSink(run)
+
+        def broken(*args, **kwargs):  # a failure after the claim, inside the open
+            raise RuntimeError("set-up failed")
+
+        monkeypatch.setattr(failing, "_separate_kwargs", broken)
+        with pytest.raises(RuntimeError, match="set-up failed"):
+            failing.start(run_info())
+        failing.finish()  # a sink that never started: nothing to close, no error
+        second = WandbSink(run)
+        second.start(run_info())
+        try:
+            assert second.namespace == "attn_probe"
+        finally:
+            second.finish()
+        third = WandbSink(run)  # and the prefix the second one held is free again after it finished
+        third.start(run_info())
+        try:
+            assert third.namespace == "attn_probe"
+        finally:
+            third.finish()
+    finally:
+        run.finish()
