@@ -102,6 +102,7 @@ class LiveEmergence:
             if r.head is None and r.metric.startswith(RANDOM_PREFIX):
                 found[(r.group, r.layer, r.metric)] = float(r.value)
         if not found and self._resume and self._range_on_resume and self._shapes:
+            self._range_on_resume = False  # tried once: not again at every snapshot
             found = self._ranges_from_shapes()
         out = {}
         for (group, layer, name), mean in found.items():
