@@ -23,8 +23,9 @@ the rules are stated in docs/post-hoc.md ("When the structure emerged"):
 Neither event is ever claimed for a run that did not leave the range (``not emerged``). An
 event that holds from the first logged step is marked ``at_start`` (it happened at or before
 that step: a fine-tuning run, or a scored checkpoint series that starts late). The rules use
-the whole run: a live, causal reading (the condition held for some window so far) can differ
-from these values, which the live probe does not write (docs/post-hoc.md).
+the whole run: the live probe's causal reading (the condition held for 3 consecutive snapshots,
+:mod:`attn_probe.sinks.emergence`, written once to TensorBoard text) can differ from these values
+(docs/post-hoc.md).
 
 The random range comes from the run's own ``random_*`` rows when it logged them, else from the
 layers' shapes (``shapes=``, e.g. :func:`header_shapes` of the run directory), computed as the
@@ -188,7 +189,8 @@ def series_events(steps: Sequence[int], values: Sequence[float], mean: float, sd
 def header_shapes(run_dir: str | Path) -> dict[tuple[str, int], Any]:
     """``{(group, layer): LayerShape}`` from the first run header of ``run_dir/attn_probe.jsonl``
     (its ``model.attention_layers``), empty when there is none (files written before run headers,
-    ``attn-probe score --trajectory`` runs). Reads one line of at most the header's size limit."""
+    or by ``attn-probe score --trajectory`` before it recorded them). Reads one line of at most
+    the header's size limit."""
     from ..baselines.random_range import LayerShape
     from ..formats.trajectory import HEADER_KEY, MAX_HEADER, TRAJECTORY_FILENAME, loads
 

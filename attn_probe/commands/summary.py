@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as formulas get a leading ')")
     parser.add_argument("--digits", type=int, default=2, help="decimals in the text table (default 2)")
     parser.add_argument("--sds", type=float, default=3.0, metavar="K",
-                        help="the text table's emergence lines: a departure is K sd of the random range (default 3)")
+                        help="the emergence lines (text) and columns (csv): a departure is K sd of the random "
+                             "range (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,10 +26,11 @@ def run(args: argparse.Namespace) -> int:
     with cli_errors("summary"):
         df = load_trajectory(args.runs)
         table = summarize(df)
-        events = None if args.format == "csv" else _emergence(df, args)
+        events = _emergence(df, args)
     if args.format == "csv":
         from ..analysis.trajectory import escape_formulas
 
+        table = _with_events(table, events)
         for column in ("run", "group", "metric"):  # text cells only: values may start with '-'
             table[column] = escape_formulas(table[column])
         print(table.to_csv(index=False, lineterminator="\r\n"), end="")  # RFC 4180: a name's \r is quoted
@@ -50,3 +52,21 @@ def _emergence(df, args: argparse.Namespace):  # noqa: ANN001, ANN202 - pandas i
     from ..analysis.emergence import emergence, lazy_shapes
 
     return emergence(df, k=args.sds, shapes=lazy_shapes(args.runs))
+
+
+#: the CSV's emergence columns: the median layer's events of each run, group and score
+EVENT_COLUMNS = {"emergence": "status", "departure_step": "departure", "departure_at_start": "departure_at_start",
+                 "takeoff_step": "takeoff", "takeoff_at_start": "takeoff_at_start"}
+
+
+def _with_events(table, events):  # noqa: ANN001, ANN202 - pandas is imported lazily
+    """``table`` with the median layer's events as columns (:data:`EVENT_COLUMNS`), one row per run,
+    group and score; empty cells for scores without a random range (the norms) or not emerged."""
+    from ..analysis.emergence import median_events
+
+    med = median_events(events)[["run", "group", "metric", *EVENT_COLUMNS.values()]]
+    med = med.rename(columns={v: k for k, v in EVENT_COLUMNS.items()})
+    for column in ("departure_at_start", "takeoff_at_start"):  # only meaningful with a step
+        step = column.replace("_at_start", "_step")
+        med[column] = med[column].astype("boolean").mask(med[step].isna())
+    return table.merge(med, on=["run", "group", "metric"], how="left")

@@ -9,6 +9,9 @@
                                                       ``heads_max``; ``top_{R}`` the value of the
                                                       R-th top head, ``top_{R}_head`` its index
 
+Text (not scalars): ``attn_probe_emergence/{group}/{metric}/layer_{LL}`` (or ``/median``,
+``/not_measurable``), the live emergence events (:func:`emergence_tag`).
+
 ``metric`` is a name of :data:`attn_probe.core.METRICS` for W_qk (``symmetry``,
 ``directionality``, ``spectral_norm``, ...); other weight pairs add metrics with a prefix
 (e.g. ``ov_symmetry``) without changing the grammar.
@@ -43,6 +46,17 @@ _TAG = re.compile(
     rf"^{PREFIX}/(?P<group>[A-Za-z0-9_]+)/(?P<metric>[A-Za-z0-9_]+)/"
     rf"(?:(?P<stat>{'|'.join(STATS)})|layer_(?P<layer>\d+)(?:/head_(?P<head>\d+)|/(?P<summary>{_SUMMARY}))?)$"
 )
+
+
+#: text entries of the live emergence events (:mod:`attn_probe.sinks.emergence`), outside the scalar grammar
+EMERGENCE_PREFIX = f"{PREFIX}_emergence"
+
+
+def emergence_tag(group: str, metric: str, layer: int | None = None, note: str | None = None) -> str:
+    """Text tag of a live emergence event: ``attn_probe_emergence/{group}/{metric}/layer_{LL}``,
+    ``.../median`` (the median layer, ``layer=None``) or ``.../{note}`` (``not_measurable``)."""
+    last = note if note is not None else "median" if layer is None else f"layer_{layer:02d}"
+    return f"{EMERGENCE_PREFIX}/{group}/{metric}/{last}"
 
 
 @dataclass(frozen=True)

@@ -461,8 +461,10 @@ def write_checkpoint_trajectory(
                               "pass --step N)")
     chosen = _pairs_or_error(pairs, metrics)
     names = pair_metric_names(chosen)
-    if checkpoints and any(callable(getattr(p, "check", None)) for p in chosen):
-        open_checkpoint(checkpoints[0][1], pairs=chosen)  # an unreadable architecture fails before the run exists
+    # the first checkpoint's layers (an unreadable architecture fails before the run exists); their
+    # shapes go into the run header, as a live run's do, so the random range (and the emergence
+    # events of ``attn-probe summary``) can be computed for this run from its header
+    shapes = _layer_shapes(open_checkpoint(checkpoints[0][1], pairs=chosen)[0]) if checkpoints else []
     run_dir = Path(run_dir).expanduser()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -482,7 +484,7 @@ def write_checkpoint_trajectory(
                             "pairs": [pair_label(p) for p in chosen],
                             "per_head": per_head, "num_std": num_std,
                             "checkpoints": [str(p) for _, p in checkpoints]},
-                    model={"checkpoint": str(path)}, groups=groups, metrics=list(names), per_head=per_head,
+                    model={"checkpoint": str(path), "attention_layers": shapes}, groups=groups, metrics=list(names), per_head=per_head,
                 )
                 sinks = [TensorBoardSink(str(run_dir)), TrajectorySink(str(run_dir))]
                 for sink in sinks:
@@ -497,6 +499,13 @@ def write_checkpoint_trajectory(
         for sink in sinks:
             sink.finish()
     return all_rows
+
+
+def _layer_shapes(layers: Iterable[AttentionLayer]) -> list[dict[str, Any]]:
+    """The run header's ``attention_layers`` (the keys a live run writes, ``live/stages/outputs.py``)."""
+    return [{"name": a.name, "group": a.group, "layer": a.layer, "num_heads": a.num_heads,
+             "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "hidden_size": a.hidden_size}
+            for a in layers]
 
 
 def summarize_rows(rows: Iterable[Row]) -> list[dict[str, Any]]:

@@ -43,6 +43,7 @@ class Snapshot:
     #: rows written once, with a fresh run's first snapshot, into the trajectory file only: the
     #: random-matrix range (``random_symmetry``, ..., :mod:`attn_probe.baselines.random_range`).
     #: Not per-step series: the TensorBoard and tracker sinks, the statistics and the alerts leave them out
+    #: (the TensorBoard sink reads them as the range of its emergence events, :mod:`attn_probe.sinks.emergence`)
     baselines: list[Record] = field(default_factory=list)
 
 

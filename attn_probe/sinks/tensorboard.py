@@ -9,7 +9,10 @@ Writes, into one run directory (the training run's own, so loss and scores sit t
   chart per other metric, a Multiline chart of the per-layer curves, the norms in a category of
   their own with their max) and the
   configuration / model description as text;
-* optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``.
+* optional W_qk heatmaps under ``attn_probe_heatmap/{group}/layer_{LL}``;
+* once per layer and score, a text entry when its symmetry or directionality left the random
+  range by a causal rule (:mod:`attn_probe.sinks.emergence`, tags
+  ``attn_probe_emergence/{group}/{metric}/...``).
 
 Never ``add_scalars`` (one run directory per key). Flushes at snapshot boundaries only.
 ``torch.utils.tensorboard`` is imported in :meth:`TensorBoardSink.start`. A resumed run marks
@@ -30,6 +33,7 @@ from ..formats.events import event_files, file_identities, truncate_torn_record,
 from ..isolation import safe_warn
 from ..formats.tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
 from . import RunInfo, Sink, Snapshot
+from .emergence import LiveEmergence
 
 __all__ = ["TensorBoardSink", "custom_scalars_layout", "paper_category", "band_chart_title", "heatmap_tag", "emit_session_start", "writer_log_dir",
            "CONFIG_TEXT_TAG"]
@@ -179,7 +183,7 @@ class TensorBoardSink(Sink):
     background = True
 
     def __init__(self, log_dir: str | None = None, *, writer: Any = None, max_queue: int = 1000,
-                 purge_stale: bool = True) -> None:
+                 purge_stale: bool = True, emergence: bool = True) -> None:
         if (log_dir is None) == (writer is None):
             raise ValueError("give exactly one of log_dir= and writer=")
         self.log_dir = log_dir if log_dir is not None else writer_log_dir(writer)
@@ -196,6 +200,8 @@ class TensorBoardSink(Sink):
         #: event files present before the writer opened its current file (``None``: known)
         self._before: set[str] | None = None
         self._last_step: int | None = None
+        #: the live emergence events (``None``: off, or turned off by a failure, warned once)
+        self._emergence: LiveEmergence | None = LiveEmergence() if emergence else None
 
     def _open_own_writer(self, purge_step: int | None = None) -> Any:
         """A ``SummaryWriter`` of our own in ``log_dir``; on failure no new event file is left."""
@@ -245,6 +251,11 @@ class TensorBoardSink(Sink):
             self._header = (custom_scalars_layout(run.groups, run.metrics), text, run.resume_step or 0)
             self._write_header(w)
             w.flush()
+            if self._emergence is not None:
+                try:
+                    self._emergence.start(run, self.log_dir)
+                except Exception:  # noqa: BLE001 - plain reads of the run header; off rather than a failed attach
+                    self._emergence = None
             self._before = before
             self._track_files()
         except BaseException:
@@ -297,12 +308,27 @@ class TensorBoardSink(Sink):
                 w.add_scalar(scalar_tag(group, metric, stat=stat), value, step, walltime=wall)
             for (group, layer), image in snapshot.images.items():
                 w.add_image(heatmap_tag(group, layer), image, step, walltime=wall, dataformats="HWC")
+            for tag, text, at in self._emergence_entries(snapshot):
+                w.add_text(tag, text, global_step=at, walltime=wall)
             w.flush()
             self._track_files()
             self._last_step = step
         except BaseException:
             self._broken = True
             raise
+
+    def _emergence_entries(self, snapshot: Snapshot) -> list[tuple[str, str, int]]:
+        """The live emergence entries due at ``snapshot``; a failure turns them off (warned once)
+        and never touches the scalars."""
+        if self._emergence is None:
+            return []
+        try:
+            return self._emergence.entries(snapshot)
+        except Exception as exc:  # noqa: BLE001 - an event line must never cost the scalars
+            self._emergence = None
+            safe_warn(f"attn_probe: the live emergence events are off for this run ({type(exc).__name__}: {exc}); "
+                      "the scores are still written, and `attn-probe summary` reports the events post hoc.")
+            return []
 
     def recover(self, header: bool = False) -> None:
         """Continue in a new event file in the same directory: the dead file writers closed (their
