@@ -6,9 +6,12 @@ function receives; this module is how those calls reach it. While a capture exis
 (:data:`FAMILIES`) it returns the function transformers resolved (for ``eager`` the module's
 own default) behind a check of one tuple, the armed captures (:func:`arm`/:func:`disarm`);
 an unwatched module gets exactly that function. Nothing is written into the model, its config
-or the registry's mappings. :func:`unavailable_reason` says which models cannot be read this
-way (the forward's source must call ``get_interface(``; the module's ``_attn_implementation``
-must be measured and not overridden locally).
+or the registry's mappings. For ``torch.compile``, the instances the watched forwards call
+(``ALL_ATTENTION_FUNCTIONS``) also get ``get_interface`` as an instance attribute while a capture
+exists, so that code compiled before attach is not reused (:func:`_shadow`).
+:func:`unavailable_reason` says which models cannot be read this way (the forward's source must
+call ``get_interface(``; the module's ``_attn_implementation`` must be measured and not
+overridden locally).
 
 The contract with a capture (:class:`attn_probe.activations.statistics.AttentionCapture`): it has
 ``index`` (attention module -> layer index) and ``observe(i, family, module, query, key,
@@ -24,6 +27,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +109,66 @@ def _interface_class():
     return AttentionInterface
 
 
-def acquire(names: Sequence[str]) -> None:
+#: id -> (an AttentionInterface instance, ``_get_interface`` bound to it): made once per instance and
+#: kept, so that attaching again passes the guards of code compiled under an earlier capture
+_METHODS: dict[int, tuple[Any, Callable]] = {}
+#: ids of the instances whose ``get_interface`` is shadowed now (see :func:`_shadow`)
+_SHADOWED: set[int] = set()
+
+
+def _interfaces(modules: Sequence[nn.Module]) -> list[Any]:
+    """The AttentionInterface instances ``modules``' forwards call: the ``ALL_ATTENTION_FUNCTIONS``
+    of their forward's module (a model may declare its own, e.g. Doge), and transformers' global one."""
+    cls = _interface_class()
+    found = [importlib.import_module("transformers.modeling_utils").ALL_ATTENTION_FUNCTIONS]
+    for module in modules:
+        forward = inspect.unwrap(vars(_forward_owner(type(module))).get("forward"))  # past decorators
+        candidate = getattr(forward, "__globals__", {}).get("ALL_ATTENTION_FUNCTIONS")
+        if isinstance(candidate, cls) and all(candidate is not f for f in found):
+            found.append(candidate)
+    return found
+
+
+def _shadow(instances: Sequence[Any]) -> None:
+    """Give each instance ``get_interface`` as an instance attribute (the wrapping
+    :func:`_get_interface`, bound), under :data:`_LOCK`.
+
+    Why: ``torch.compile`` reuses a frame compiled before the capture existed (an earlier model of
+    the same class in the process) as long as its guards pass, and torch 2.13's guards on
+    ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` do not cover the class attribute that
+    :func:`acquire` replaces (no guard on ``AttentionInterface.__dict__['get_interface']``): the old
+    code kept calling transformers' attention function unwrapped (0 statistic rows). They do
+    cover what attribute lookup must check, that the instance's ``__dict__`` has no
+    ``get_interface`` (a ``DICT_CONTAINS`` guard): shadowing it there fails that guard, the frame
+    is traced again, through the wrapper. Only public names are touched (the public
+    ``ALL_ATTENTION_FUNCTIONS`` object, its public method name); an instance attribute someone else
+    set is left alone. Tried and not enough: a module-level flag read by the wrapper (code compiled
+    before never read it, so never guards on it); the hooks the capture adds to the model (hooks
+    run as frames of their own, the forward's cached code is still reused). Not done: writing into
+    the model (``forward``) or into transformers' mappings (``register``), which the design avoids,
+    and ``torch.compiler.reset()``, which drops every compiled frame of the process."""
+    for instance in instances:
+        key = id(instance)
+        if key not in _METHODS:
+            _METHODS[key] = (instance, types.MethodType(_get_interface, instance))
+        if key in _SHADOWED or "get_interface" in vars(instance):
+            continue
+        instance.get_interface = _METHODS[key][1]
+        _SHADOWED.add(key)
+
+
+def _unshadow() -> None:
+    """Remove the instance attributes :func:`_shadow` set (those still ours), under :data:`_LOCK`."""
+    for key in _SHADOWED:
+        instance, method = _METHODS[key]
+        if vars(instance).get("get_interface") is method:
+            del instance.get_interface
+    _SHADOWED.clear()
+
+
+def acquire(names: Sequence[str], modules: Sequence[nn.Module] = ()) -> None:
+    """Measure the implementation ``names`` (one more user each); ``modules``: the watched attention
+    modules, whose AttentionInterface instances are shadowed for ``torch.compile`` (:func:`_shadow`)."""
     with _LOCK:
         cls = _interface_class()
         current = cls.__dict__.get("get_interface")
@@ -115,9 +178,12 @@ def acquire(names: Sequence[str]) -> None:
             cls.get_interface = _get_interface
         for name in names:
             _USERS[name] = _USERS.get(name, 0) + 1
+        if _USERS:
+            _shadow(_interfaces(modules))
 
 
 def release(names: Sequence[str]) -> None:
+    """One user less for each of ``names``; the last one restores ``get_interface``."""
     with _LOCK:
         for name in names:
             if name in _USERS:
@@ -126,6 +192,7 @@ def release(names: Sequence[str]) -> None:
                     del _USERS[name]
         if _USERS or not _ORIGINAL:
             return
+        _unshadow()
         cls = _interface_class()
         if cls.__dict__.get("get_interface") is _get_interface:
             cls.get_interface = _ORIGINAL[0]  # else someone patched over it: ours passes through now

@@ -263,12 +263,16 @@ class AttentionCapture:
         self._warned = False
         self.failures: list[str] = []
         if self._implementations:
-            registry.acquire(self._implementations)
+            registry.acquire(self._implementations, self._interface_modules())
 
     def _interface_names(self) -> list[str]:
         """The implementation names of the layers measured through transformers' interface."""
         return sorted({str(registry.implementation(layer.module))
                        for layer, sdpa in zip(self.layers, self.sdpa, strict=True) if not sdpa})
+
+    def _interface_modules(self) -> list[nn.Module]:
+        """The attention modules of the layers measured through transformers' interface."""
+        return [layer.module for layer, sdpa in zip(self.layers, self.sdpa, strict=True) if not sdpa]
 
     # -- step control -------------------------------------------------------------------------
 
@@ -321,7 +325,7 @@ class AttentionCapture:
         if unavailable_reason(self.layers) is not None:
             self._unmeasured = now  # checked once per switch, not at every forward
             return
-        registry.acquire(now)
+        registry.acquire(now, self._interface_modules())
         registry.release(self._implementations)
         self._implementations = now
 

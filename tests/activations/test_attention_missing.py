@@ -107,45 +107,109 @@ def test_an_armed_step_without_training_forwards_is_warned(tmp_path):
     assert len(first) == 1 and "torch.compile" in first[0] and "no_grad" in first[0]
 
 
-def _compiled_run(tmp_path, name, reset_before_attach):
-    """An earlier compiled model of the same class in this process, then a watched one, compiled."""
-    from tests.activations.test_attention_compile import _batch
-    from tests.activations.test_attention_compile import _llama as _llama32
-
+def _compiled_run(tmp_path, name, reset_before_attach, impl="sdpa"):
+    """An earlier compiled model of the same class trained a step in this process, then a watched
+    one, compiled (backend eager), every step due: the sink, the attn_probe warnings, the weights
+    each step began with, the batch."""
     torch._dynamo.reset()
-    ids, mask = _batch()
-    labels = ids.masked_fill(mask == 0, -100)
-    torch.compile(_llama32(), backend="eager")(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ids, mask = _same_batch(2)
+    earlier = _llama()
+    earlier.set_attn_implementation(impl)
+    torch.compile(earlier, backend="eager")(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
     if reset_before_attach:
         torch.compiler.reset()  # the printed remedy
-    model = _llama32()
+    model = _llama()
+    model.set_attn_implementation(impl)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sink = Records()
+    weights = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+        probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, per_head=True, sinks=[sink],
                                  metrics=("symmetry",), log_dir=str(tmp_path / name))
         run = torch.compile(model, backend="eager")
-        for _ in range(2):
-            run(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        for step in (1, 2):
+            weights[step] = copy.deepcopy(model.state_dict())
+            run(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
         probe.close()
     torch._dynamo.reset()
-    return sink, [str(w.message) for w in caught]
+    return sink, [str(w.message) for w in caught if "attn_probe" in str(w.message)], weights, (ids, mask)
 
 
-def test_compiled_code_from_before_attach_is_never_silent(tmp_path):
-    """torch.compile reuses code compiled before attach, without the probe's wrapper: the due steps
-    get no statistics, and that is said once, naming torch.compile and the remedy (silent on
-    7ce385c: 0 rows, no warning). The remedy as printed, torch.compiler.reset() before attaching,
-    gives the values."""
-    sink, messages = _compiled_run(tmp_path, "stale", reset_before_attach=False)
-    said = [m for m in messages if "were not measured at step 1 for 2 of 2 layers" in m]
-    if sink.values("max_logit"):  # a torch that re-traces on its own: then nothing may be missing
-        assert not said and sorted(sink.values("max_logit")) == [1, 2]
-    else:
-        assert len(said) == 1 and "torch.compiler.reset() before attaching" in said[0]
-    sink, messages = _compiled_run(tmp_path, "reset", reset_before_attach=True)
-    assert sorted(sink.values("max_logit")) == [1, 2]
-    assert not [m for m in messages if "were not measured" in m]
+def _assert_reference(sink, weights, ids, mask) -> None:
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    assert sorted(got_max) == [1, 2]
+    for step in (1, 2):
+        ref_model = _llama()
+        ref_model.load_state_dict(weights[step])
+        want = reference(ref_model, ids, mask)
+        assert set(got_max[step]) == set(want) and len(want) == 2 * 5
+        for key, (m, e) in want.items():
+            assert got_max[step][key] == pytest.approx(m, rel=TOL, abs=TOL), (step, key)
+            assert got_ent[step][key] == pytest.approx(e, rel=TOL, abs=TOL), (step, key)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_compile_after_an_earlier_compile_in_the_process(tmp_path, impl):
+    """A model of the same class compiled and trained before the probe attached, then a watched one
+    compiled: every step's per-layer and per-head max_logit and entropy equal the float64
+    reference of its weights, with no 'not measured' warning (0 rows and a warning before: the
+    frame compiled before attach was reused without the probe's wrapper; the shadowed
+    ``get_interface`` of ``ALL_ATTENTION_FUNCTIONS`` now fails its guard). At close the shadow is
+    gone again."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sink, messages, weights, (ids, mask) = _compiled_run(tmp_path, "stale", reset_before_attach=False, impl=impl)
+    assert not [m for m in messages if "not measured" in m], messages
+    _assert_reference(sink, weights, ids, mask)
+    assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS)
+
+
+def test_compiled_code_from_before_attach_after_a_reset(tmp_path):
+    """The remedy the warning still prints for code compiled before attach that the probe cannot
+    reach (torch.compiler.reset() before attaching) gives the reference values too."""
+    sink, messages, weights, (ids, mask) = _compiled_run(tmp_path, "reset", reset_before_attach=True)
+    assert not [m for m in messages if "not measured" in m], messages
+    _assert_reference(sink, weights, ids, mask)
+
+
+def test_trainer_torch_compile_after_an_earlier_compiled_run(tmp_path):
+    """The case as found (issue 37): TrainingArguments(torch_compile=True) after an earlier compiled
+    Trainer run in the same process gave 0 of the statistic rows, no warning. Now every step's
+    per-head rows equal the float64 reference on its weights and batches."""
+    from transformers import Trainer
+
+    from tests.activations.test_attention_health_live import Data, StepRecorder
+    from tests.helpers import make_args
+
+    torch._dynamo.reset()
+    compiled = {"torch_compile": True, "torch_compile_backend": "eager"}
+    args = make_args(tmp_path / "earlier", 1, per_device_train_batch_size=2, logging_steps=100, **compiled)
+    Trainer(model=_llama(), args=args, train_dataset=Data()).train()
+    model = _llama()
+    recorder = StepRecorder(model)
+    sink = Records()
+    probe_cb = attn_probe.AttnProbeCallback(every=1, attention_stats=True, per_head=True, sinks=[sink],
+                                            metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+    recorder.probe_callback = probe_cb
+    args = make_args(tmp_path / "watched", 2, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=100,
+                     **compiled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=model, args=args, train_dataset=Data(), callbacks=[recorder, probe_cb]).train()
+    torch._dynamo.reset()
+    assert not [str(w.message) for w in caught if "not measured" in str(w.message)]
+    assert recorder.armed == {1: [True], 2: [True]}
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    assert sorted(got_max) == [1, 2]
+    for step in (1, 2):
+        ref_model = _llama()
+        ref_model.load_state_dict(recorder.weights[step])
+        (ids, mask), = recorder.batches[step]
+        want = reference(ref_model, ids, mask)
+        assert set(got_max[step]) == set(want)
+        for key, (m, e) in want.items():
+            assert got_max[step][key] == pytest.approx(m, rel=TOL, abs=TOL), (step, key)
+            assert got_ent[step][key] == pytest.approx(e, rel=TOL, abs=TOL), (step, key)
