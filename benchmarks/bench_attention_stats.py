@@ -15,6 +15,12 @@ with ``attention_stats=True``.
 time of each of 5 steps (due every second step, the first due step compiles the armed variant)
 and dynamo's graph count after each, without and with the capture.
 
+``--lengths 512 1024 2048 4096`` (issue 37's cost target): the same small Llama, sdpa, ``--batch``
+(use 2), default capture options, at each length: the median ratio of the due-step time to the
+not-due step time over ``--repeats`` interleaved pairs, and the extra peak RSS of a due step
+(the peak RSS growth of a first step, armed or not, each in a fresh process). ``--entropy-rows N|none`` overrides the
+capture's ``entropy_rows`` (``none``: every row, the exact entropy).
+
 On a GPU (``--device cuda``; ``benchmarks/gpu_session.sh attention``): ``--shape llama-1b``
 (Llama-3.2-1B: d 2048, 16 layers, 32 query / 8 key-value heads, vocab 128256), ``--dtype
 bfloat16``, ``--seq 2048``, ``--batch 1``: the due and not-due step times (CUDA-synchronised)
@@ -49,7 +55,8 @@ def _model(shape: str, seq: int, device: str, dtype: str):
     return model.to(device=device, dtype=getattr(torch, dtype))
 
 
-def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32"):
+def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32",
+          **options):
     import torch
 
     from attn_probe.activations.statistics import AttentionCapture
@@ -66,7 +73,7 @@ def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "c
         if device != "cpu":
             torch.cuda.synchronize()
 
-    return step, AttentionCapture(model, find_attention(model))
+    return step, AttentionCapture(model, find_attention(model), **options)
 
 
 def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 128, batch: int = 8,
@@ -126,14 +133,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lengths", type=int, nargs="+", help="due/not-due ratio and memory at these lengths")
+    parser.add_argument("--entropy-rows", default="default", help="the capture's entropy_rows (N or none)")
     parser.add_argument("--one-step", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    rows = {"default": {}, "none": {"entropy_rows": None}}.get(args.entropy_rows)
+    rows = rows if rows is not None else {"entropy_rows": int(args.entropy_rows)}
     if args.one_step:
-        step, capture = build()
-        step()
+        step, capture = build(seq=args.seq, batch=args.batch, **rows)
+        if not args.lengths:  # --memory: the growth of a second step, over the first one's peak
+            step()
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if args.one_step == "on":
             capture.arm()
@@ -151,6 +163,9 @@ def main() -> None:
         return
     if args.device != "cpu":
         cuda_step(args.repeats, shape)
+        return
+    if args.lengths:
+        lengths(args, rows)
         return
     if args.memory:
         for mode in ("off", "on"):
@@ -174,6 +189,35 @@ def main() -> None:
     a, b = statistics.median(off), statistics.median(on)
     print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
+
+
+def lengths(args, rows: dict) -> None:
+    """Per length: median due / not-due step time over interleaved pairs, extra peak RSS of a due step."""
+    for seq in args.lengths:
+        step, capture = build(seq=seq, batch=args.batch, **rows)
+        step()
+        off, on, ratios = [], [], []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            step()
+            off.append(time.perf_counter() - t)
+            capture.arm()
+            t = time.perf_counter()
+            step()
+            capture.disarm()
+            capture.collect()
+            on.append(time.perf_counter() - t)
+            ratios.append(on[-1] / off[-1])
+        capture.close()
+        growth = []
+        for mode in ("off", "on"):
+            cmd = [sys.executable, __file__, "--one-step", mode, "--threads", str(args.threads), "--seq", str(seq),
+                   "--batch", str(args.batch), "--entropy-rows", args.entropy_rows, "--lengths", "0"]
+            growth.append(int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1]))
+        print(f"L {seq}: not due {statistics.median(off):.2f} s, due {statistics.median(on):.2f} s, "
+              f"due/not due x{statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)}); "
+              f"peak RSS growth of one step: not due {growth[0] / 1024:.0f} MiB, due {growth[1] / 1024:.0f} MiB "
+              f"(+{(growth[1] - growth[0]) / 1024:.0f} MiB)", flush=True)
 
 
 def compiled_steps(backend: str, shape: dict) -> None:
