@@ -17,13 +17,15 @@ and dynamo's graph count after each, without and with the capture.
 
 ``--lengths 512 1024 2048 4096`` (issue 37's cost target): the same small Llama, sdpa, ``--batch``
 (use 2), default capture options, at each length: the median ratio of the due-step time to the
-not-due step time over ``--repeats`` interleaved pairs, and the extra peak RSS of a due step
-(the peak RSS growth of a first step, armed or not, each in a fresh process). ``--entropy-rows N|none`` overrides the
+not-due step time over ``--repeats`` interleaved pairs (wall time, and the process's CPU time,
+which a machine shared with other jobs disturbs less), and the extra peak RSS of a due step
+(the peak RSS of a first step, armed or not, above the RSS before it, each in a fresh process; Linux). ``--entropy-rows N|none`` overrides the
 capture's ``entropy_rows`` (``none``: every row, the exact entropy).
 
 On a GPU (``--device cuda``; ``benchmarks/gpu_session.sh attention``): ``--shape llama-1b``
 (Llama-3.2-1B: d 2048, 16 layers, 32 query / 8 key-value heads, vocab 128256), ``--dtype
-bfloat16``, ``--seq 2048``, ``--batch 1``: the due and not-due step times (CUDA-synchronised)
+bfloat16``, ``--seq 2048`` or ``8192``, ``--batch 1``, ``--impl`` ``sdpa``, ``eager`` or
+``flash_attention_2``: the due and not-due step times (CUDA-synchronised)
 and the peak allocated memory of each; ``--trainer STEPS --every 10`` times the Trainer runs
 on that device.
 """
@@ -45,24 +47,24 @@ SHAPES = {
 }
 
 
-def _model(shape: str, seq: int, device: str, dtype: str):
+def _model(shape: str, seq: int, device: str, dtype: str, impl: str = "sdpa"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 128)))
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(impl)
     return model.to(device=device, dtype=getattr(torch, dtype))
 
 
 def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32",
-          **options):
+          impl: str = "sdpa", **options):
     import torch
 
     from attn_probe.activations.statistics import AttentionCapture
     from attn_probe.extraction import find_attention
 
-    model = _model(shape, seq, device, dtype)
+    model = _model(shape, seq, device, dtype, impl)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
@@ -77,7 +79,7 @@ def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "c
 
 
 def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 128, batch: int = 8,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+                 device: str = "cpu", dtype: str = "float32", impl: str = "sdpa") -> None:
     import tempfile
     import warnings
 
@@ -97,7 +99,7 @@ def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 1
             return {"input_ids": ids, "labels": ids}
 
     def run(mode: str) -> float:
-        model = _model(shape, seq, device, dtype)
+        model = _model(shape, seq, device, dtype, impl)
         with tempfile.TemporaryDirectory() as out:
             targs = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
                                       report_to="none", save_strategy="no", use_cpu=device == "cpu",
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--impl", default="sdpa", help="attention implementation: sdpa, eager, flash_attention_2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lengths", type=int, nargs="+", help="due/not-due ratio and memory at these lengths")
     parser.add_argument("--entropy-rows", default="default", help="the capture's entropy_rows (N or none)")
@@ -144,8 +147,16 @@ def main() -> None:
     rows = rows if rows is not None else {"entropy_rows": int(args.entropy_rows)}
     if args.one_step:
         step, capture = build(seq=args.seq, batch=args.batch, **rows)
-        if not args.lengths:  # --memory: the growth of a second step, over the first one's peak
+        if args.lengths:  # the peak RSS of a first step above the RSS before it (Linux: VmHWM reset)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _status_kib("VmRSS")
+            if args.one_step == "on":
+                capture.arm()
             step()
+            print(_status_kib("VmHWM") - base)
+            return
+        step()  # --memory: the growth of a second step, over the first one's peak
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if args.one_step == "on":
             capture.arm()
@@ -153,7 +164,7 @@ def main() -> None:
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
         return
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    shape = dict(shape=args.shape, seq=args.seq, batch=args.batch, device=args.device, dtype=args.dtype)
+    shape = dict(shape=args.shape, seq=args.seq, batch=args.batch, device=args.device, dtype=args.dtype, impl=args.impl)
     print(f"# torch {torch.__version__}, {args.threads} threads, {where}, {shape}")
     if args.trainer:
         trainer_runs(args.trainer, args.every, **shape)
@@ -162,7 +173,7 @@ def main() -> None:
         compiled_steps(args.compile, shape)
         return
     if args.device != "cpu":
-        cuda_step(args.repeats, shape)
+        cuda_step(args.repeats, shape, rows)
         return
     if args.lengths:
         lengths(args, rows)
@@ -173,7 +184,7 @@ def main() -> None:
                                  capture_output=True, text=True, check=True).stdout.split()[-1]
             print(f"peak RSS growth of one step, capture {'armed' if mode == 'on' else 'unarmed'}: {int(out) / 1024:.1f} MiB")
         return
-    step, capture = build()
+    step, capture = build(**shape, **rows)
     step()
     off, on = [], []
     for _ in range(args.repeats):
@@ -191,22 +202,33 @@ def main() -> None:
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
 
 
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def lengths(args, rows: dict) -> None:
     """Per length: median due / not-due step time over interleaved pairs, extra peak RSS of a due step."""
     for seq in args.lengths:
-        step, capture = build(seq=seq, batch=args.batch, **rows)
+        step, capture = build(seq=seq, batch=args.batch, impl=args.impl, **rows)
         step()
-        off, on, ratios = [], [], []
+        off, on, ratios, cpu_ratios = [], [], [], []
         for _ in range(args.repeats):
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             step()
             off.append(time.perf_counter() - t)
+            c_off = time.process_time() - c
             capture.arm()
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             step()
             capture.disarm()
             capture.collect()
             on.append(time.perf_counter() - t)
+            cpu_ratios.append((time.process_time() - c) / c_off)
             ratios.append(on[-1] / off[-1])
         capture.close()
         growth = []
@@ -215,8 +237,9 @@ def lengths(args, rows: dict) -> None:
                    "--batch", str(args.batch), "--entropy-rows", args.entropy_rows, "--lengths", "0"]
             growth.append(int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1]))
         print(f"L {seq}: not due {statistics.median(off):.2f} s, due {statistics.median(on):.2f} s, "
-              f"due/not due x{statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)}); "
-              f"peak RSS growth of one step: not due {growth[0] / 1024:.0f} MiB, due {growth[1] / 1024:.0f} MiB "
+              f"due/not due wall x{statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)}), "
+              f"CPU time x{statistics.median(cpu_ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in cpu_ratios)}); "
+              f"peak RSS above the step's start: not due {growth[0] / 1024:.0f} MiB, due {growth[1] / 1024:.0f} MiB "
               f"(+{(growth[1] - growth[0]) / 1024:.0f} MiB)", flush=True)
 
 
@@ -251,11 +274,11 @@ def compiled_steps(backend: str, shape: dict) -> None:
               f"graph breaks {sum(counters['graph_break'].values())}")
 
 
-def cuda_step(repeats: int, shape: dict) -> None:
+def cuda_step(repeats: int, shape: dict, rows: dict) -> None:
     """Median step times, not due and due, and the peak allocated memory of each (CUDA)."""
     import torch
 
-    step, capture = build(**shape)
+    step, capture = build(**shape, **rows)
     step()
     off, on, peaks = [], [], {}
     for _ in range(repeats):

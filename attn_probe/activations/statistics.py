@@ -39,11 +39,15 @@ the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt the
 Flex attention (a ``BlockMask``), paged attention and user-registered implementation names are
 not measured (:func:`unavailable_reason` says so).
 
-**Memory.** Logits are formed ``C`` query positions at a time, ``C = max(1, chunk_elements //
-(B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)`` float32 buffers
-(float64 for float64 models) and two boolean masks of that shape, i.e. about
+**Memory and cost.** Logits are formed ``C`` query positions at a time, ``C = max(1,
+chunk_elements // (B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)``
+float32 buffers (float64 for float64 models) and two boolean masks of that shape, i.e. about
 ``26 * max(chunk_elements, B H L_k)`` bytes (104 MiB at the default ``chunk_elements = 2**22``),
-on the attention's device, freed per chunk; plus a float32 copy of q and k.
+on the attention's device, freed per chunk; plus a float32 copy of q and k. A call with no mask
+beyond causality (no padding, bias, softcap or sinks: the usual sdpa/flash call) takes the plain
+path of :mod:`attn_probe.activations.logits`: two such buffers, no boolean mask but each chunk's
+diagonal block, logits against the visible keys only, and above ``entropy_rows`` query rows the
+entropy on a sample of rows (``max_logit`` exact); ``docs/performance.md`` has the measured cost.
 
 **Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
 <AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
