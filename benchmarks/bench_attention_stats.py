@@ -137,6 +137,8 @@ def main() -> None:
     parser.add_argument("--impl", default="sdpa", help="attention implementation: sdpa, eager, flash_attention_2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lengths", type=int, nargs="+", help="due/not-due ratio and memory at these lengths")
+    parser.add_argument("--entropy-error", action="store_true",
+                        help="with --lengths: the sampled entropy against every row's, one training forward")
     parser.add_argument("--entropy-rows", default="default", help="the capture's entropy_rows (N or none)")
     parser.add_argument("--one-step", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -175,6 +177,9 @@ def main() -> None:
     if args.device != "cpu":
         cuda_step(args.repeats, shape, rows)
         return
+    if args.lengths and args.entropy_error:
+        entropy_error(args.lengths, args.batch)
+        return
     if args.lengths:
         lengths(args, rows)
         return
@@ -211,6 +216,34 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def entropy_error(seqs: list[int], batch: int) -> None:
+    """Per length: the small Llama's entropy with the default entropy_rows against every row's."""
+    import torch
+
+    from attn_probe.activations.logits import entropy_error_bound, sample_rows
+    from attn_probe.activations.statistics import AttentionCapture
+    from attn_probe.extraction import find_attention
+
+    for seq in seqs:
+        model = _model("small", seq, "cpu", "float32")
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        found = []
+        for options in ({}, {"entropy_rows": None}):
+            capture = AttentionCapture(model, find_attention(model), **options)
+            capture.arm()
+            model(input_ids=ids, labels=ids).loss.backward()
+            capture.disarm()
+            found.append(capture.collect().tables())
+            capture.close()
+        error = max((a[1] - b[1]).abs().max().item() for a, b in zip(*found, strict=True))
+        same_max = all(torch.equal(a[0], b[0]) for a, b in zip(*found, strict=True))
+        start, stride = sample_rows(0, seq, 256)
+        m = len(range(start, seq, stride))
+        print(f"L {seq}: entropy (layer rows) {[round(t[1][0].item(), 3) for t in found[1]]}; max |sampled - every row| "
+              f"over layers and heads {error:.2e} nats (Hoeffding, m={m}, delta=0.01: "
+              f"{entropy_error_bound(seq, m):.2f}); max_logit identical: {same_max}", flush=True)
+
+
 def lengths(args, rows: dict) -> None:
     """Per length: median due / not-due step time over interleaved pairs, extra peak RSS of a due step."""
     for seq in args.lengths:
@@ -240,7 +273,7 @@ def lengths(args, rows: dict) -> None:
               f"due/not due wall x{statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)}), "
               f"CPU time x{statistics.median(cpu_ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in cpu_ratios)}); "
               f"peak RSS above the step's start: not due {growth[0] / 1024:.0f} MiB, due {growth[1] / 1024:.0f} MiB "
-              f"(+{(growth[1] - growth[0]) / 1024:.0f} MiB)", flush=True)
+              f"({(growth[1] - growth[0]) / 1024:+.0f} MiB)", flush=True)
 
 
 def compiled_steps(backend: str, shape: dict) -> None:
