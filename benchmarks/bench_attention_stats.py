@@ -203,7 +203,7 @@ def main() -> None:
         capture.collect()
         on.append(time.perf_counter() - t)
     a, b = statistics.median(off), statistics.median(on)
-    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
+    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms ({(b - a) * 1e3:+.1f} ms); "
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
 
 
@@ -328,7 +328,7 @@ def cuda_step(repeats: int, shape: dict, rows: dict) -> None:
             (on if armed else off).append(time.perf_counter() - t)
             peaks[armed] = max(peaks.get(armed, 0), torch.cuda.max_memory_allocated() - base)
     a, b = statistics.median(off), statistics.median(on)
-    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
+    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms ({(b - a) * 1e3:+.1f} ms); "
           f"peak memory above the resident state: not due {peaks[False] / 2 ** 20:.0f} MiB, "
           f"due {peaks[True] / 2 ** 20:.0f} MiB (+{(peaks[True] - peaks[False]) / 2 ** 20:.0f} MiB)")
 

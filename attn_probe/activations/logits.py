@@ -25,24 +25,25 @@ with ``log S_i = -log max_j p_ij`` (the largest probability is ``1 / S_i``). ``t
 forms ``p``: ``exp`` of strongly negative ``d`` gives denormal numbers, whose slow path costs
 up to 40x on CPU in ``torch.exp``, not in the softmax kernel.
 
-**Entropy on a sample of query rows** (``entropy_rows``, plain path only). With ``n`` counted
-query rows of one call above ``entropy_rows``, the entropy is averaged over a systematic sample
-of the rows instead of all of them: every ``t``-th row, ``t = ceil(n / entropy_rows)``, from a
-start drawn per call from a seeded generator (the call's shape and the chunk; the same call
-gives the same sample), so ``m >= entropy_rows / 2`` rows are used; each sampled row's entropy
-counts ``n / m`` times (the returned sum and count stay those of all ``n`` rows, so
-:func:`~attn_probe.activations.steps.combine` and gradient accumulation weigh calls as before).
-``max_logit`` and the signed max still read every row. A row's entropy lies in
-``[0, log L_k]``, so for rows drawn independently Hoeffding's inequality gives, with
-probability at least ``1 - delta``,
+**Entropy on a sample of query rows** (``entropy_rows``; the plain path of a call without
+padding only). With ``n`` query rows that see a key above ``entropy_rows``, the entropy is
+averaged over a systematic sample of them: every ``t``-th row, ``t = ceil(n / entropy_rows)``,
+from a start in ``[0, t)`` that the layer index (``entropy_seed``) and the shape fix (plain
+integer arithmetic: a compiled forward sees constants; the same call gives the same sample), so
+``entropy_rows / 2 <= m <= entropy_rows`` rows are used, the same positions in every batch row
+and head. The sample's mean counts for all ``n`` rows (the returned sum is ``n / m`` times the
+sample's, the count that of all rows, so :func:`~attn_probe.activations.steps.combine` and
+gradient accumulation weigh calls as before). ``max_logit`` and the signed max still read every
+entry. A row's entropy lies in ``[0, log L_k]``, so for ``m`` rows drawn independently at random
+Hoeffding's inequality gives, with probability at least ``1 - delta``,
 
-.. math:: |\\hat H - H| \\le \\log(L_k) \\sqrt{\\ln(2/\\delta) / (2 m)},
+.. math:: |\hat H - H| \le \log(L_k) \sqrt{\ln(2/\delta) / (2 m)}
 
-``0.24 log L_k`` nats at ``delta = 0.01``, ``m = 64`` per head and batch row; a systematic sample of
-a sequence whose entropy drifts slowly with position does better (measured error in
-``docs/performance.md``). The bound is on the average over the ``m`` rows of one (batch row,
-head) pair (the sample is the same query positions in every batch row and head); the layer's
-value averages over more rows still.
+(:func:`entropy_error_bound`; ``0.10 log L_k`` nats at ``delta = 0.01``, ``m = 256``: 0.78 nats at
+``L_k = 2048``) per head and batch row. The sample is systematic, not random, so the bound is a
+guide, not a guarantee: a row entropy that drifts slowly with position is tracked much more
+closely (measured errors, 0.007-0.03 nats, in ``docs/performance.md``), one that oscillates with
+a period dividing ``t`` would not be.
 """
 
 from __future__ import annotations
