@@ -37,7 +37,7 @@ gradient accumulation weigh calls as before). ``max_logit`` and the signed max s
 entry. A row's entropy lies in ``[0, log L_k]``, so for ``m`` rows drawn independently at random
 Hoeffding's inequality gives, with probability at least ``1 - delta``,
 
-.. math:: |\hat H - H| \le \log(L_k) \sqrt{\ln(2/\delta) / (2 m)}
+.. math:: |\\hat H - H| \\le \\log(L_k) \\sqrt{\\ln(2/\\delta) / (2 m)}
 
 (:func:`entropy_error_bound`; ``0.10 log L_k`` nats at ``delta = 0.01``, ``m = 256``: 0.78 nats at
 ``L_k = 2048``) per head and batch row. The sample is systematic, not random, so the bound is a
