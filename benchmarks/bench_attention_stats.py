@@ -15,9 +15,17 @@ with ``attention_stats=True``.
 time of each of 5 steps (due every second step, the first due step compiles the armed variant)
 and dynamo's graph count after each, without and with the capture.
 
+``--lengths 512 1024 2048 4096`` (issue 37's cost target): the same small Llama, sdpa, ``--batch``
+(use 2), default capture options, at each length: the median ratio of the due-step time to the
+not-due step time over ``--repeats`` interleaved pairs (wall time, and the process's CPU time,
+which a machine shared with other jobs disturbs less), and the extra peak RSS of a due step
+(the peak RSS of a first step, armed or not, above the RSS before it, each in a fresh process; Linux). ``--entropy-rows N|none`` overrides the
+capture's ``entropy_rows`` (``none``: every row, the exact entropy).
+
 On a GPU (``--device cuda``; ``benchmarks/gpu_session.sh attention``): ``--shape llama-1b``
 (Llama-3.2-1B: d 2048, 16 layers, 32 query / 8 key-value heads, vocab 128256), ``--dtype
-bfloat16``, ``--seq 2048``, ``--batch 1``: the due and not-due step times (CUDA-synchronised)
+bfloat16``, ``--seq 2048`` or ``8192``, ``--batch 1``, ``--impl`` ``sdpa``, ``eager`` or
+``flash_attention_2``: the due and not-due step times (CUDA-synchronised)
 and the peak allocated memory of each; ``--trainer STEPS --every 10`` times the Trainer runs
 on that device.
 """
@@ -39,23 +47,24 @@ SHAPES = {
 }
 
 
-def _model(shape: str, seq: int, device: str, dtype: str):
+def _model(shape: str, seq: int, device: str, dtype: str, impl: str = "sdpa"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 128)))
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(impl)
     return model.to(device=device, dtype=getattr(torch, dtype))
 
 
-def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32"):
+def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "cpu", dtype: str = "float32",
+          impl: str = "sdpa", **options):
     import torch
 
     from attn_probe.activations.statistics import AttentionCapture
     from attn_probe.extraction import find_attention
 
-    model = _model(shape, seq, device, dtype)
+    model = _model(shape, seq, device, dtype, impl)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
 
@@ -66,11 +75,11 @@ def build(shape: str = "small", seq: int = 128, batch: int = 8, device: str = "c
         if device != "cpu":
             torch.cuda.synchronize()
 
-    return step, AttentionCapture(model, find_attention(model))
+    return step, AttentionCapture(model, find_attention(model), **options)
 
 
 def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 128, batch: int = 8,
-                 device: str = "cpu", dtype: str = "float32") -> None:
+                 device: str = "cpu", dtype: str = "float32", impl: str = "sdpa") -> None:
     import tempfile
     import warnings
 
@@ -90,7 +99,7 @@ def trainer_runs(steps: int, every: int = 20, shape: str = "small", seq: int = 1
             return {"input_ids": ids, "labels": ids}
 
     def run(mode: str) -> float:
-        model = _model(shape, seq, device, dtype)
+        model = _model(shape, seq, device, dtype, impl)
         with tempfile.TemporaryDirectory() as out:
             targs = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
                                       report_to="none", save_strategy="no", use_cpu=device == "cpu",
@@ -125,15 +134,31 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--impl", default="sdpa", help="attention implementation: sdpa, eager, flash_attention_2")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lengths", type=int, nargs="+", help="due/not-due ratio and memory at these lengths")
+    parser.add_argument("--entropy-error", action="store_true",
+                        help="with --lengths: the sampled entropy against every row's, one training forward")
+    parser.add_argument("--entropy-rows", default="default", help="the capture's entropy_rows (N or none)")
     parser.add_argument("--one-step", choices=["off", "on"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    rows = {"default": {}, "none": {"entropy_rows": None}}.get(args.entropy_rows)
+    rows = rows if rows is not None else {"entropy_rows": int(args.entropy_rows)}
     if args.one_step:
-        step, capture = build()
-        step()
+        step, capture = build(seq=args.seq, batch=args.batch, **rows)
+        if args.lengths:  # the peak RSS of a first step above the RSS before it (Linux: VmHWM reset)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _status_kib("VmRSS")
+            if args.one_step == "on":
+                capture.arm()
+            step()
+            print(_status_kib("VmHWM") - base)
+            return
+        step()  # --memory: the growth of a second step, over the first one's peak
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if args.one_step == "on":
             capture.arm()
@@ -141,7 +166,7 @@ def main() -> None:
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
         return
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    shape = dict(shape=args.shape, seq=args.seq, batch=args.batch, device=args.device, dtype=args.dtype)
+    shape = dict(shape=args.shape, seq=args.seq, batch=args.batch, device=args.device, dtype=args.dtype, impl=args.impl)
     print(f"# torch {torch.__version__}, {args.threads} threads, {where}, {shape}")
     if args.trainer:
         trainer_runs(args.trainer, args.every, **shape)
@@ -150,7 +175,13 @@ def main() -> None:
         compiled_steps(args.compile, shape)
         return
     if args.device != "cpu":
-        cuda_step(args.repeats, shape)
+        cuda_step(args.repeats, shape, rows)
+        return
+    if args.lengths and args.entropy_error:
+        entropy_error(args.lengths, args.batch)
+        return
+    if args.lengths:
+        lengths(args, rows)
         return
     if args.memory:
         for mode in ("off", "on"):
@@ -158,7 +189,7 @@ def main() -> None:
                                  capture_output=True, text=True, check=True).stdout.split()[-1]
             print(f"peak RSS growth of one step, capture {'armed' if mode == 'on' else 'unarmed'}: {int(out) / 1024:.1f} MiB")
         return
-    step, capture = build()
+    step, capture = build(**shape, **rows)
     step()
     off, on = [], []
     for _ in range(args.repeats):
@@ -172,8 +203,77 @@ def main() -> None:
         capture.collect()
         on.append(time.perf_counter() - t)
     a, b = statistics.median(off), statistics.median(on)
-    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
+    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms ({(b - a) * 1e3:+.1f} ms); "
           f"Trainer wall time at every=20: x{1 + (b - a) / (20 * a):.4f}")
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def entropy_error(seqs: list[int], batch: int) -> None:
+    """Per length: the small Llama's entropy with the default entropy_rows against every row's."""
+    import torch
+
+    from attn_probe.activations.logits import entropy_error_bound, sample_rows
+    from attn_probe.activations.statistics import AttentionCapture
+    from attn_probe.extraction import find_attention
+
+    for seq in seqs:
+        model = _model("small", seq, "cpu", "float32")
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        found = []
+        for options in ({}, {"entropy_rows": None}):
+            capture = AttentionCapture(model, find_attention(model), **options)
+            capture.arm()
+            model(input_ids=ids, labels=ids).loss.backward()
+            capture.disarm()
+            found.append(capture.collect().tables())
+            capture.close()
+        error = max((a[1] - b[1]).abs().max().item() for a, b in zip(*found, strict=True))
+        same_max = all(torch.equal(a[0], b[0]) for a, b in zip(*found, strict=True))
+        start, stride = sample_rows(0, seq, 256)
+        m = len(range(start, seq, stride))
+        print(f"L {seq}: entropy (layer rows) {[round(t[1][0].item(), 3) for t in found[1]]}; max |sampled - every row| "
+              f"over layers and heads {error:.2e} nats (Hoeffding, m={m}, delta=0.01: "
+              f"{entropy_error_bound(seq, m):.2f}); max_logit identical: {same_max}", flush=True)
+
+
+def lengths(args, rows: dict) -> None:
+    """Per length: median due / not-due step time over interleaved pairs, extra peak RSS of a due step."""
+    for seq in args.lengths:
+        step, capture = build(seq=seq, batch=args.batch, impl=args.impl, **rows)
+        step()
+        off, on, ratios, cpu_ratios = [], [], [], []
+        for _ in range(args.repeats):
+            c, t = time.process_time(), time.perf_counter()
+            step()
+            off.append(time.perf_counter() - t)
+            c_off = time.process_time() - c
+            capture.arm()
+            c, t = time.process_time(), time.perf_counter()
+            step()
+            capture.disarm()
+            capture.collect()
+            on.append(time.perf_counter() - t)
+            cpu_ratios.append((time.process_time() - c) / c_off)
+            ratios.append(on[-1] / off[-1])
+        capture.close()
+        growth = []
+        for mode in ("off", "on"):
+            cmd = [sys.executable, __file__, "--one-step", mode, "--threads", str(args.threads), "--seq", str(seq),
+                   "--batch", str(args.batch), "--entropy-rows", args.entropy_rows, "--lengths", "0"]
+            growth.append(int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1]))
+        print(f"L {seq}: not due {statistics.median(off):.2f} s, due {statistics.median(on):.2f} s, "
+              f"due/not due wall x{statistics.median(ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in ratios)}), "
+              f"CPU time x{statistics.median(cpu_ratios):.2f} (pairs: {', '.join(f'{r:.2f}' for r in cpu_ratios)}); "
+              f"peak RSS above the step's start: not due {growth[0] / 1024:.0f} MiB, due {growth[1] / 1024:.0f} MiB "
+              f"({(growth[1] - growth[0]) / 1024:+.0f} MiB)", flush=True)
 
 
 def compiled_steps(backend: str, shape: dict) -> None:
@@ -207,11 +307,11 @@ def compiled_steps(backend: str, shape: dict) -> None:
               f"graph breaks {sum(counters['graph_break'].values())}")
 
 
-def cuda_step(repeats: int, shape: dict) -> None:
+def cuda_step(repeats: int, shape: dict, rows: dict) -> None:
     """Median step times, not due and due, and the peak allocated memory of each (CUDA)."""
     import torch
 
-    step, capture = build(**shape)
+    step, capture = build(**shape, **rows)
     step()
     off, on, peaks = [], [], {}
     for _ in range(repeats):
@@ -228,7 +328,7 @@ def cuda_step(repeats: int, shape: dict) -> None:
             (on if armed else off).append(time.perf_counter() - t)
             peaks[armed] = max(peaks.get(armed, 0), torch.cuda.max_memory_allocated() - base)
     a, b = statistics.median(off), statistics.median(on)
-    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms (+{(b - a) * 1e3:.1f} ms); "
+    print(f"step not due {a * 1e3:.1f} ms, due {b * 1e3:.1f} ms ({(b - a) * 1e3:+.1f} ms); "
           f"peak memory above the resident state: not due {peaks[False] / 2 ** 20:.0f} MiB, "
           f"due {peaks[True] / 2 ** 20:.0f} MiB (+{(peaks[True] - peaks[False]) / 2 ** 20:.0f} MiB)")
 

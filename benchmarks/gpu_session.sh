@@ -14,8 +14,9 @@
 #
 # Sections: "weights" is the above; "attention" (about 5 minutes on an H100) runs the
 # attention-statistics CUDA tests (tests/activations/test_attention_cuda.py: sdpa == eager, bf16 against
-# float64, CUDA == CPU), then bench_attention_stats.py on the Llama-3.2-1B shape at sequence
-# 2,048 in bf16 (due and not-due step time, peak memory) and the Trainer wall-time ratio at
+# float64, CUDA == CPU), then bench_attention_stats.py on the Llama-3.2-1B shape at sequences
+# 2,048 and 8,192 in bf16, under sdpa, eager and (if installed) flash_attention_2 (due and
+# not-due step time, peak memory; flex is not measured by the probe) and the Trainer wall-time ratio at
 # every=10 with attention_stats=True; "all" (the default) runs both. DRY_RUN=1 runs the
 # selected sections' logic on the CPU with tiny shapes (no GPU numbers: a check of the script).
 #
@@ -37,10 +38,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY_RUN" = 1 ]; then
   echo "DRY_RUN: CPU, tiny shapes" | tee "$OUT/device.txt"
-  DEVICE=cpu SHAPE=small DTYPE=float32 SEQ=64 BATCH=2 STEPS=4 REPEATS=1
+  DEVICE=cpu SHAPE=small DTYPE=float32 SEQ=64 SEQS="64 128" BATCH=2 STEPS=4 REPEATS=1
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-  DEVICE=cuda SHAPE=llama-1b DTYPE=bfloat16 SEQ=2048 BATCH=1 STEPS=40 REPEATS=5
+  DEVICE=cuda SHAPE=llama-1b DTYPE=bfloat16 SEQ=2048 SEQS="2048 8192" BATCH=1 STEPS=40 REPEATS=5
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/device.txt"
@@ -51,8 +52,18 @@ if [ "$SECTION" != attention ] && [ "$DRY_RUN" != 1 ]; then
 fi
 if [ "$SECTION" != weights ]; then
   python3 -m pytest -q -p no:cacheprovider tests/activations/test_attention_cuda.py 2>&1 | tee "$OUT/test_attention_cuda.log"
-  python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
-    --batch "$BATCH" --repeats "$REPEATS" 2>&1 | tee "$OUT/bench_attention_step.log"
+  # the due-step cost per length and attention path (issue 37): sdpa and eager always,
+  # flash_attention_2 where the flash-attn package is installed. FlexAttention is not in the list:
+  # the probe does not measure flex_attention calls yet (a BlockMask), so there is nothing to time.
+  IMPLS="sdpa eager"
+  if python3 -c "import flash_attn" 2>/dev/null; then IMPLS="$IMPLS flash_attention_2"; fi
+  for L in $SEQS; do
+    for IMPL in $IMPLS; do
+      echo "== seq $L, $IMPL" | tee -a "$OUT/bench_attention_step.log"
+      python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$L" \
+        --batch "$BATCH" --repeats "$REPEATS" --impl "$IMPL" 2>&1 | tee -a "$OUT/bench_attention_step.log"
+    done
+  done
   python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
     --batch "$BATCH" --trainer "$STEPS" --every 10 2>&1 | tee "$OUT/bench_attention_trainer.log"
 fi

@@ -20,6 +20,27 @@ Tensor = torch.Tensor
 RowMask = Callable[[int, int], "tuple[Tensor | None, Tensor | None]"]
 
 
+class PlainRows:
+    """The :data:`RowMask` of a call with no mask and no bias but, perhaps, causality: query row
+    ``i`` sees keys ``j <= i + offset`` (``offset`` ``None``: every key). Called, it returns the
+    boolean mask as any row mask does; :func:`attn_probe.activations.logits.logit_stats_impl`
+    reads ``offset`` instead and forms no mask beyond each chunk's diagonal block."""
+
+    __slots__ = ("offset", "k_len", "device")
+
+    def __init__(self, offset: int | None, k_len: int, device: torch.device) -> None:
+        self.offset = offset
+        self.k_len = k_len
+        self.device = device
+
+    def __call__(self, r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
+        if self.offset is None:
+            return None, None
+        kpos = torch.arange(self.k_len, device=self.device)
+        qpos = torch.arange(r0, r1, device=self.device)[:, None] + self.offset
+        return (kpos[None] <= qpos)[None, None], None
+
+
 def _float_mask(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     """An additive float mask -> (visible, bias): visible above ``max(dtype min / 2, -1e30)``."""
     visible = mask > max(torch.finfo(mask.dtype).min / 2, -1e30)
@@ -78,6 +99,8 @@ def row_mask(
         pad = attention_mask[:, -k_len:].to(device=device, dtype=torch.bool) if attention_mask is not None else None
         window = kwargs.get("sliding_window")
         segments = _flash_segments(kwargs, k_len, device) if q_len == k_len else None
+        if pad is None and segments is None and (window is None or k_len <= window):
+            return PlainRows(offset if causal else None, k_len, device)
         kpos = torch.arange(k_len, device=device)
 
         def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
@@ -98,8 +121,8 @@ def row_mask(
 
     # eager/sdpa without a 4D mask
     sdpa_causal = family == "sdpa" and attention_mask is None and q_len > 1 and causal
-    if not sdpa_causal and position_bias is None:
-        return lambda r0, r1: (None, None)
+    if position_bias is None:  # upper-left causal, which also cuts keys to q_len
+        return PlainRows(0 if sdpa_causal else None, k_len, device)
     kpos = torch.arange(k_len, device=device)
 
     def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
@@ -127,9 +150,9 @@ def sdpa_row_mask(attn_mask: Tensor | None, is_causal: bool, q_len: int, k_len: 
         mask = attn_mask.to(device)
         while mask.dim() < 4:
             mask = mask[None]
+    if mask is None:
+        return PlainRows(0 if is_causal else None, k_len, device)
     kpos = torch.arange(k_len, device=device)
-    if mask is None and not is_causal:
-        return lambda r0, r1: (None, None)
 
     def rows(r0: int, r1: int) -> tuple[Tensor | None, Tensor | None]:
         allowed, bias = None, None
@@ -147,4 +170,4 @@ def sdpa_row_mask(attn_mask: Tensor | None, is_causal: bool, q_len: int, k_len: 
     return rows
 
 
-__all__ = ["RowMask", "row_mask", "sdpa_row_mask"]
+__all__ = ["PlainRows", "RowMask", "row_mask", "sdpa_row_mask"]

@@ -39,11 +39,15 @@ the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt the
 Flex attention (a ``BlockMask``), paged attention and user-registered implementation names are
 not measured (:func:`unavailable_reason` says so).
 
-**Memory.** Logits are formed ``C`` query positions at a time, ``C = max(1, chunk_elements //
-(B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)`` float32 buffers
-(float64 for float64 models) and two boolean masks of that shape, i.e. about
+**Memory and cost.** Logits are formed ``C`` query positions at a time, ``C = max(1,
+chunk_elements // (B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)``
+float32 buffers (float64 for float64 models) and two boolean masks of that shape, i.e. about
 ``26 * max(chunk_elements, B H L_k)`` bytes (104 MiB at the default ``chunk_elements = 2**22``),
-on the attention's device, freed per chunk; plus a float32 copy of q and k.
+on the attention's device, freed per chunk; plus a float32 copy of q and k. A call with no mask
+beyond causality (no padding, bias, softcap or sinks: the usual sdpa/flash call) takes the plain
+path of :mod:`attn_probe.activations.logits`: two such buffers, no boolean mask but each chunk's
+diagonal block, logits against the visible keys only, and above ``entropy_rows`` query rows the
+entropy on a sample of rows (``max_logit`` exact); ``docs/performance.md`` has the measured cost.
 
 **Steps.** Everything observed between :meth:`AttentionCapture.arm` and :meth:`disarm
 <AttentionCapture.disarm>` is one step: with gradient accumulation, several forwards add up
@@ -88,6 +92,7 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
+from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
 from .sdpa import SdpaMode, measured_by_sdpa, running_hooks, sdpa_call, unavailable_reason
@@ -97,9 +102,6 @@ Tensor = torch.Tensor
 
 #: the activation metrics this module measures, in table order
 ATTENTION_METRICS: tuple[str, ...] = ("max_logit", "entropy")
-
-#: default number of logit elements formed at once (see the module docstring for the bound)
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +118,8 @@ def logit_stats(
     softcap: float | None = None,
     sinks: Tensor | None = None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    entropy_rows: int | None = None,
+    entropy_seed: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query head ``(max |l|, sum of row entropies, counted tokens, max l)`` of one attention call.
 
@@ -123,12 +127,16 @@ def logit_stats(
     gives the visible keys (and additive bias) of query rows ``r0:r1``; ``query_valid (B, Lq)``
     marks non-padding queries. Returns four ``(H,)`` tensors of the accumulation dtype
     (float64 for float64 inputs, float32 otherwise): ``-inf`` maxima where nothing is counted.
+    ``entropy_rows``: above that many query rows, a call without padding, mask, bias, softcap or
+    sinks averages the entropy over a systematic sample of about that many rows (``entropy_seed``
+    picks its start; :mod:`attn_probe.activations.logits` states the error bound); ``None``: every
+    row. The maxima always read every row.
     """
     # the caller's autocast (Trainer/TRL bf16=True) would run the matmuls below in bfloat16 and
     # round max |l| to 8 bits of mantissa: the statistics are float32 (float64 for float64 inputs)
     with _autocast_off(query.device.type):
-        return _logit_stats(query, key, scaling, rows, query_valid=query_valid, softcap=softcap, sinks=sinks,
-                            chunk_elements=chunk_elements)
+        return logit_stats_impl(query, key, scaling, rows, query_valid=query_valid, softcap=softcap, sinks=sinks,
+                                chunk_elements=chunk_elements, entropy_rows=entropy_rows, entropy_seed=entropy_seed)
 
 
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
@@ -138,66 +146,6 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=device_type, enabled=False)
     except (RuntimeError, ValueError):
         return contextlib.nullcontext()
-
-
-def _logit_stats(query: Tensor, key: Tensor, scaling: float, rows: RowMask | None, *,
-                 query_valid: Tensor | None, softcap: float | None, sinks: Tensor | None,
-                 chunk_elements: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`logit_stats` with autocast off."""
-    B, H, Lq, D = query.shape
-    Hkv, Lk = key.shape[1], key.shape[2]
-    if H % Hkv:
-        raise ValueError(f"{H} query heads are not a multiple of {Hkv} key heads")
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    # the scaling folded into q: logits = (s q) . k
-    q = (query.detach().to(dtype) * scaling).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, Lq, D)
-    kt = key.detach().to(dtype).unsqueeze(2).transpose(-1, -2)  # (B, Hkv, 1, D, Lk)
-    device = q.device
-    zero = torch.zeros((), dtype=dtype, device=device)
-    max_abs = torch.full((H,), -math.inf, dtype=dtype, device=device)
-    max_signed = torch.full((H,), -math.inf, dtype=dtype, device=device)
-    ent = torch.zeros(H, dtype=dtype, device=device)
-    count = torch.zeros(H, dtype=dtype, device=device)
-    step = max(1, chunk_elements // max(1, B * H * Lk))
-    sink = None
-    if sinks is not None:
-        sink = sinks.detach().to(device=device, dtype=dtype).reshape(1, H, 1, 1)
-    for r0 in range(0, Lq, step):
-        r1 = min(Lq, r0 + step)
-        logits = torch.matmul(q[..., r0:r1, :], kt).flatten(1, 2)  # (B, H, C, Lk)
-        allowed, bias = rows(r0, r1) if rows is not None else (None, None)
-        blocked = None if allowed is None else ~allowed
-        valid = torch.ones(B, 1, r1 - r0, dtype=torch.bool, device=device)
-        if query_valid is not None:
-            valid = valid & query_valid[:, None, r0:r1].to(device=device, dtype=torch.bool)
-        if allowed is not None:
-            valid = valid & allowed.any(-1)  # (B, H|1, C): a row with no visible key is not counted
-        signed = logits if blocked is None else logits.masked_fill(blocked, -math.inf)
-        max_signed = torch.maximum(max_signed, torch.where(valid, signed.amax(-1), -math.inf).amax(dim=(0, 2)))
-        del signed
-        absolute = logits.abs()
-        if blocked is not None:
-            absolute.masked_fill_(blocked, -math.inf)
-        row_max = torch.where(valid, absolute.amax(-1), -math.inf)  # (B, H, C)
-        max_abs = torch.maximum(max_abs, row_max.amax(dim=(0, 2)))
-        del absolute
-        # entropy H = -log p_max - sum_j p_j d_j with d = z - max z (both terms well conditioned):
-        # p_max = 1 / sum_j exp(d_j); softmax rather than exp, whose slow path on underflowing
-        # (denormal) results costs up to 40x on CPU; hidden keys give 0 * -inf = NaN, dropped
-        z = logits if softcap is None else softcap * torch.tanh(logits / softcap)
-        if bias is not None:
-            z = z + bias.to(dtype)
-        if blocked is not None:
-            z = z.masked_fill_(blocked, -math.inf)  # logits are not needed any more
-        if sink is not None:
-            z = torch.cat([z, sink.expand(B, H, r1 - r0, 1)], dim=-1)
-        z = z.sub_(z.amax(-1, keepdim=True))
-        p = torch.softmax(z, dim=-1)
-        log_total = -torch.log(p.amax(-1))
-        row = log_total - torch.nansum(p.mul_(z), dim=-1)
-        ent = ent + torch.where(valid, row, zero).sum(dim=(0, 2))
-        count = count + valid.expand(B, H, r1 - r0).sum(dim=(0, 2)).to(dtype)
-    return max_abs, ent, count, max_signed
 
 
 class AttentionCapture:
@@ -211,6 +159,8 @@ class AttentionCapture:
     norm; :class:`~attn_probe.hooks.ProbeHook` s, inert in a copy of the model), :meth:`disarm`
     ends it and removes the hooks, :meth:`collect` returns the step's :class:`StepStats`. Raises
     ``ValueError`` with :func:`unavailable_reason`'s line when the model cannot be measured.
+    ``entropy_rows`` (default :data:`~attn_probe.activations.logits.DEFAULT_ENTROPY_ROWS`; ``None``:
+    every row) is :func:`logit_stats`'s, the layer index seeding the sample.
 
     Which forwards count: with ``training_only`` (the probe's rule, ``docs/scores.md``) the
     calls inside a forward of ``model`` entered with gradients enabled (the forwards that
@@ -224,12 +174,16 @@ class AttentionCapture:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
-                 failures: Failures | None = None) -> None:
+                 failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
         if chunk_elements < 1:
             raise ValueError(f"chunk_elements must be a positive integer, got {chunk_elements!r}")
+        if entropy_rows is not None and (isinstance(entropy_rows, bool) or not isinstance(entropy_rows, int)
+                                         or entropy_rows < 1):
+            raise ValueError(f"entropy_rows must be a positive integer or None, got {entropy_rows!r}")
+        self.entropy_rows = entropy_rows
         self.root = unwrap(model)
         self.layers = tuple(layers)
         self.chunk_elements = int(chunk_elements)
@@ -480,6 +434,7 @@ class AttentionCapture:
             top, ent, tok, top_signed = logit_stats(
                 query, key, scaling, rows, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
                 softcap=softcap, sinks=sinks, chunk_elements=self.chunk_elements,
+                entropy_rows=self.entropy_rows, entropy_seed=i,
             )
             mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
             o0, o1 = self._offsets[i], self._offsets[i + 1]

@@ -130,6 +130,10 @@ class ProbeConfig:
     * ``attention_stats``: also measure ``max_logit`` and ``entropy`` from the activations on due
       steps (:mod:`attn_probe.activations.statistics`, ``docs/scores.md``), with the QK-clip dry run
       against ``qk_clip_tau`` (MuonClip's tau, default 100; :mod:`attn_probe.live.stages.qk_clip`);
+      ``attention_entropy_rows``: above this many query rows in one attention call (default 256),
+      the entropy of a call without padding or mask beyond causality is averaged over a
+      systematic sample of about that many rows (``max_logit`` always reads every row; error
+      bound in :mod:`attn_probe.activations.logits`); ``None``: every row;
     * ``alerts``: :class:`~attn_probe.live.alerts.AlertRule` s on logged metrics; ``alert_callback``
       (called with each :class:`~attn_probe.live.alerts.Alert`, main process); ``stop_on_alert``: a
       fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
@@ -174,6 +178,7 @@ class ProbeConfig:
     stop_on_alert: bool = False
     random_range: bool = True
     qk_clip_tau: float = 100.0
+    attention_entropy_rows: int | None = 256
     # -- where it goes, how it is written
     log_dir: str | None = None
     writer: Any = None
@@ -232,6 +237,9 @@ class ProbeConfig:
         for name in ("attention_stats", "stop_on_alert", "random_range"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        rows = self.attention_entropy_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"attention_entropy_rows must be a positive int or None, got {rows!r}")
         from .stages.qk_clip import check_tau
 
         set_(self, "qk_clip_tau", check_tau(self.qk_clip_tau))
@@ -309,6 +317,7 @@ class ProbeConfig:
             "alerts": [rule.describe() + f" on {rule.metric}" for rule in self.alerts],
             "random_range": self.random_range,
             "qk_clip_tau": self.qk_clip_tau,
+            "attention_entropy_rows": self.attention_entropy_rows,
             "tracker_top_k": self.tracker_top_k,
         }
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ...activations.logits import DEFAULT_ENTROPY_ROWS
 from ...activations.statistics import AttentionCapture, StepStats, combine, unavailable_reason
 from ..config import ProbeConfig
 from ...distributed import Agreement
@@ -88,7 +89,8 @@ class AttentionStage:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None, *,
                  due: Callable[[int], bool] = lambda step: True, pairs: Sequence[ScorePair] = (),
-                 per_head: bool = True, failures: Failures | None = None, tau: float = DEFAULT_TAU) -> None:
+                 per_head: bool = True, failures: Failures | None = None, tau: float = DEFAULT_TAU,
+                 entropy_rows: int | None = DEFAULT_ENTROPY_ROWS) -> None:
         self.layers = list(layers)
         self.tau = float(tau)  # the QK-clip dry run's threshold
         self.group = group
@@ -97,7 +99,8 @@ class AttentionStage:
         self.per_head = per_head
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
-        self.capture = AttentionCapture(model, self.layers, failures=self.failures) if self.reason is None else None
+        self.capture = AttentionCapture(model, self.layers, failures=self.failures, entropy_rows=entropy_rows) \
+            if self.reason is None else None
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
@@ -343,7 +346,7 @@ def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], config: Prob
                 and torch.distributed.get_world_size() > 1:
             group = Agreement(config.agreement_timeout).group
         stage = AttentionStage(model, layers, group, due=due, pairs=pairs, per_head=config.per_head,
-                               failures=failures, tau=config.qk_clip_tau)
+                               failures=failures, tau=config.qk_clip_tau, entropy_rows=config.attention_entropy_rows)
     except Exception as exc:  # noqa: BLE001 - the weight metrics go on
         safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
                   "the weight metrics go on.")
