@@ -254,8 +254,11 @@ class TensorBoardSink(Sink):
             if self._emergence is not None:
                 try:
                     self._emergence.start(run, self.log_dir)
-                except Exception:  # noqa: BLE001 - plain reads of the run header; off rather than a failed attach
+                except Exception as exc:  # noqa: BLE001 - plain reads of the run header; off rather than a failed attach
                     self._emergence = None
+                    safe_warn(f"attn_probe: the live emergence events are off for this run ({type(exc).__name__}: "
+                              f"{exc}); the scores are still written, and `attn-probe summary` reports the events "
+                              "post hoc.")
             self._before = before
             self._track_files()
         except BaseException:

@@ -158,6 +158,26 @@ def test_a_failing_rule_warns_once_and_keeps_the_scalars(tmp_path, monkeypatch):
     assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == STEPS[:4]
 
 
+def test_events_that_cannot_start_are_said_off_and_the_scalars_go_on(tmp_path, monkeypatch):
+    from attn_probe.sinks import emergence
+
+    def boom(self, run, log_dir):
+        raise RuntimeError("unreadable header")
+
+    monkeypatch.setattr(emergence.LiveEmergence, "start", boom)
+    sink = TensorBoardSink(str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.start(run_info())
+        for snap in snapshots(series())[:4]:
+            sink.log(snap)
+    sink.finish()
+    assert len([w for w in caught if "live emergence events are off" in str(w.message)]) == 1
+    ea = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == STEPS[:4]
+
+
 # --------------------------------------------------------------------------- a live probe, resumed
 
 def symmetric(model, layer):
