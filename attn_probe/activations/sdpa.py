@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .flex import FLEX
 from .masks import RowMask, sdpa_row_mask
 from . import registry as registry
 
@@ -99,18 +100,24 @@ def sdpa_call(args: tuple, kwargs: dict, heads: int) -> tuple[Tensor, Tensor, fl
 
 
 class SdpaMode(TorchFunctionMode):
-    """Hands every ``scaled_dot_product_attention`` call to ``observe(args, kwargs)`` (which never
-    raises), then makes the call; every other function passes straight through. Nothing else is
+    """Hands every ``scaled_dot_product_attention`` call to ``observe(args, kwargs)`` and every
+    run of flex's operator to ``observe_flex(args, kwargs)`` (neither raises), then makes the call; every other function passes straight through. Nothing else is
     stored, so a copy of the model or a pickle never meets it (it lives on the mode stack only)."""
 
-    def __init__(self, observe: Any) -> None:
+    def __init__(self, observe: Any, observe_flex: Any = None) -> None:
         super().__init__()
         self.observe = observe
+        self.observe_flex = observe_flex
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is SDPA:
             self.observe(args, kwargs)
+        elif func is FLEX and FLEX is not None and self.observe_flex is not None \
+                and not torch.compiler.is_compiling():
+            # flex's operator: traced inside flex's own compile (pass it on), then met again
+            # eagerly, with real tensors, when the compiled graph runs it (attn_probe.activations.flex)
+            self.observe_flex(args, kwargs)
         return func(*args, **kwargs)
 
 

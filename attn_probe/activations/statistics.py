@@ -93,6 +93,7 @@ from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
+from .flex import FlexCall, flex_stats
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
 from .sdpa import SdpaMode, measured_by_sdpa, running_hooks, sdpa_call, unavailable_reason
@@ -199,7 +200,7 @@ class AttentionCapture:
         self.sdpa = tuple(measured_by_sdpa(layer) for layer in self.layers)
         self._implementations = self._interface_names()
         self._running: list[int] = []  # the sdpa layers whose forward is running, innermost last
-        self._mode = SdpaMode(self.observe_sdpa)
+        self._mode = SdpaMode(self.observe_sdpa, self.observe_flex)
         self._unmeasured: list[str] | None = None  # the last switched-to names found unmeasured
         try:
             params = inspect.signature(self.root.forward).parameters
@@ -427,15 +428,38 @@ class AttentionCapture:
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
 
+    def observe_flex(self, args: tuple, kwargs: dict) -> None:
+        """One run of flex's operator inside a counted forward (from :class:`SdpaMode`, with real
+        tensors: :mod:`attn_probe.activations.flex`): the innermost sdpa layer running, if any,
+        adds its statistics; never raises."""
+        if not self._running or not self._counted():
+            return
+        i = self._running[-1]
+        try:
+            call = FlexCall(args, kwargs, self.heads[i])
+            query = call.query
+            with torch.no_grad(), _autocast_off(query.device.type):
+                stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
+                                   chunk_elements=self.chunk_elements)
+            self._accumulate(i, stats, call.scale)
+        except Exception as exc:  # never take training down
+            self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+
     def _measure(self, i: int, query: Tensor, key: Tensor, scaling: float, rows: Callable, *,
                  softcap: float | None = None, sinks: Tensor | None = None) -> None:
         """Layer ``i``'s statistics of one call added to the step's accumulators (may raise)."""
         with torch.no_grad():
-            top, ent, tok, top_signed = logit_stats(
+            stats = logit_stats(
                 query, key, scaling, rows, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
                 softcap=softcap, sinks=sinks, chunk_elements=self.chunk_elements,
                 entropy_rows=self.entropy_rows, entropy_seed=i,
             )
+        self._accumulate(i, stats, scaling)
+
+    def _accumulate(self, i: int, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
+        """One call's per-head ``(max |l|, entropy sum, tokens, max l)`` added to layer ``i``'s accumulators."""
+        top, ent, tok, top_signed = stats
+        with torch.no_grad():
             mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
             o0, o1 = self._offsets[i], self._offsets[i + 1]
             mx[o0:o1].copy_(torch.maximum(mx[o0:o1], top.to(mx)))

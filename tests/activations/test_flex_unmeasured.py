@@ -1,6 +1,7 @@
-"""A model that calls ``flex_attention`` is not measured yet (docs/scores.md says why), and the
+"""A model that calls ``flex_attention`` inside the user's own ``torch.compile`` of the model is not
+measured (docs/scores.md says why; eager flex is, tests/activations/test_flex_capture.py), and the
 armed capture must not harm it: its training forwards give the same outputs as an unwatched
-copy's, under flex's own compile, and the due steps say once which layers were not measured.
+copy's, and the due steps say once which layers were not measured, naming FlexAttention.
 
 torch 2.13's flex has no backward on CPU, so only the head trains here: the attention modules
 are frozen and their inputs need no gradient, while the forward still runs with gradients on
@@ -52,8 +53,10 @@ def _net() -> Net:
     return net
 
 
-def test_an_armed_capture_leaves_flex_models_untouched_and_says_what_it_missed(tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_an_armed_capture_leaves_compiled_flex_models_untouched_and_says_what_it_missed(backend, tmp_path) -> None:
     net, twin = _net(), _net()
+    run = torch.compile(net, backend=backend)
     x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -62,7 +65,7 @@ def test_an_armed_capture_leaves_flex_models_untouched_and_says_what_it_missed(t
                                  log_dir=str(tmp_path / "tb"))
         outs = []
         for _ in range(2):
-            out = net(x)
+            out = run(x)
             out.sum().backward()
             opt.step()
             opt.zero_grad()
@@ -74,4 +77,5 @@ def test_an_armed_capture_leaves_flex_models_untouched_and_says_what_it_missed(t
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     said = [str(w.message) for w in caught if "not measured" in str(w.message) or "measured nothing" in str(w.message)]
     assert said, [str(w.message) for w in caught]
-    assert any("blocks.0.attn" in m for m in said), said
+    assert any("blocks.0.attn" in m and "FlexAttention inside the model's own torch.compile" in m
+               for m in said), said

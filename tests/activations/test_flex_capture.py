@@ -1,0 +1,189 @@
+"""max_logit and entropy of modules that call ``flex_attention`` (torchtitan 0.3, torchtune when
+packing), against a float64 reference recomputed from the q/k each call received with masks and
+score modifiers written out explicitly (not through flex or the module's mask_mod): a causal
+``BlockMask``, a per-batch document mask with a sliding window (closing over a tensor), a tanh
+softcap and an ALiBi-style ``score_mod``, grouped-query attention (``enable_gqa``); outputs equal to an unwatched copy's.
+
+torch 2.13's flex has no backward on CPU, so only the head trains: the attention modules are
+frozen while the forward runs with gradients on (a counted forward for the probe).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import attn_probe
+from tests.activations.sdpa_stacks import D, HEADS, KV, NanoCausalSelfAttention, Net, TitanAttention
+from tests.activations.test_attention_health_live import Records
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+STEPS, B, T, BLOCK, WINDOW, CAP = 2, 2, 16, 4, 5, 2.0
+DOCS = torch.tensor([[0] * 6 + [1] * 10, [0] * 11 + [1] * 5])
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _document_window(b, h, q, kv):
+    return (DOCS[b, q] == DOCS[b, kv]) & (q >= kv) & (q - kv < WINDOW)
+
+
+def _softcap(score, b, h, q, kv):
+    return CAP * torch.tanh(score / CAP)
+
+
+def _alibi(score, b, h, q, kv):
+    return score + SLOPES[h] * (kv - q)
+
+
+CASES = {  # name: (mask_mod, score_mod, grouped-query)
+    "causal": (_causal, None, False),
+    "document_window": (_document_window, None, False),
+    "softcap": (_causal, _softcap, False),
+    "alibi": (_document_window, _alibi, False),
+    "gqa": (_causal, None, True),
+}
+
+
+def _reference_mask(case: str) -> torch.Tensor:
+    """``(B, 1, T, T)`` visible entries, written out without the mask_mod."""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    causal = (j <= i).expand(B, T, T)
+    if CASES[case][0] is _causal:
+        return causal[:, None]
+    same = DOCS[:, :, None] == DOCS[:, None, :]
+    return (causal & same & (i - j < WINDOW))[:, None]
+
+
+def _reference_scores(case: str, logits: torch.Tensor) -> torch.Tensor:
+    score = CASES[case][1]
+    if score is _softcap:
+        return CAP * torch.tanh(logits / CAP)
+    if score is _alibi:
+        i, j = torch.arange(T)[:, None].double(), torch.arange(T)[None, :].double()
+        return logits + SLOPES.double()[None, :, None, None] * (j - i)
+    return logits
+
+
+class FlexNano(NanoCausalSelfAttention):
+    """nanoGPT's attention with ``flex_attention`` in place of sdpa; keeps float64 copies of the q and k it passes."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case, self.calls = case, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for z in self.c_attn(x).split(self.n_embd, dim=2))
+        self.calls.append((q.detach().double(), k.detach().double(), torch.is_grad_enabled()))
+        mask_mod, score_mod, _ = CASES[self.case]
+        y = flex.flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(mask_mod))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class FlexTitan(TitanAttention):
+    """torchtitan's ``wq/wk/wv`` attention with fewer key heads, ``flex_attention(..., enable_gqa=True)``."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case, self.calls = case, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        self.calls.append((q.detach().double(), k.detach().double(), torch.is_grad_enabled()))
+        y = flex.flex_attention(q, k, v, block_mask=_block_mask(_causal), enable_gqa=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+_MASKS: dict = {}
+
+
+def _block_mask(mask_mod):
+    if mask_mod not in _MASKS:
+        batch = B if mask_mod is _document_window else None
+        _MASKS[mask_mod] = flex.create_block_mask(mask_mod, batch, None, T, T, device="cpu", BLOCK_SIZE=BLOCK)
+    return _MASKS[mask_mod]
+
+
+def _net(case: str) -> Net:
+    torch.manual_seed(0)
+    net = Net("nanogpt")
+    for block in net.blocks:
+        block.attn = FlexTitan(case) if CASES[case][2] else FlexNano(case)
+    for name, p in net.named_parameters():
+        p.requires_grad_(name.startswith("head."))
+    return net
+
+
+def _reference(case: str, calls: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head (max |q.k / sqrt(E)| over visible entries, mean entropy of softmax(score_mod) over them)."""
+    visible = _reference_mask(case)
+    top, ent, rows = None, 0.0, 0.0
+    for q, k, _ in calls:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
+        vis = visible.expand(logits.shape)
+        p = torch.softmax(torch.where(vis, _reference_scores(case, logits), -math.inf), dim=-1)
+        head_top = torch.where(vis, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+        top = head_top if top is None else torch.maximum(top, head_top)
+        ent = ent - torch.where(vis, torch.special.xlogy(p, p), 0).sum(dim=(0, 2, 3))
+        rows = rows + vis.any(-1).sum(dim=(0, 2)).double()
+    return top, ent / rows
+
+
+def _train(net: Net, tmp_path, run=None):
+    """Head-only SGD steps, each with an evaluation forward under no_grad inside it (not counted).
+    Returns the sink, the training outputs and the attn_probe warnings."""
+    opt = torch.optim.SGD(net.head.parameters(), lr=0.05)
+    sink, outs = Records(), []
+    run = net if run is None else run
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = attn_probe.watch(net, optimizer=opt, every=1, attention_stats=True, per_head=True,
+                                 sinks=[sink], metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+        for step in range(1, STEPS + 1):
+            x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(step)) * 2
+            out = run(x)
+            out.pow(2).mean().backward()
+            with torch.no_grad():
+                run(torch.randn(B, T, D, generator=torch.Generator().manual_seed(50 + step)) * 3)
+            opt.step()
+            opt.zero_grad()
+            outs.append((x, out.detach()))
+        probe.close()
+    return sink, outs, [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+
+
+def _check(case: str, net: Net, sink: Records, messages: list[str]) -> None:
+    assert not [m for m in messages if "not measured" in m or "skipped" in m or "nothing" in m], messages
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    assert sorted(got_max) == list(range(1, STEPS + 1))
+    for layer, block in enumerate(net.blocks):
+        calls = block.attn.calls
+        assert [c[2] for c in calls] == [True, False] * STEPS
+        for step in range(1, STEPS + 1):
+            train = calls[2 * (step - 1):2 * step - 1]
+            top, ent = _reference(case, train)
+            for h in range(HEADS):
+                assert got_max[step][(layer, h)] == pytest.approx(float(top[h]), rel=1e-5), (step, layer, h)
+                assert got_ent[step][(layer, h)] == pytest.approx(float(ent[h]), rel=1e-5), (step, layer, h)
+            # had the no_grad evaluation forward counted, the values would differ
+            both_top, both_ent = _reference(case, calls[2 * (step - 1):2 * step])
+            assert max(float((both_top - top).abs().max()), float((both_ent - ent).abs().max())) > 1e-3
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_per_head_values_equal_the_float64_reference(case, tmp_path):
+    net, twin = _net(case), _net(case)
+    sink, outs, messages = _train(net, tmp_path)
+    _check(case, net, sink, messages)
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0)
