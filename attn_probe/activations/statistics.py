@@ -36,8 +36,11 @@ are whatever the mask passed to the function says (eager/sdpa; sdpa's ``None`` m
 upper-left, when the call is causal and ``q_len > 1``); under flash attention the mask is rebuilt
 from causality (bottom-right), ``sliding_window``, ``cu_seq_lens_q``/packed ``position_ids`` and
 the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt there).
-Flex attention (a ``BlockMask``), paged attention and user-registered implementation names are
-not measured (:func:`unavailable_reason` says so).
+Direct ``flex_attention`` calls (a ``BlockMask``) are measured from flex's operator
+(:mod:`attn_probe.activations.flex`: content logits for the maxima, ``score_mod`` in the entropy),
+except inside the user's own ``torch.compile`` of the model; transformers' ``flex_attention``
+implementation, paged attention and user-registered implementation names are not measured
+(:func:`unavailable_reason` says so).
 
 **Memory and cost.** Logits are formed ``C`` query positions at a time, ``C = max(1,
 chunk_elements // (B * H * L_k))``: a due forward holds at most about six ``(B, H, C, L_k)``
