@@ -1,7 +1,7 @@
 """Attention statistics of ``flex_attention`` calls (``torch.nn.attention.flex_attention``).
 
-torchtitan 0.3's language models and torchtune (when packing) compute attention with
-FlexAttention: a ``BlockMask`` (which key blocks each query block reads, and a ``mask_mod``
+torchtitan 0.3's language models (compiled, see below) and torchtune (when packing) compute
+attention with FlexAttention: a ``BlockMask`` (which key blocks each query block reads, and a ``mask_mod``
 deciding the entries of partial blocks) and an optional ``score_mod`` applied to each logit.
 
 **How the call is seen.** ``flex_attention`` runs its operator,
@@ -14,9 +14,10 @@ the operator with real tensors, where the operator hands the call to the mode ag
 capture measures there, in plain Python that never raises into the forward. Its arguments then
 are ``(query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options,
 score_mod_buffers, mask_mod_buffers)``, ``score_mod``/``mask_mod`` the traced graphs, taking the
-tensors they close over as extra trailing arguments. A backend that compiles the operator into a
-kernel (inductor) leaves no such runtime call: nothing is measured, and the due step warns that
-the layer was not measured.
+tensors they close over as extra trailing arguments. Under a ``torch.compile`` other than flex's own (the
+user's compile of the model; torchtitan 0.3 compiles ``flex_attention`` with inductor itself) the
+operator is traced into that graph and no eager call remains: nothing is measured, and the due
+step warns that the layer was not measured.
 
 **What is measured** (:func:`flex_stats`), per query head ``h`` (key head ``h // (H / H_kv)``
 when the call has fewer key heads, flex's grouped-query attention), from the logits
