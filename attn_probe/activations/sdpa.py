@@ -101,7 +101,7 @@ def sdpa_call(args: tuple, kwargs: dict, heads: int) -> tuple[Tensor, Tensor, fl
 
 class SdpaMode(TorchFunctionMode):
     """Hands every ``scaled_dot_product_attention`` call to ``observe(args, kwargs)`` and every
-    run of flex's operator to ``observe_flex(args, kwargs)`` (neither raises), then makes the call;
+    run of flex's operator to ``observe_flex(args, kwargs, traced)`` (neither raises), then makes the call;
     every other function passes straight through. Nothing else is stored, so a copy of the model or a pickle never meets it (it lives on the mode stack only)."""
 
     def __init__(self, observe: Any, observe_flex: Any = None) -> None:
@@ -113,23 +113,30 @@ class SdpaMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is SDPA:
             self.observe(args, kwargs)
-        elif func is FLEX and FLEX is not None and self.observe_flex is not None \
-                and not torch.compiler.is_compiling():
-            # flex's operator: traced inside flex's own compile (pass it on), then met again
-            # eagerly, with real tensors, when the compiled graph runs it (attn_probe.activations.flex)
-            self.observe_flex(args, kwargs)
+        elif func is FLEX and FLEX is not None and self.observe_flex is not None:
+            # flex's operator: while a compiler traces it (flex's own compile, a library's, the
+            # user's) and when a graph from flex's own compile runs it (attn_probe.activations.flex)
+            self.observe_flex(args, kwargs, torch.compiler.is_compiling())
         return func(*args, **kwargs)
 
 
-def running_hooks(running: list[int], i: int) -> tuple[Any, Any]:
-    """``(pre, post)`` forward hooks of sdpa layer ``i``'s module: push ``i`` on ``running``, pop it."""
+def running_hooks(running: list[int], i: int, layer: Any = None) -> tuple[Any, Any]:
+    """``(pre, post)`` forward hooks of sdpa layer ``i``'s module: push ``i`` on ``running``, pop it.
+    ``layer()``: a 0-d integer tensor (or ``None``) that holds the innermost running layer as data,
+    for code a compiler traced once for every layer (flex, :mod:`attn_probe.activations.flex`)."""
 
     def enter(module: nn.Module, args: tuple) -> None:
         running.append(i)
+        current = layer() if layer is not None else None
+        if current is not None:
+            current.fill_(i)
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         if running and running[-1] == i:
             running.pop()
+            current = layer() if layer is not None else None
+            if current is not None and running:
+                current.fill_(running[-1])
 
     return enter, leave
 

@@ -242,6 +242,9 @@ class AttentionCapture:
             self._buffers = [torch.empty(n, dtype=torch.float64, device=device) for _ in range(3)] + \
                 [torch.empty(layers, dtype=torch.float64, device=device) for _ in range(3)] + \
                 [torch.empty(n, dtype=torch.float64, device=device)]
+            self._layer = torch.zeros((), dtype=torch.long, device=device)  # the running flex layer, as data
+            self._pending = torch.zeros((), dtype=torch.long, device=device)  # flex calls a graph measured
+        self._pending.zero_()
         mx, ent, tok, norm, scaling, seen, signed = self._buffers
         signed.fill_(-math.inf)
         mx.fill_(-math.inf)
@@ -268,7 +271,7 @@ class AttentionCapture:
             self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._input_hook(i)),
                                                                       with_kwargs=True))
             if self.sdpa[i]:
-                enter, leave = running_hooks(self._running, i)
+                enter, leave = running_hooks(self._running, i, self._layer_tensor)
                 self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(enter)))
                 self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
         registry.arm(self)
@@ -431,14 +434,24 @@ class AttentionCapture:
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
 
-    def observe_flex(self, args: tuple, kwargs: dict) -> None:
-        """One run of flex's operator inside a counted forward (from :class:`SdpaMode`, with real
-        tensors: :mod:`attn_probe.activations.flex`): the innermost sdpa layer running, if any,
-        adds its statistics; never raises."""
+    def _layer_tensor(self) -> Tensor | None:
+        return self._layer if self._buffers is not None else None
+
+    def observe_flex(self, args: tuple, kwargs: dict, traced: bool = False) -> None:
+        """One call of flex's operator inside a counted forward (from :class:`SdpaMode`;
+        :mod:`attn_probe.activations.flex`): the innermost sdpa layer running, if any, adds its
+        statistics; never raises. ``traced``: a compiler is tracing the call, the statistics go
+        into its graph; else, with real tensors, a call a graph already measured is passed on."""
         if not self._running or not self._counted():
+            return
+        if traced:
+            self._observe_flex_traced(args, kwargs)
             return
         i = self._running[-1]
         try:
+            if bool(self._pending.item()):  # the compiled graph running this operator measured it
+                self._pending.sub_(1)
+                return
             call = FlexCall(args, kwargs, self.heads[i])
             query = call.query
             with torch.no_grad(), _autocast_off(query.device.type):
@@ -447,6 +460,37 @@ class AttentionCapture:
             self._accumulate(i, stats, call.scale)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+
+    def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
+        """The statistics of one flex call, traced into the compiled graph. With equal layers the
+        layer is data (``self._layer``, set by the layers' hooks): one graph serves every layer."""
+        same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
+        i = 0 if same else self._running[-1]
+        try:
+            call = FlexCall(args, kwargs, self.heads[i])
+            query = call.query
+            with torch.no_grad(), _autocast_off(query.device.type):
+                stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
+                                   chunk_elements=self.chunk_elements)
+                if same:
+                    self._accumulate_at(stats, call.scale)
+                else:
+                    self._accumulate(i, stats, call.scale)
+                self._pending.add_(1)
+        except Exception:  # noqa: BLE001 - a call not measured leaves the layer's row missing: warned per step
+            return
+
+    def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
+        """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""
+        mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
+        layers, at = len(self.layers), self._layer
+        for buf, value, keep_max in ((mx, stats[0], True), (ent_sum, stats[1], False),
+                                     (tokens, stats[2], False), (signed, stats[3], True)):
+            rows = buf.view(layers, -1)
+            old = rows[at]
+            rows.index_put_((at,), torch.maximum(old, value.to(old)) if keep_max else old + value.to(old))
+        scale.index_fill_(0, at.view(1), float(scaling))
+        seen.index_add_(0, at.view(1), torch.ones(1, dtype=seen.dtype, device=seen.device))
 
     def _measure(self, i: int, query: Tensor, key: Tensor, scaling: float, rows: Callable, *,
                  softcap: float | None = None, sinks: Tensor | None = None) -> None:

@@ -187,3 +187,116 @@ def test_per_head_values_equal_the_float64_reference(case, tmp_path):
     sink, outs, messages = _train(net, tmp_path)
     _check(case, net, sink, messages)
     torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_under_the_users_compile(backend, tmp_path):
+    """The user's ``torch.compile`` of the model traces the statistics into its graph: the same values."""
+    net, twin = _net("alibi"), _net("alibi")
+    torch._dynamo.reset()
+    sink, outs, messages = _train(net, tmp_path, run=torch.compile(net, backend=backend))
+    _check("alibi", net, sink, messages)
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0 if backend != "inductor" else 1e-5)
+
+
+# --------------------------------------------------------------------------- the real torchtitan 0.3
+class _Titan(torch.nn.Module):
+    """Two torchtitan 0.3 ``GQAttention`` layers (flex inner attention) with residuals and a head."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"attention": cfg.build()}) for _ in range(2)])
+        self.head = torch.nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor, mask) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["attention"](x, mask)
+        return self.head(x)
+
+
+def test_real_torchtitan_03_flex_compiled_by_torchtitan(tmp_path) -> None:
+    """torchtitan 0.3's ``FlexAttention`` runs ``flex_attention`` through its own class-level
+    ``torch.compile`` (inductor): the statistics are traced into that graph. Per head against the
+    float64 reference of the q/k after RoPE (a forward hook on ``rope``), GQA 8/2, its ``scaling``."""
+    config_utils = pytest.importorskip("torchtitan.models.common.config_utils")
+    from torchtitan.models.common import ComplexRoPE
+
+    torch.manual_seed(3)
+    cfg = config_utils.make_gqa_config(
+        dim=D, n_heads=8, n_kv_heads=2, wqkv_param_init={"weight": torch.nn.init.normal_},
+        wo_param_init={"weight": torch.nn.init.normal_}, inner_attention=config_utils.get_attention_config("flex"),
+        rope=ComplexRoPE.Config(dim=4, max_seq_len=64), fuse_qkv=True)
+    net = _Titan(cfg)
+    for name, p in net.named_parameters():
+        p.requires_grad_(name.startswith("head."))
+    calls: list = [[], []]
+    for n, layer in enumerate(net.layers):
+        attn = layer["attention"]
+        attn.rope.register_forward_hook(
+            lambda _m, _a, out, n=n: calls[n].append((out[0].detach().double().transpose(1, 2),
+                                                      out[1].detach().double().transpose(1, 2),
+                                                      torch.is_grad_enabled())))
+    mask = flex.create_block_mask(_causal, None, None, T, T, device="cpu", BLOCK_SIZE=BLOCK)
+    opt = torch.optim.SGD(net.head.parameters(), lr=0.05)
+    sink = Records()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = attn_probe.watch(net, optimizer=opt, every=1, attention_stats=True, per_head=True, sinks=[sink],
+                                 metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+        for step in range(1, STEPS + 1):
+            x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(step))
+            net(x, mask).pow(2).mean().backward()
+            with torch.no_grad():
+                net(torch.randn(B, T, D, generator=torch.Generator().manual_seed(50 + step)) * 3, mask)
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+    messages = [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+    assert not [m for m in messages if "not measured" in m or "skipped" in m], messages
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    scale = net.layers[0]["attention"].scaling
+    for layer in range(2):
+        assert [c[2] for c in calls[layer]] == [True, False] * STEPS
+        for step in range(1, STEPS + 1):
+            q, k, _ = calls[layer][2 * (step - 1)]
+            k = k.repeat_interleave(4, dim=1)
+            logits = torch.einsum("bhid,bhjd->bhij", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+            vis = _reference_mask("causal").expand(logits.shape)
+            p = torch.softmax(torch.where(vis, logits, -math.inf), dim=-1)
+            top = torch.where(vis, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+            ent = -torch.where(vis, torch.special.xlogy(p, p), 0).sum(dim=(0, 2, 3)) / (B * T)
+            for h in range(8):
+                assert got_max[step][(layer, h)] == pytest.approx(float(top[h]), rel=1e-5), (step, layer, h)
+                assert got_ent[step][(layer, h)] == pytest.approx(float(ent[h]), rel=1e-5), (step, layer, h)
+
+
+def test_flex_without_its_own_compile(monkeypatch, tmp_path):
+    """flex's debug switch runs the operator without any compile: measured from the eager call alone
+    (the path a graph from flex's own compile leaves to the traced statistics), the same values."""
+    monkeypatch.setattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)  # torch's documented debug switch
+    net = _net("softcap")
+    sink, _, messages = _train(net, tmp_path)
+    _check("softcap", net, sink, messages)
+
+
+@pytest.mark.parametrize("how", ["flex's own compile", "no compile", "user's compile"])
+def test_each_call_counts_once(how, monkeypatch):
+    """Counted query rows per head equal B * T for one training forward: a call that a graph from
+    flex's own compile measured is not measured again when that graph runs flex's operator."""
+    from attn_probe.activations.statistics import AttentionCapture
+    from attn_probe.extraction import find_attention
+
+    if how == "no compile":
+        monkeypatch.setattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+    net = _net("causal")
+    run = torch.compile(net, backend="eager") if how == "user's compile" else net
+    torch._dynamo.reset()
+    capture = AttentionCapture(net, find_attention(net))
+    for _ in range(2):  # the second step reuses the compiled graphs
+        capture.arm()
+        run(torch.randn(B, T, D))
+        capture.disarm()
+        stats = capture.collect()
+        assert stats.tokens.tolist() == [float(B * T)] * (2 * HEADS), how
+        assert stats.scaling == pytest.approx(((D // HEADS) ** -0.5,) * 2, rel=1e-12)
+    capture.close()
