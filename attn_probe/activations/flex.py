@@ -5,19 +5,27 @@ attention with FlexAttention: a ``BlockMask`` (which key blocks each query block
 deciding the entries of partial blocks) and an optional ``score_mod`` applied to each logit.
 
 **How the call is seen.** ``flex_attention`` runs its operator,
-``torch.ops.higher_order.flex_attention``, inside a ``torch.compile(fullgraph=True)`` of its own
-(eager flex compiles itself too). :class:`~attn_probe.activations.sdpa.SdpaMode` is on the
-torch-function mode stack while a watched model's counted forward runs, so it meets the operator
-twice: while the compiler traces the call (its handler is traced then, so it only passes the
-call on: ``torch.compiler.is_compiling()`` is a constant there), and when the compiled graph runs
-the operator with real tensors, where the operator hands the call to the mode again, eagerly: the
-capture measures there, in plain Python that never raises into the forward. Its arguments then
-are ``(query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options,
-score_mod_buffers, mask_mod_buffers)``, ``score_mod``/``mask_mod`` the traced graphs, taking the
-tensors they close over as extra trailing arguments. Under a ``torch.compile`` other than flex's own (the
-user's compile of the model; torchtitan 0.3 compiles ``flex_attention`` with inductor itself) the
-operator is traced into that graph and no eager call remains: nothing is measured, and the due
-step warns that the layer was not measured.
+``torch.ops.higher_order.flex_attention``, under a compile: its own ``torch.compile(fullgraph=True)``
+(eager flex compiles itself too, with the eager backend), a library's (torchtitan 0.3 compiles
+``flex_attention`` with inductor) or the user's compile of the model.
+:class:`~attn_probe.activations.sdpa.SdpaMode` is on the torch-function mode stack while a
+watched model's counted forward runs, so its handler meets the operator while the compiler
+traces it (``torch.compiler.is_compiling()`` is true there): the capture then computes the
+statistics in that traced code (:func:`flex_stats`: tensor operations, ``mask_mod`` and
+``score_mod`` called as flex's own tracing calls them), so they become part of the compiled graph
+and run with it, whatever the backend. Layers of equal head counts share one graph: the running
+layer is a 0-d tensor the layers' hooks set, not a constant. A graph from the eager backend then
+calls the operator again, eagerly, which reaches the mode with real tensors: that call was
+measured already (a per-step counter the graph raises says so) and passes. With no compile at
+all (flex's debug switch) only the eager call comes, and the capture measures there, in plain
+Python. Arguments: ``(query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options,
+score_mod_buffers, mask_mod_buffers)``; at the eager call the modifiers are traced graphs that
+take the tensors they close over as extra trailing arguments.
+
+**Never into the forward.** The eager path catches everything (warned once, counted). Traced code
+cannot warn; an exception there leaves the call unmeasured, and the due step warns that the layer
+has no values. What tracing itself cannot handle would raise inside the compile: the traced code is
+plain tensor arithmetic plus the modifiers, which flex has traced already.
 
 **What is measured** (:func:`flex_stats`), per query head ``h`` (key head ``h // (H / H_kv)``
 when the call has fewer key heads, flex's grouped-query attention), from the logits
@@ -34,7 +42,7 @@ when the call has fewer key heads, flex's grouped-query attention), from the log
 
 ``mask_mod`` and ``score_mod`` are evaluated on broadcast index tensors (``b (B,1,1,1)``,
 ``h (1,H,1,1)``, ``q_idx (1,1,C,1)``, ``kv_idx (1,1,1,L_k)``), ``C`` query rows at a time; a
-modifier that needs scalar indices (Python control flow on them) fails the call, warned and counted.
+modifier that needs scalar indices (Python control flow on them) fails the call (see above).
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ upper-left, when the call is causal and ``q_len > 1``); under flash attention th
 from causality (bottom-right), ``sliding_window``, ``cu_seq_lens_q``/packed ``position_ids`` and
 the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt there).
 Direct ``flex_attention`` calls (a ``BlockMask``) are measured from flex's operator
-(:mod:`attn_probe.activations.flex`: content logits for the maxima, ``score_mod`` in the entropy),
-except under a ``torch.compile`` other than flex's own (the user's; torchtitan 0.3's); transformers' ``flex_attention``
+(:mod:`attn_probe.activations.flex`: content logits for the maxima, ``score_mod`` in the entropy;
+also under torch.compile, the statistics traced into the graph); transformers' ``flex_attention``
 implementation, paged attention and user-registered implementation names are not measured
 (:func:`unavailable_reason` says so).
 

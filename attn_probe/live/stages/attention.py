@@ -288,8 +288,8 @@ def missing_reason(layers: Sequence[AttentionLayer], nothing: bool) -> str:
     if any(sdpa) and not nothing:
         return ("no training forward reached those layers' torch.nn.functional.scaled_dot_product_attention while "
                 "the step was armed (layers skipped, e.g. LayerDrop or an early exit, or attention computed "
-                "otherwise: a manual softmax(q k^T), nn.MultiheadAttention, FlexAttention under "
-                "torch.compile (the model's, or the library's own as in torchtitan 0.3) are not measured).")
+                "otherwise: a manual softmax(q k^T), nn.MultiheadAttention are not "
+                "measured).")
     if not nothing:
         return ("no training forward reached those layers while the step was armed (layers skipped, e.g. "
                 "LayerDrop or an early exit).")
@@ -297,8 +297,7 @@ def missing_reason(layers: Sequence[AttentionLayer], nothing: bool) -> str:
         return ("no training forward (gradients enabled) of the watched model called "
                 "torch.nn.functional.scaled_dot_product_attention inside a watched attention module while the "
                 "step was armed. Likely causes: attention computed otherwise (a manual softmax(q k^T), "
-                "nn.MultiheadAttention, FlexAttention under torch.compile (the model's, or the library's own as "
-                "in torchtitan 0.3): not measured); "
+                "nn.MultiheadAttention: not measured); "
                 "only torch.no_grad forwards ran in the step; "
                 "or the loop's forwards run outside the step the probe sees (Lightning manual optimisation).")
     return ("no training forward (gradients enabled) reached transformers' attention interface while the "
