@@ -40,9 +40,9 @@ when the call has fewer key heads, flex's grouped-query attention), from the log
   ``score_mod`` (as softcapping and additive biases are not applied for the other paths);
 - ``entropy``: of ``softmax(score_mod(l))`` over the visible keys, the distribution the model uses.
 
-``mask_mod`` and ``score_mod`` are evaluated on broadcast index tensors (``b (B,1,1,1)``,
-``h (1,H,1,1)``, ``q_idx (1,1,C,1)``, ``kv_idx (1,1,1,L_k)``), ``C`` query rows at a time; a
-modifier that needs scalar indices (Python control flow on them) fails the call (see above).
+``mask_mod`` and ``score_mod`` are evaluated over the ``(b, h, q_idx, kv_idx)`` grid with
+``torch.vmap``, as flex's own ``create_mask`` does (any modifier flex accepts), ``C`` query rows
+at a time.
 """
 
 from __future__ import annotations
@@ -107,6 +107,20 @@ def _dense_blocks(num: Tensor | None, indices: Tensor | None, kv_blocks: int) ->
     return dense.scatter_(-1, cols, True)[..., :kv_blocks]
 
 
+def _grid(fn: Callable, buffers: tuple, score: bool) -> Callable:
+    """``fn`` applied over the full ``(b, h, q_idx, kv_idx)`` grid with ``torch.vmap``, as flex's own
+    ``create_mask`` does, so any modifier flex accepts (written for scalar indices) works: called
+    ``(score?, b (B,), h (H,), q (C,), kv (L_k,))``, it returns ``(B, H, C, L_k)``."""
+    lead = (0,) if score else ()
+    extra = (None,) * len(buffers)
+    grid = fn
+    for axis in (3, 2, 1, 0):  # kv innermost, as flex's own vmap over the grid
+        dims = [None, None, None, None]
+        dims[axis] = 0
+        grid = torch.vmap(grid, in_dims=lead + tuple(dims) + extra, out_dims=0)
+    return grid
+
+
 def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
     """``visible(r0, r1)``: ``(B|1, H|1, r1 - r0, L_k)`` bool, the entries flex computes for query rows ``r0:r1``."""
     q_len, k_len = call.query.shape[2], call.key.shape[2]
@@ -116,16 +130,15 @@ def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
     partial = _dense_blocks(call.block[2], call.block[3], kv_blocks)
     full = _dense_blocks(call.block[4], call.block[5], kv_blocks)
     batch, heads = call.query.shape[0], call.query.shape[1]
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    kv = torch.arange(k_len, device=device).view(1, 1, 1, -1)
-    kv_of = (kv // kv_block).view(-1)
+    b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
+    kv = torch.arange(k_len, device=device)
+    kv_of = kv // kv_block
+    mask_mod = _grid(call.mask_mod, call.mask_buffers, score=False)
 
     def visible(r0: int, r1: int) -> Tensor:
-        q = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
-        q_of = q.view(-1) // q_block
-        keep = call.mask_mod(b, h, q, kv, *call.mask_buffers)
-        keep = torch.as_tensor(keep, device=device).to(torch.bool)
+        q = torch.arange(r0, r1, device=device)
+        q_of = q // q_block
+        keep = mask_mod(b, h, q, kv, *call.mask_buffers).to(torch.bool)
         if partial is not None:
             keep = keep & partial[:, :, q_of][:, :, :, kv_of]
         if full is not None:
@@ -151,9 +164,9 @@ def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None,
     key_t = key.transpose(-1, -2)
     visible = flex_visible(call)
     device = query.device
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    kv = torch.arange(k_len, device=device).view(1, 1, 1, -1)
+    b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
+    kv = torch.arange(k_len, device=device)
+    score_mod = None if call.score_mod is None else _grid(call.score_mod, call.score_buffers, score=True)
     top = torch.full((heads,), -torch.inf, dtype=dtype, device=device)
     signed = top.clone()
     ent = torch.zeros(heads, dtype=dtype, device=device)
@@ -164,10 +177,9 @@ def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None,
         logits = call.scale * (query[:, :, r0:r1] @ key_t)  # (B, H, C, L_k)
         keep = visible(r0, r1).expand(logits.shape)
         scores = logits
-        if call.score_mod is not None:
-            q = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
-            scores = torch.as_tensor(call.score_mod(logits, b, h, q, kv, *call.score_buffers)).to(dtype)
-            scores = scores.expand(logits.shape)
+        if score_mod is not None:
+            q = torch.arange(r0, r1, device=device)
+            scores = score_mod(logits, b, h, q, kv, *call.score_buffers).to(dtype)
             keep = keep & (scores > -torch.inf)
         valid = keep.any(-1)  # (B, H, C): rows with a visible key
         if query_valid is not None:

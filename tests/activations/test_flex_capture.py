@@ -2,7 +2,7 @@
 packing), against a float64 reference recomputed from the q/k each call received with masks and
 score modifiers written out explicitly (not through flex or the module's mask_mod): a causal
 ``BlockMask``, a per-batch document mask with a sliding window (closing over a tensor), a tanh
-softcap and an ALiBi-style ``score_mod``, grouped-query attention (``enable_gqa``); outputs equal to an unwatched copy's.
+softcap and an ALiBi-style ``score_mod``, a mask_mod written for scalar indices (a table lookup), grouped-query attention (``enable_gqa``); outputs equal to an unwatched copy's.
 
 torch 2.13's flex has no backward on CPU, so only the head trains: the attention modules are
 frozen while the forward runs with gradients on (a counted forward for the probe).
@@ -35,6 +35,14 @@ def _document_window(b, h, q, kv):
     return (DOCS[b, q] == DOCS[b, kv]) & (q >= kv) & (q - kv < WINDOW)
 
 
+ALLOWED = (torch.rand(T, T, generator=torch.Generator().manual_seed(9)) < 0.5) | torch.eye(T, dtype=torch.bool)
+
+
+def _table(b, h, q, kv):
+    """Written for scalar indices (``ALLOWED[q][kv]``): right under flex's vmap, wrong if broadcast."""
+    return ALLOWED[q][kv]
+
+
 def _softcap(score, b, h, q, kv):
     return CAP * torch.tanh(score / CAP)
 
@@ -49,6 +57,7 @@ CASES = {  # name: (mask_mod, score_mod, grouped-query)
     "softcap": (_causal, _softcap, False),
     "alibi": (_document_window, _alibi, False),
     "gqa": (_causal, None, True),
+    "table": (_table, _softcap, False),
 }
 
 
@@ -58,6 +67,8 @@ def _reference_mask(case: str) -> torch.Tensor:
     causal = (j <= i).expand(B, T, T)
     if CASES[case][0] is _causal:
         return causal[:, None]
+    if CASES[case][0] is _table:
+        return ALLOWED.expand(B, 1, T, T)
     same = DOCS[:, :, None] == DOCS[:, None, :]
     return (causal & same & (i - j < WINDOW))[:, None]
 
