@@ -123,7 +123,7 @@ def _grid(fn: Callable, buffers: tuple, score: bool) -> Callable:
 
 def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
     """``visible(r0, r1)``: ``(B|1, H|1, r1 - r0, L_k)`` bool, the entries flex computes for query rows ``r0:r1``."""
-    q_len, k_len = call.query.shape[2], call.key.shape[2]
+    k_len = call.key.shape[2]
     device = call.query.device
     q_block, kv_block = int(call.block[-3]), int(call.block[-2])
     kv_blocks = -(-k_len // kv_block)
@@ -145,7 +145,6 @@ def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
             keep = keep | full[:, :, q_of][:, :, :, kv_of]
         return keep
 
-    del q_len
     return visible
 
 

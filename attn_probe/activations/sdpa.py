@@ -46,9 +46,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import registry as registry
 from .flex import FLEX
 from .masks import RowMask, sdpa_row_mask
-from . import registry as registry
 
 if TYPE_CHECKING:
     from ..extraction.base import AttentionLayer

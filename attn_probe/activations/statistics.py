@@ -95,8 +95,8 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
-from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .flex import FlexCall, flex_stats
+from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
 from .sdpa import SdpaMode, measured_by_sdpa, running_hooks, sdpa_call, unavailable_reason

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attn_probe
-from tests.activations.sdpa_stacks import D, HEADS, KV, NanoCausalSelfAttention, Net, TitanAttention
+from tests.activations.sdpa_stacks import HEADS, D, NanoCausalSelfAttention, Net, TitanAttention
 from tests.activations.test_attention_health_live import Records
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
