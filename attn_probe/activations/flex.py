@@ -1,56 +1,63 @@
 """Attention statistics of ``flex_attention`` calls (``torch.nn.attention.flex_attention``).
 
-torchtitan 0.3's language models (compiled, see below) and torchtune (when packing) compute
-attention with FlexAttention: a ``BlockMask`` (which key blocks each query block reads, and a ``mask_mod``
-deciding the entries of partial blocks) and an optional ``score_mod`` applied to each logit.
+torchtitan 0.3's language models and torchtune (when packing) compute attention with
+FlexAttention: a ``BlockMask`` (which key blocks each query block reads, and a ``mask_mod``
+deciding the entries of its partial blocks) and an optional ``score_mod`` applied to each logit.
 
 **How the call is seen.** ``flex_attention`` runs its operator,
-``torch.ops.higher_order.flex_attention``, under a compile: its own ``torch.compile(fullgraph=True)``
-(eager flex compiles itself too, with the eager backend), a library's (torchtitan 0.3 compiles
-``flex_attention`` with inductor) or the user's compile of the model.
+``torch.ops.higher_order.flex_attention``, under a compile: its own
+``torch.compile(backend="eager", fullgraph=True)`` when called eagerly, a library's (torchtitan
+0.3 compiles ``flex_attention`` with inductor) or the user's compile of the model.
 :class:`~attn_probe.activations.sdpa.SdpaMode` is on the torch-function mode stack while a
-watched model's counted forward runs, so its handler meets the operator while the compiler
-traces it (``torch.compiler.is_compiling()`` is true there): the capture then computes the
-statistics in that traced code (:func:`flex_stats`: tensor operations, ``mask_mod`` and
-``score_mod`` called as flex's own tracing calls them), so they become part of the compiled graph
-and run with it, whatever the backend. Layers of equal head counts share one graph: the running
-layer is a 0-d tensor the layers' hooks set, not a constant. A graph from the eager backend then
-calls the operator again, eagerly, which reaches the mode with real tensors: that call was
-measured already (a per-step counter the graph raises says so) and passes. With no compile at
-all (flex's debug switch) only the eager call comes, and the capture measures there, in plain
-Python. Arguments: ``(query, key, value, score_mod, block_mask.as_tuple(), scale, kernel_options,
-score_mod_buffers, mask_mod_buffers)``; at the eager call the modifiers are traced graphs that
-take the tensors they close over as extra trailing arguments.
+watched model's counted forward runs, so it meets the operator twice in the eager case: while the
+compiler traces it (``torch.compiler.is_compiling()``), and when the eager backend's graph runs
+it with real tensors. The statistics are computed at that second, eager call, in plain Python
+that catches everything (warned once, counted). flex's debug switch (no compile at all) gives
+only the eager call, measured the same way.
 
-**Never into the forward.** The eager path catches everything (warned once, counted). Traced code
-cannot warn; an exception there leaves the call unmeasured, and the due step warns that the layer
-has no values. What tracing itself cannot handle would raise inside the compile: the traced code is
-plain tensor arithmetic plus the modifiers, which flex has traced already.
+**Inside a compiled graph** (inductor: torchtitan 0.3, or the user's ``torch.compile`` of the
+model) no eager call comes. By default nothing of the probe is traced there beyond one counter
+(so the due step can say that flex ran inside a compiled graph and was not measured): tracing
+the statistics means tracing the user's ``mask_mod`` and ``score_mod`` under ``torch.vmap``,
+and a compiler error there would be raised inside the user's forward, which the probe must
+never cause. ``attention_flex_compiled=True`` opts in: the statistics (:func:`flex_stats`,
+tensor operations only) are traced into the graph and run with it; layers of equal head counts
+share one graph (the running layer is a 0-d tensor the layers' hooks set).
 
-**What is measured** (:func:`flex_stats`), per query head ``h`` (key head ``h // (H / H_kv)``
-when the call has fewer key heads, flex's grouped-query attention), from the logits
-``l = scale * q . k`` (``scale`` as flex received it, ``E ** -0.5`` by default):
+**The BlockMask read.** The operator receives ``BlockMask.as_tuple()``, a positional tuple that is
+not a documented contract. :func:`block_mask_reader` therefore finds each field by identity in the
+tuple of a ``BlockMask`` it builds with the public ``create_block_mask``, and checks that the
+visible entries it reconstructs from that tuple equal the public ``create_mask`` of the same
+``mask_mod``; on a torch where either fails, flex calls are reported not measured (once, with
+the reason) instead of misread.
+
+**What is measured** (:func:`flex_stats`), per query head ``h`` (key head ``h // (H / H_kv)`` with
+fewer key heads), from the logits ``l = scale * q . k`` (``scale`` as flex received it,
+``E ** -0.5`` by default):
 
 - visible entries: those of the ``BlockMask``'s full blocks, and of its partial blocks where
-  ``mask_mod(b, h, q_idx, kv_idx)`` is true (flex's own rule; the block tensors are read from
-  ``BlockMask.as_tuple()`` by position: lengths first, ``kv_num_blocks, kv_indices,
-  full_kv_num_blocks, full_kv_indices`` next, the block sizes and ``mask_mod`` last), less entries
-  the ``score_mod`` sends to ``-inf``;
-- ``max_logit`` / ``signed_max``: over visible entries of the content logits ``l``, before
-  ``score_mod`` (as softcapping and additive biases are not applied for the other paths);
-- ``entropy``: of ``softmax(score_mod(l))`` over the visible keys, the distribution the model uses.
+  ``mask_mod(b, h, q_idx, kv_idx)`` is true (flex's rule), less entries ``score_mod`` sends to
+  ``-inf`` (``score_mod`` is then evaluated on every entry);
+- ``max_logit`` / signed max: exact, over every visible entry of the content logits ``l``, before
+  ``score_mod`` (as softcapping and additive biases are left out on the other paths);
+- ``entropy``: of ``softmax(score_mod(l))`` over the visible keys, the distribution the model
+  uses; above ``entropy_rows`` query rows, averaged over a systematic sample of rows as
+  :mod:`attn_probe.activations.logits` documents (not with a padding mask: every row then).
 
 ``mask_mod`` and ``score_mod`` are evaluated over the ``(b, h, q_idx, kv_idx)`` grid with
-``torch.vmap``, as flex's own ``create_mask`` does (any modifier flex accepts), ``C`` query rows
-at a time.
+``torch.vmap``, as flex's own ``create_mask`` does (any modifier flex accepts, including one
+written for scalar indices), ``C`` query rows at a time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .logits import HIDE, sample_rows
 
 Tensor = torch.Tensor
 
@@ -66,13 +73,71 @@ def _flex_operator() -> Any:
 #: the operator intercepted (``None`` on a torch without FlexAttention)
 FLEX = _flex_operator()
 
+#: the fields read from ``BlockMask.as_tuple()``
+FIELDS = ("q_len", "kv_len", "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_block", "kv_block", "mask_mod")
+
+_READER: dict[str, int] | str | None = None  # positions of FIELDS, or why this torch's layout is not read
+
+
+def _probe_mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+    """A mask with empty, partial and full blocks at the block sizes of :func:`block_mask_reader`."""
+    return (q >= kv) & (q - kv < 21)
+
+
+def block_mask_reader() -> dict[str, int]:
+    """Positions of :data:`FIELDS` in this torch's ``BlockMask.as_tuple()``, found and checked once
+    per process (module docstring); raises ``RuntimeError`` with the reason where they cannot be."""
+    global _READER
+    if _READER is None:
+        try:
+            found = _find_positions()
+        except Exception as exc:  # noqa: BLE001 - any failure means: do not read this layout
+            found = repr(exc)
+        _READER = found if isinstance(found, dict) else \
+            f"this torch's BlockMask.as_tuple() layout could not be read ({found}); flex_attention is not measured"
+    if isinstance(_READER, str):
+        raise RuntimeError(_READER)
+    return _READER
+
+
+def _find_positions() -> dict[str, int] | str:
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    q_len, kv_len, q_block, kv_block = 48, 40, 16, 8  # distinct, so each int is found once
+    mask = create_block_mask(_probe_mask_mod, 1, 1, q_len, kv_len, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+    if tuple(mask.BLOCK_SIZE) != (q_block, kv_block) or tuple(mask.seq_lengths) != (q_len, kv_len):
+        return "BlockMask.BLOCK_SIZE / seq_lengths do not hold what create_block_mask was given"
+    fields = as_tuple = mask.as_tuple()
+    found: dict[str, int] = {}
+    for name, value in (("kv_num_blocks", mask.kv_num_blocks), ("kv_indices", mask.kv_indices),
+                        ("full_kv_num_blocks", mask.full_kv_num_blocks), ("full_kv_indices", mask.full_kv_indices),
+                        ("mask_mod", mask.mask_mod)):
+        hits = [i for i, x in enumerate(fields) if x is value]
+        if len(hits) != 1:
+            return f"BlockMask.{name} is not found once in as_tuple()"
+        found[name] = hits[0]
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("q_block", q_block), ("kv_block", kv_block)):
+        hits = [i for i, x in enumerate(fields) if type(x) is int and x == value]
+        if len(hits) != 1:
+            return f"BlockMask's {name} is not found once in as_tuple()"
+        found[name] = hits[0]
+    query = torch.zeros(1, 1, q_len, 1)
+    key = torch.zeros(1, 1, kv_len, 1)
+    call = FlexCall((query, key, key, None, as_tuple, None, {}, (), ()), {}, 1, found)
+    mine = flex_visible(call)(0, q_len)
+    theirs = create_mask(_probe_mask_mod, 1, 1, q_len, kv_len, device="cpu")
+    if mine.shape != theirs.shape or not torch.equal(mine, theirs):
+        return "the entries read from BlockMask.as_tuple() differ from create_mask's"
+    return found
+
 
 class FlexCall:
     """One flex call read as the statistics need it (see the module docstring)."""
 
-    __slots__ = ("query", "key", "scale", "block", "mask_mod", "mask_buffers", "score_mod", "score_buffers")
+    __slots__ = ("query", "key", "scale", "block", "at", "mask_mod", "mask_buffers", "score_mod", "score_buffers")
 
-    def __init__(self, args: tuple, kwargs: dict, heads: int) -> None:
+    def __init__(self, args: tuple, kwargs: dict, heads: int, at: dict[str, int] | None = None) -> None:
         names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
                  "score_mod_other_buffers", "mask_mod_other_buffers")
         bound = dict(zip(names, args, strict=False))
@@ -85,16 +150,18 @@ class FlexCall:
                              "(heads sharded by tensor parallelism are not measured)")
         if heads % key.shape[1]:
             raise ValueError(f"{heads} query heads are not a multiple of {key.shape[1]} key heads")
-        if not isinstance(block, tuple) or len(block) < 9 or not callable(block[-1]):
-            raise ValueError("flex_attention's block mask is not the BlockMask.as_tuple() layout this "
-                             "version reads (lengths, kv blocks, ..., block sizes, mask_mod)")
+        at = block_mask_reader() if at is None else at
+        if not isinstance(block, tuple) or len(block) <= max(at.values()) or not callable(block[at["mask_mod"]]):
+            raise ValueError("flex_attention's block mask is not the BlockMask.as_tuple() this torch builds")
         scale = bound.get("scale")
-        self.query, self.key = query, key
+        self.query, self.key, self.block, self.at = query, key, block, at
         self.scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-        self.block = block
-        self.mask_mod, self.score_mod = block[-1], bound.get("score_mod")
+        self.mask_mod, self.score_mod = block[at["mask_mod"]], bound.get("score_mod")
         self.mask_buffers = tuple(bound.get("mask_mod_other_buffers") or ())
         self.score_buffers = tuple(bound.get("score_mod_other_buffers") or ())
+
+    def field(self, name: str) -> Any:
+        return self.block[self.at[name]]
 
 
 def _dense_blocks(num: Tensor | None, indices: Tensor | None, kv_blocks: int) -> Tensor | None:
@@ -122,13 +189,13 @@ def _grid(fn: Callable, buffers: tuple, score: bool) -> Callable:
 
 
 def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
-    """``visible(r0, r1)``: ``(B|1, H|1, r1 - r0, L_k)`` bool, the entries flex computes for query rows ``r0:r1``."""
+    """``visible(r0, r1)``: ``(B, H, r1 - r0, L_k)`` bool, the entries flex computes for query rows ``r0:r1``."""
     k_len = call.key.shape[2]
     device = call.query.device
-    q_block, kv_block = int(call.block[-3]), int(call.block[-2])
+    q_block, kv_block = int(call.field("q_block")), int(call.field("kv_block"))
     kv_blocks = -(-k_len // kv_block)
-    partial = _dense_blocks(call.block[2], call.block[3], kv_blocks)
-    full = _dense_blocks(call.block[4], call.block[5], kv_blocks)
+    partial = _dense_blocks(call.field("kv_num_blocks"), call.field("kv_indices"), kv_blocks)
+    full = _dense_blocks(call.field("full_kv_num_blocks"), call.field("full_kv_indices"), kv_blocks)
     batch, heads = call.query.shape[0], call.query.shape[1]
     b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
     kv = torch.arange(k_len, device=device)
@@ -148,49 +215,60 @@ def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
     return visible
 
 
-def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None,
-               chunk_elements: int = 2 ** 22) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per query head ``(max |l|, sum of row entropies, counted tokens, max l)`` of one flex call
+def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None, chunk_elements: int = 2 ** 22,
+               entropy_rows: int | None = None, entropy_seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query head ``(max |l|, sum of row entropies, counted rows, max l)`` of one flex call
     (:func:`~attn_probe.activations.statistics.logit_stats`'s four ``(H,)`` tensors; float64 for
-    float64 inputs, float32 otherwise; ``-inf`` maxima where nothing is counted)."""
+    float64 inputs, float32 otherwise; ``-inf`` maxima where nothing is counted). Tensor
+    operations only, with shapes fixed by the call's shapes: a compiler can trace it."""
     query, key = call.query.detach(), call.key.detach()
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     batch, heads, q_len, _ = query.shape
-    k_len = key.shape[2]
-    query, key = query.to(dtype), key.to(dtype)
-    if key.shape[1] != heads:
-        key = key.repeat_interleave(heads // key.shape[1], dim=1)
-    key_t = key.transpose(-1, -2)
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    q = (query.to(dtype) * call.scale).unflatten(1, (kv_heads, heads // kv_heads))  # (B, Hkv, G, Lq, E)
+    kt = key.to(dtype).unsqueeze(2).transpose(-1, -2)  # (B, Hkv, 1, E, Lk)
     visible = flex_visible(call)
     device = query.device
     b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
     kv = torch.arange(k_len, device=device)
     score_mod = None if call.score_mod is None else _grid(call.score_mod, call.score_buffers, score=True)
-    top = torch.full((heads,), -torch.inf, dtype=dtype, device=device)
-    signed = top.clone()
-    ent = torch.zeros(heads, dtype=dtype, device=device)
-    tok = torch.zeros(heads, dtype=dtype, device=device)
-    rows = max(1, chunk_elements // max(1, batch * heads * k_len))
-    for r0 in range(0, q_len, rows):
-        r1 = min(q_len, r0 + rows)
-        logits = call.scale * (query[:, :, r0:r1] @ key_t)  # (B, H, C, L_k)
-        keep = visible(r0, r1).expand(logits.shape)
-        scores = logits
-        if score_mod is not None:
-            q = torch.arange(r0, r1, device=device)
-            scores = score_mod(logits, b, h, q, kv, *call.score_buffers).to(dtype)
-            keep = keep & (scores > -torch.inf)
+    max_abs = torch.full((heads,), -math.inf, dtype=dtype, device=device)
+    max_signed = max_abs.clone()
+    ent, count = torch.zeros(heads, dtype=dtype, device=device), torch.zeros(heads, dtype=dtype, device=device)
+    ent_rows = torch.zeros(heads, dtype=dtype, device=device)  # rows in the entropy sample
+    start, stride = sample_rows(0, q_len, None if query_valid is not None else entropy_rows, entropy_seed)
+    step = max(1, chunk_elements // max(1, batch * heads * k_len))
+    for r0 in range(0, q_len, step):
+        r1 = min(q_len, r0 + step)
+        logits = torch.matmul(q[..., r0:r1, :], kt).flatten(1, 2)  # (B, H, C, Lk)
+        keep = visible(r0, r1)
+        s0 = r0 + (start - r0) % stride
+        pick = slice(s0 - r0, r1 - r0, stride) if s0 < r1 else None
+        scores = None
+        if score_mod is not None:  # every entry: entries it sends to -inf are not visible
+            scores = score_mod(logits, b, h, torch.arange(r0, r1, device=device), kv, *call.score_buffers).to(dtype)
+            keep = keep & (scores > -math.inf)
         valid = keep.any(-1)  # (B, H, C): rows with a visible key
         if query_valid is not None:
-            valid = valid & query_valid[:, None, r0:r1].to(device)
-            keep = keep & valid[..., None]
-        top = torch.maximum(top, logits.abs().masked_fill(~keep, -torch.inf).amax(dim=(0, 2, 3)))
-        signed = torch.maximum(signed, logits.masked_fill(~keep, -torch.inf).amax(dim=(0, 2, 3)))
-        logp = torch.log_softmax(scores.masked_fill(~keep, -torch.inf), dim=-1)
-        row = -(logp.exp() * logp.masked_fill(~keep, 0)).sum(-1)
-        ent += row.masked_fill(~valid, 0).sum(dim=(0, 2))
-        tok += valid.sum(dim=(0, 2)).to(dtype)
-    return top, ent, tok, signed
+            valid = valid & query_valid[:, None, r0:r1].to(device=device, dtype=torch.bool)
+        hide = torch.where(keep, 0.0, -HIDE).to(dtype)  # hidden entries never a row's max (or, negated, min)
+        high = torch.add(logits, hide).amax(-1)
+        low = torch.sub(logits, hide).amin(-1)
+        max_signed = torch.maximum(max_signed, high.masked_fill(~valid, -math.inf).amax(dim=(0, 2)))
+        max_abs = torch.maximum(max_abs, torch.maximum(high, -low).masked_fill(~valid, -math.inf).amax(dim=(0, 2)))
+        count = count + valid.sum(dim=(0, 2)).to(dtype)
+        if pick is None:
+            continue
+        z = (logits if scores is None else scores)[:, :, pick].masked_fill(~keep[:, :, pick], -math.inf)
+        sampled = valid[:, :, pick]
+        z = z - torch.where(sampled, z.amax(-1), 0.0)[..., None]  # d = z - max z (0 for empty rows)
+        p = torch.softmax(z, dim=-1)
+        row = -torch.log(p.amax(-1)) - torch.nansum(p * z, dim=-1)  # hidden keys: 0 * -inf = NaN, dropped
+        ent = ent + torch.where(sampled, row, 0.0).sum(dim=(0, 2))
+        ent_rows = ent_rows + sampled.sum(dim=(0, 2)).to(dtype)
+    if stride > 1:  # the sample's mean stands for every counted row of its head
+        ent = ent * count / ent_rows.clamp(min=1)
+    return max_abs, ent, count, max_signed
 
 
-__all__ = ["FLEX", "FlexCall", "flex_stats", "flex_visible"]
+__all__ = ["FIELDS", "FLEX", "FlexCall", "block_mask_reader", "flex_stats", "flex_visible"]

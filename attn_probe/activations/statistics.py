@@ -95,7 +95,7 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
-from .flex import FlexCall, flex_stats
+from .flex import FlexCall, block_mask_reader, flex_stats
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
@@ -178,7 +178,8 @@ class AttentionCapture:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
-                 failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS) -> None:
+                 failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS,
+                 flex_compiled: bool = False) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -188,6 +189,18 @@ class AttentionCapture:
                                          or entropy_rows < 1):
             raise ValueError(f"entropy_rows must be a positive integer or None, got {entropy_rows!r}")
         self.entropy_rows = entropy_rows
+        #: trace the statistics of flex calls into compiled graphs (attn_probe.activations.flex)
+        self.flex_compiled = bool(flex_compiled)
+        if self.flex_compiled:
+            try:  # checked before any compile may trace a flex call
+                block_mask_reader()
+            except RuntimeError as exc:
+                self.flex_compiled = False
+                safe_warn(f"attn_probe: flex_attention calls inside compiled graphs will not be measured: {exc}.")
+        # on the CPU whatever the device: read after a step without waiting for the device
+        #: flex calls met inside compiled code (traced there: one add per call the graph runs)
+        self.flex_in_graphs = torch.zeros((), dtype=torch.long)
+        self._pending = torch.zeros((), dtype=torch.long)  # flex calls a graph measured, not yet run eagerly
         self.root = unwrap(model)
         self.layers = tuple(layers)
         self.chunk_elements = int(chunk_elements)
@@ -243,8 +256,8 @@ class AttentionCapture:
                 [torch.empty(layers, dtype=torch.float64, device=device) for _ in range(3)] + \
                 [torch.empty(n, dtype=torch.float64, device=device)]
             self._layer = torch.zeros((), dtype=torch.long, device=device)  # the running flex layer, as data
-            self._pending = torch.zeros((), dtype=torch.long, device=device)  # flex calls a graph measured
         self._pending.zero_()
+        self.flex_in_graphs.zero_()
         mx, ent, tok, norm, scaling, seen, signed = self._buffers
         signed.fill_(-math.inf)
         mx.fill_(-math.inf)
@@ -435,43 +448,50 @@ class AttentionCapture:
             self._fail(f"{self.names[i]}: {exc!r}")
 
     def _layer_tensor(self) -> Tensor | None:
-        return self._layer if self._buffers is not None else None
+        return self._layer if self.flex_compiled and self._buffers is not None else None
 
     def observe_flex(self, args: tuple, kwargs: dict, traced: bool = False) -> None:
         """One call of flex's operator inside a counted forward (from :class:`SdpaMode`;
         :mod:`attn_probe.activations.flex`): the innermost sdpa layer running, if any, adds its
-        statistics; never raises. ``traced``: a compiler is tracing the call, the statistics go
-        into its graph; else, with real tensors, a call a graph already measured is passed on."""
+        statistics; never raises. ``traced``: a compiler is tracing the call: only a counter goes
+        into its graph, or, with ``flex_compiled``, the statistics too; else (real tensors) the
+        call is measured here, unless a graph that measured it is the one running it."""
         if not self._running or not self._counted():
             return
         if traced:
-            self._observe_flex_traced(args, kwargs)
+            self.flex_in_graphs.add_(1)
+            if self.flex_compiled:
+                self._observe_flex_traced(args, kwargs)
             return
         i = self._running[-1]
         try:
-            if bool(self._pending.item()):  # the compiled graph running this operator measured it
+            if self.flex_compiled and bool(self._pending):  # a CPU tensor: no wait on the device
                 self._pending.sub_(1)
                 return
             call = FlexCall(args, kwargs, self.heads[i])
             query = call.query
             with torch.no_grad(), _autocast_off(query.device.type):
                 stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                                   chunk_elements=self.chunk_elements)
+                                   chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows,
+                                   entropy_seed=i)
             self._accumulate(i, stats, call.scale)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
 
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
-        """The statistics of one flex call, traced into the compiled graph. With equal layers the
-        layer is data (``self._layer``, set by the layers' hooks): one graph serves every layer."""
+        """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
+        equal layers the layer is data (``self._layer``, set by the layers' hooks): one graph
+        serves every layer. Tracing the user's ``mask_mod``/``score_mod`` here is what the option
+        accepts: a compiler that cannot trace them raises inside the forward."""
         same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
         i = 0 if same else self._running[-1]
         try:
-            call = FlexCall(args, kwargs, self.heads[i])
+            call = FlexCall(args, kwargs, self.heads[i], block_mask_reader())
             query = call.query
             with torch.no_grad(), _autocast_off(query.device.type):
                 stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                                   chunk_elements=self.chunk_elements)
+                                   chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows,
+                                   entropy_seed=i)
                 if same:
                     self._accumulate_at(stats, call.scale)
                 else:

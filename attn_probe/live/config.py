@@ -134,6 +134,11 @@ class ProbeConfig:
       the entropy of a call without padding or mask beyond causality is averaged over a
       systematic sample of about that many rows (``max_logit`` always reads every row; error
       bound in :mod:`attn_probe.activations.logits`); ``None``: every row;
+      ``attention_flex_compiled``: also measure ``flex_attention`` calls inside a compiled graph
+      (torchtitan 0.3's inductor-compiled flex, your ``torch.compile`` of a flex model) by tracing
+      the statistics, and your ``mask_mod``/``score_mod``, into it; off by default because a
+      modifier the compiler cannot trace there would fail the compile (flex called eagerly is
+      always measured; :mod:`attn_probe.activations.flex`);
     * ``alerts``: :class:`~attn_probe.live.alerts.AlertRule` s on logged metrics; ``alert_callback``
       (called with each :class:`~attn_probe.live.alerts.Alert`, main process); ``stop_on_alert``: a
       fired alert stops the Trainer (``control.should_training_stop``, with a checkpoint when its
@@ -179,6 +184,7 @@ class ProbeConfig:
     random_range: bool = True
     qk_clip_tau: float = 100.0
     attention_entropy_rows: int | None = 256
+    attention_flex_compiled: bool = False
     # -- where it goes, how it is written
     log_dir: str | None = None
     writer: Any = None
@@ -234,7 +240,7 @@ class ProbeConfig:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"agreement_timeout must be a positive number of seconds or None, got {t!r}")
             set_(self, "agreement_timeout", float(t))
-        for name in ("attention_stats", "stop_on_alert", "random_range"):
+        for name in ("attention_stats", "stop_on_alert", "random_range", "attention_flex_compiled"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         rows = self.attention_entropy_rows
@@ -318,6 +324,7 @@ class ProbeConfig:
             "random_range": self.random_range,
             "qk_clip_tau": self.qk_clip_tau,
             "attention_entropy_rows": self.attention_entropy_rows,
+            "attention_flex_compiled": self.attention_flex_compiled,
             "tracker_top_k": self.tracker_top_k,
         }
 

@@ -151,7 +151,7 @@ def _reference(case: str, calls: list) -> tuple[torch.Tensor, torch.Tensor]:
     return top, ent / rows
 
 
-def _train(net: Net, tmp_path, run=None):
+def _train(net: Net, tmp_path, run=None, **options):
     """Head-only SGD steps, each with an evaluation forward under no_grad inside it (not counted).
     Returns the sink, the training outputs and the attn_probe warnings."""
     opt = torch.optim.SGD(net.head.parameters(), lr=0.05)
@@ -160,7 +160,7 @@ def _train(net: Net, tmp_path, run=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = attn_probe.watch(net, optimizer=opt, every=1, attention_stats=True, per_head=True,
-                                 sinks=[sink], metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+                                 sinks=[sink], metrics=("symmetry",), log_dir=str(tmp_path / "tb"), **options)
         for step in range(1, STEPS + 1):
             x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(step)) * 2
             out = run(x)
@@ -201,13 +201,117 @@ def test_per_head_values_equal_the_float64_reference(case, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_under_the_users_compile(backend, tmp_path):
-    """The user's ``torch.compile`` of the model traces the statistics into its graph: the same values."""
+def test_under_the_users_compile_when_opted_in(backend, tmp_path):
+    """With ``attention_flex_compiled=True`` the user's ``torch.compile`` of the model traces the
+    statistics into its graph: the same values as the float64 reference."""
     net, twin = _net("alibi"), _net("alibi")
     torch._dynamo.reset()
-    sink, outs, messages = _train(net, tmp_path, run=torch.compile(net, backend=backend))
+    sink, outs, messages = _train(net, tmp_path, run=torch.compile(net, backend=backend),
+                                  attention_flex_compiled=True)
     _check("alibi", net, sink, messages)
     torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0 if backend != "inductor" else 1e-5)
+
+
+def test_users_compile_by_default_traces_nothing_of_the_probe(monkeypatch, tmp_path):
+    """By default nothing of the statistics is traced into a compiled graph: a statistics function
+    the compiler cannot trace (a graph break inside flex's operator, which fails the compile) leaves
+    the user's compiled forward running and untouched; the due step warns that flex ran inside a
+    compiled graph and names the option."""
+    from attn_probe.activations import statistics
+
+    def untraceable(*args, **kwargs):
+        torch._dynamo.graph_break()
+        raise AssertionError("the statistics of a flex call inside a compiled graph ran by default")
+
+    monkeypatch.setattr(statistics, "flex_stats", untraceable)
+    net, twin = _net("causal"), _net("causal")
+    torch._dynamo.reset()
+    sink, outs, messages = _train(net, tmp_path, run=torch.compile(net, backend="inductor"))
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=1e-5)
+    assert sink.values("max_logit") == {}
+    missing = [m for m in messages if "not measured at step 1" in m]
+    assert len(missing) == 1 and "inside a torch.compile graph" in missing[0] \
+        and "attention_flex_compiled=True" in missing[0], messages
+    assert not [m for m in messages if "skipped" in m], messages
+
+
+def test_sampled_entropy_exact_maxima(tmp_path):
+    """Above ``entropy_rows`` query rows the entropy is the mean over every ``t``-th row from the
+    documented start (within Hoeffding's bound of the exact mean); ``max_logit`` stays exact."""
+    from attn_probe.activations.logits import entropy_error_bound
+    from attn_probe.activations.statistics import AttentionCapture
+    from attn_probe.extraction import find_attention
+
+    net = _net("document_window")
+    m = 5
+    capture = AttentionCapture(net, find_attention(net), entropy_rows=m)
+    x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(4))
+    capture.arm()
+    net(x)
+    capture.disarm()
+    stats = capture.collect()
+    capture.close()
+    visible = _reference_mask("document_window")
+    stride = -(-T // m)
+    for layer, block in enumerate(net.blocks):
+        q, k, _ = block.attn.calls[-1]
+        logits = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(q.shape[-1])
+        vis = visible.expand(logits.shape)
+        p = torch.softmax(torch.where(vis, logits, -math.inf), dim=-1)
+        rows = -torch.where(vis, torch.special.xlogy(p, p), 0).sum(-1)  # (B, H, T)
+        start = (layer * 2654435761 + T * 40503) % stride  # the documented start, seeded by the layer
+        sample = rows[:, :, start::stride].mean(dim=(0, 2))
+        exact = rows.mean(dim=(0, 2))
+        top = torch.where(vis, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+        for h in range(HEADS):
+            got_ent = float(stats.entropy_sum[layer * HEADS + h] / stats.tokens[layer * HEADS + h])
+            assert got_ent == pytest.approx(float(sample[h]), rel=1e-5), (layer, h)
+            assert abs(got_ent - float(exact[h])) <= entropy_error_bound(T, len(range(start, T, stride)))
+            assert float(stats.max_logit[layer * HEADS + h]) == pytest.approx(float(top[h]), rel=1e-6)
+        assert stats.tokens[layer * HEADS:(layer + 1) * HEADS].tolist() == [float(B * T)] * HEADS
+    assert not torch.allclose(sample.double(), exact.double())  # the sample is not the whole
+
+
+def test_block_mask_layout_checked_against_the_public_api(monkeypatch, tmp_path):
+    """The reader finds each field of ``BlockMask.as_tuple()`` by identity and checks its visible
+    entries against ``create_mask``; on a torch whose tuple is laid out otherwise (simulated by
+    swapping two fields) flex calls are warned not measured, never misread, and the outputs are
+    untouched."""
+    from attn_probe.activations import flex as reader
+
+    positions = reader.block_mask_reader()
+    mask = flex.create_block_mask(_causal, 1, 1, 40, 24, device="cpu", BLOCK_SIZE=(8, 4))
+    as_tuple = mask.as_tuple()
+    assert as_tuple[positions["kv_indices"]] is mask.kv_indices
+    assert as_tuple[positions["full_kv_indices"]] is mask.full_kv_indices
+    assert (as_tuple[positions["q_block"]], as_tuple[positions["kv_block"]]) == (8, 4)
+    assert as_tuple[positions["mask_mod"]] is _causal
+
+    original = flex.BlockMask.as_tuple
+
+    def swapped(self, flatten: bool = True):  # fields in another order: found where they are
+        fields = list(original(self, flatten))
+        i, j = positions["kv_num_blocks"], positions["full_kv_num_blocks"]
+        fields[i], fields[j] = fields[j], fields[i]
+        return tuple(fields)
+
+    def copied(self, flatten: bool = True):  # fields that are not the BlockMask's own: not read
+        return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in original(self, flatten))
+
+    monkeypatch.setattr(flex.BlockMask, "as_tuple", swapped)
+    moved = reader._find_positions()
+    assert (moved["kv_num_blocks"], moved["full_kv_num_blocks"]) == \
+        (positions["full_kv_num_blocks"], positions["kv_num_blocks"])
+    monkeypatch.setattr(flex.BlockMask, "as_tuple", copied)
+    monkeypatch.setattr(reader, "_READER", None)
+    with pytest.raises(RuntimeError, match="not found once"):
+        reader.block_mask_reader()
+    net, twin = _net("causal"), _net("causal")
+    sink, outs, messages = _train(net, tmp_path)
+    assert sink.values("max_logit") == {}
+    assert [m for m in messages if "as_tuple() layout could not be read" in m and "skipped" in m], messages
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0)
+    monkeypatch.setattr(reader, "_READER", None)
 
 
 # --------------------------------------------------------------------------- the real torchtitan 0.3
@@ -225,10 +329,14 @@ class _Titan(torch.nn.Module):
         return self.head(x)
 
 
-def test_real_torchtitan_03_flex_compiled_by_torchtitan(tmp_path) -> None:
+@pytest.mark.parametrize("opted_in", [True, False])
+def test_real_torchtitan_03_flex_compiled_by_torchtitan(opted_in, tmp_path) -> None:
     """torchtitan 0.3's ``FlexAttention`` runs ``flex_attention`` through its own class-level
-    ``torch.compile`` (inductor): the statistics are traced into that graph. Per head against the
-    float64 reference of the q/k after RoPE (a forward hook on ``rope``), GQA 8/2, its ``scaling``."""
+    ``torch.compile`` (inductor). With ``attention_flex_compiled=True`` the statistics are traced
+    into that graph; by default, on the CPU, inductor leaves flex's operator to run eagerly, which
+    the mode meets with real tensors (on a GPU flex's kernel runs in the graph: not measured,
+    warned with the option). Either way, per head against the float64 reference of the q/k after
+    RoPE (a forward hook on ``rope``), GQA 8/2, its ``scaling``."""
     config_utils = pytest.importorskip("torchtitan.models.common.config_utils")
     from torchtitan.models.common import ComplexRoPE
 
@@ -253,7 +361,8 @@ def test_real_torchtitan_03_flex_compiled_by_torchtitan(tmp_path) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         probe = attn_probe.watch(net, optimizer=opt, every=1, attention_stats=True, per_head=True, sinks=[sink],
-                                 metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+                                 metrics=("symmetry",), log_dir=str(tmp_path / "tb"),
+                                 attention_flex_compiled=opted_in)
         for step in range(1, STEPS + 1):
             x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(step))
             net(x, mask).pow(2).mean().backward()
@@ -290,7 +399,8 @@ def test_flex_without_its_own_compile(monkeypatch, tmp_path):
     _check("softcap", net, sink, messages)
 
 
-@pytest.mark.parametrize("how", ["flex's own compile", "no compile", "user's compile"])
+@pytest.mark.parametrize("how", ["flex's own compile", "no compile", "user's compile, opted in",
+                                 "flex's own compile, opted in"])
 def test_each_call_counts_once(how, monkeypatch):
     """Counted query rows per head equal B * T for one training forward: a call that a graph from
     flex's own compile measured is not measured again when that graph runs flex's operator."""
@@ -300,9 +410,9 @@ def test_each_call_counts_once(how, monkeypatch):
     if how == "no compile":
         monkeypatch.setattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     net = _net("causal")
-    run = torch.compile(net, backend="eager") if how == "user's compile" else net
+    run = torch.compile(net, backend="eager") if how.startswith("user's compile") else net
     torch._dynamo.reset()
-    capture = AttentionCapture(net, find_attention(net))
+    capture = AttentionCapture(net, find_attention(net), flex_compiled=how.endswith("opted in"))
     for _ in range(2):  # the second step reuses the compiled graphs
         capture.arm()
         run(torch.randn(B, T, D))

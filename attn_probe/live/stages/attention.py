@@ -90,7 +90,7 @@ class AttentionStage:
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], group: object | None = None, *,
                  due: Callable[[int], bool] = lambda step: True, pairs: Sequence[ScorePair] = (),
                  per_head: bool = True, failures: Failures | None = None, tau: float = DEFAULT_TAU,
-                 entropy_rows: int | None = DEFAULT_ENTROPY_ROWS) -> None:
+                 entropy_rows: int | None = DEFAULT_ENTROPY_ROWS, flex_compiled: bool = False) -> None:
         self.layers = list(layers)
         self.tau = float(tau)  # the QK-clip dry run's threshold
         self.group = group
@@ -99,8 +99,8 @@ class AttentionStage:
         self.per_head = per_head
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
-        self.capture = AttentionCapture(model, self.layers, failures=self.failures, entropy_rows=entropy_rows) \
-            if self.reason is None else None
+        self.capture = AttentionCapture(model, self.layers, failures=self.failures, entropy_rows=entropy_rows,
+                                        flex_compiled=flex_compiled) if self.reason is None else None
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
@@ -229,13 +229,19 @@ class AttentionStage:
                     reason = ("their attention calls reached the probe but counted no token (a failed "
                               "measurement, warned about separately, or only padding).")
                 else:
-                    reason = missing_reason(self.layers, len(missing) == len(stats.names))
+                    reason = missing_reason(self.layers, len(missing) == len(stats.names),
+                                            flex_in_graphs=self._flex_in_graphs())
                 safe_warn(f"attn_probe: max_logit and entropy were not measured at step {step} for "
                           f"{len(missing)} of {len(stats.names)} layers ({', '.join(missing[:3])}"
                           f"{', ...' if len(missing) > 3 else ''}): {reason} "
                           "Later such steps are counted and summed up at close.")
         except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
             self.failures.report("checking the attention statistics", exc)
+
+    def _flex_in_graphs(self) -> bool:
+        """Whether flex calls ran inside compiled code during the step (a CPU counter, no wait)."""
+        capture = self.capture
+        return capture is not None and not capture.flex_compiled and bool(capture.flex_in_graphs)
 
     def extra_tables(self, measured: Sequence[tuple[AttentionLayer, Sequence[np.ndarray]]],
                      attention: AttentionTables | None) -> list:
@@ -278,8 +284,18 @@ class AttentionStage:
                       "was warned about with its likely cause).")
 
 
-def missing_reason(layers: Sequence[AttentionLayer], nothing: bool) -> str:
+#: why flex calls inside a compiled graph are not measured by default, and the remedy
+FLEX_IN_GRAPHS = ("flex_attention ran inside a torch.compile graph (torchtitan 0.3 compiles it with inductor; or "
+                  "your torch.compile of the model), where the probe traces nothing by default. "
+                  "attention_flex_compiled=True traces the statistics, your mask_mod and score_mod into that "
+                  "graph (a modifier the compiler cannot trace there would fail your compile); flex called "
+                  "eagerly is always measured.")
+
+
+def missing_reason(layers: Sequence[AttentionLayer], nothing: bool, *, flex_in_graphs: bool = False) -> str:
     """Why an armed step counted no token for some layers, and the remedy (one sentence or two)."""
+    if flex_in_graphs:
+        return FLEX_IN_GRAPHS
     now = unavailable_reason(layers)
     if now is not None:  # e.g. model.set_attn_implementation(...) after attach
         return (f"the model changed after the probe attached ({now.removeprefix('attention statistics are unavailable: ')}). "
@@ -348,7 +364,8 @@ def build_stage(model: nn.Module, layers: Sequence[AttentionLayer], config: Prob
                 and torch.distributed.get_world_size() > 1:
             group = Agreement(config.agreement_timeout).group
         stage = AttentionStage(model, layers, group, due=due, pairs=pairs, per_head=config.per_head,
-                               failures=failures, tau=config.qk_clip_tau, entropy_rows=config.attention_entropy_rows)
+                               failures=failures, tau=config.qk_clip_tau, entropy_rows=config.attention_entropy_rows,
+                               flex_compiled=config.attention_flex_compiled)
     except Exception as exc:  # noqa: BLE001 - the weight metrics go on
         safe_warn(f"attn_probe: attention statistics are unavailable ({type(exc).__name__}: {exc}); "
                   "the weight metrics go on.")
