@@ -16,8 +16,9 @@
 # attention-statistics CUDA tests (tests/activations/test_attention_cuda.py: sdpa == eager, bf16 against
 # float64, CUDA == CPU), then bench_attention_stats.py on the Llama-3.2-1B shape at sequences
 # 2,048 and 8,192 in bf16, under sdpa, eager and (if installed) flash_attention_2 (due and
-# not-due step time, peak memory; flex is not measured by the probe) and the Trainer wall-time ratio at
-# every=10 with attention_stats=True; "all" (the default) runs both. DRY_RUN=1 runs the
+# not-due step time, peak memory) and the Trainer wall-time ratio at every=10 with
+# attention_stats=True, then bench_flex_stats.py at the 1B width (flex eager; compiled with
+# inductor, with and without attention_flex_compiled); "all" (the default) runs both. DRY_RUN=1 runs the
 # selected sections' logic on the CPU with tiny shapes (no GPU numbers: a check of the script).
 #
 # The demo's sections, separate because each takes most of a lent GPU's time, run
@@ -38,10 +39,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY_RUN" = 1 ]; then
   echo "DRY_RUN: CPU, tiny shapes" | tee "$OUT/device.txt"
-  DEVICE=cpu SHAPE=small DTYPE=float32 SEQ=64 SEQS="64 128" BATCH=2 STEPS=4 REPEATS=1
+  DEVICE=cpu SHAPE=small DTYPE=float32 SEQ=64 SEQS="64 128" BATCH=2 STEPS=4 REPEATS=1 FLEX_DIM=64 FLEX_HEADS=4
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-  DEVICE=cuda SHAPE=llama-1b DTYPE=bfloat16 SEQ=2048 SEQS="2048 8192" BATCH=1 STEPS=40 REPEATS=5
+  DEVICE=cuda SHAPE=llama-1b DTYPE=bfloat16 SEQ=2048 SEQS="2048 8192" BATCH=1 STEPS=40 REPEATS=5 FLEX_DIM=2048 FLEX_HEADS=32
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/device.txt"
@@ -53,8 +54,7 @@ fi
 if [ "$SECTION" != weights ]; then
   python3 -m pytest -q -p no:cacheprovider tests/activations/test_attention_cuda.py 2>&1 | tee "$OUT/test_attention_cuda.log"
   # the due-step cost per length and attention path (issue 37): sdpa and eager always,
-  # flash_attention_2 where the flash-attn package is installed. FlexAttention is not in the list:
-  # the probe does not measure flex_attention calls yet (a BlockMask), so there is nothing to time.
+  # flash_attention_2 where the flash-attn package is installed; FlexAttention below.
   IMPLS="sdpa eager"
   if python3 -c "import flash_attn" 2>/dev/null; then IMPLS="$IMPLS flash_attention_2"; fi
   for L in $SEQS; do
@@ -66,4 +66,12 @@ if [ "$SECTION" != weights ]; then
   done
   python3 benchmarks/bench_attention_stats.py --device "$DEVICE" --shape "$SHAPE" --dtype "$DTYPE" --seq "$SEQ" \
     --batch "$BATCH" --trainer "$STEPS" --every 10 2>&1 | tee "$OUT/bench_attention_trainer.log"
+  # FlexAttention on the 1B width (2,048, 32 heads), two blocks: flex called eagerly (measured by
+  # default), flex compiled with inductor (not measured by default: the due step costs a normal
+  # one) and the same with attention_flex_compiled (the statistics traced into the graph)
+  for FLEXRUN in "--flex eager" "--flex compiled" "--flex compiled --opt-in"; do
+    echo "== $FLEXRUN" | tee -a "$OUT/bench_flex_step.log"
+    python3 benchmarks/bench_flex_stats.py $SEQS --device "$DEVICE" --dtype "$DTYPE" --dim "$FLEX_DIM" \
+      --heads "$FLEX_HEADS" --batch "$BATCH" --repeats "$REPEATS" $FLEXRUN 2>&1 | tee -a "$OUT/bench_flex_step.log"
+  done
 fi

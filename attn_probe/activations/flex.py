@@ -35,9 +35,15 @@ the reason) instead of misread.
 fewer key heads), from the logits ``l = scale * q . k`` (``scale`` as flex received it,
 ``E ** -0.5`` by default):
 
-- visible entries: those of the ``BlockMask``'s full blocks, and of its partial blocks where
-  ``mask_mod(b, h, q_idx, kv_idx)`` is true (flex's rule), less entries ``score_mod`` sends to
-  ``-inf`` (``score_mod`` is then evaluated on every entry);
+- visible entries: as flex computes them. An eager call (flex's own eager backend, its debug
+  switch, inductor leaving the operator to run eagerly) runs flex's dense implementation, which
+  evaluates ``mask_mod(b, h, q_idx, kv_idx)`` on every entry for the real ``(b, h)`` and ignores
+  the blocks; flex's kernels, which the statistics traced into a compiled graph stand beside,
+  read the ``BlockMask``'s full blocks whole and ``mask_mod`` inside its partial blocks only. The
+  two agree for a ``BlockMask`` made from its ``mask_mod`` by ``create_block_mask`` for the real
+  batch and heads; they differ for one broadcast over heads whose ``mask_mod`` depends on ``h``,
+  or one given by its blocks (``BlockMask.from_kv_blocks``). Entries ``score_mod`` sends to
+  ``-inf`` are hidden too (``score_mod`` is then evaluated on every entry);
 - ``max_logit`` / signed max: exact, over every visible entry of the content logits ``l``, before
   ``score_mod`` (as softcapping and additive biases are left out on the other paths);
 - ``entropy``: of ``softmax(score_mod(l))`` over the visible keys, the distribution the model
@@ -135,9 +141,11 @@ def _find_positions() -> dict[str, int] | str:
 class FlexCall:
     """One flex call read as the statistics need it (see the module docstring)."""
 
-    __slots__ = ("query", "key", "scale", "block", "at", "mask_mod", "mask_buffers", "score_mod", "score_buffers")
+    __slots__ = ("query", "key", "scale", "block", "at", "blocks", "mask_mod", "mask_buffers", "score_mod",
+                 "score_buffers")
 
-    def __init__(self, args: tuple, kwargs: dict, heads: int, at: dict[str, int] | None = None) -> None:
+    def __init__(self, args: tuple, kwargs: dict, heads: int, at: dict[str, int] | None = None, *,
+                 blocks: bool = True) -> None:
         names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options",
                  "score_mod_other_buffers", "mask_mod_other_buffers")
         bound = dict(zip(names, args, strict=False))
@@ -155,6 +163,7 @@ class FlexCall:
             raise ValueError("flex_attention's block mask is not the BlockMask.as_tuple() this torch builds")
         scale = bound.get("scale")
         self.query, self.key, self.block, self.at = query, key, block, at
+        self.blocks = blocks  # the kernels' rule (blocks, mask_mod inside partial ones) or the eager one
         self.scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
         self.mask_mod, self.score_mod = block[at["mask_mod"]], bound.get("score_mod")
         self.mask_buffers = tuple(bound.get("mask_mod_other_buffers") or ())
@@ -189,13 +198,16 @@ def _grid(fn: Callable, buffers: tuple, score: bool) -> Callable:
 
 
 def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
-    """``visible(r0, r1)``: ``(B, H, r1 - r0, L_k)`` bool, the entries flex computes for query rows ``r0:r1``."""
+    """``visible(r0, r1)``: ``(B, H, r1 - r0, L_k)`` bool, the entries flex computes for query rows
+    ``r0:r1``: with ``call.blocks`` the kernels' rule (full blocks, and ``mask_mod`` inside partial
+    blocks), else flex's eager rule (``mask_mod`` on every entry, the blocks unused)."""
     k_len = call.key.shape[2]
     device = call.query.device
     q_block, kv_block = int(call.field("q_block")), int(call.field("kv_block"))
     kv_blocks = -(-k_len // kv_block)
-    partial = _dense_blocks(call.field("kv_num_blocks"), call.field("kv_indices"), kv_blocks)
-    full = _dense_blocks(call.field("full_kv_num_blocks"), call.field("full_kv_indices"), kv_blocks)
+    partial = _dense_blocks(call.field("kv_num_blocks"), call.field("kv_indices"), kv_blocks) if call.blocks else None
+    full = _dense_blocks(call.field("full_kv_num_blocks"), call.field("full_kv_indices"), kv_blocks) \
+        if call.blocks else None
     batch, heads = call.query.shape[0], call.query.shape[1]
     b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
     kv = torch.arange(k_len, device=device)

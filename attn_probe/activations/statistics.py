@@ -468,7 +468,7 @@ class AttentionCapture:
             if self.flex_compiled and bool(self._pending):  # a CPU tensor: no wait on the device
                 self._pending.sub_(1)
                 return
-            call = FlexCall(args, kwargs, self.heads[i])
+            call = FlexCall(args, kwargs, self.heads[i], blocks=False)  # flex's eager rule
             query = call.query
             with torch.no_grad(), _autocast_off(query.device.type):
                 stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
@@ -503,14 +503,14 @@ class AttentionCapture:
     def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
         """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""
         mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
-        layers, at = len(self.layers), self._layer
+        layers, at = len(self.layers), self._layer.view(1)  # an index tensor: no read of its value
         for buf, value, keep_max in ((mx, stats[0], True), (ent_sum, stats[1], False),
                                      (tokens, stats[2], False), (signed, stats[3], True)):
             rows = buf.view(layers, -1)
-            old = rows[at]
-            rows.index_put_((at,), torch.maximum(old, value.to(old)) if keep_max else old + value.to(old))
-        scale.index_fill_(0, at.view(1), float(scaling))
-        seen.index_add_(0, at.view(1), torch.ones(1, dtype=seen.dtype, device=seen.device))
+            old = rows.index_select(0, at)  # (1, H)
+            rows.index_copy_(0, at, torch.maximum(old, value.to(old)) if keep_max else old + value.to(old))
+        scale.index_fill_(0, at, float(scaling))
+        seen.index_add_(0, at, torch.ones(1, dtype=seen.dtype, device=seen.device))
 
     def _measure(self, i: int, query: Tensor, key: Tensor, scaling: float, rows: Callable, *,
                  softcap: float | None = None, sinks: Tensor | None = None) -> None:
