@@ -4,11 +4,16 @@ here from the q/k each call received, with the visible entries spelled out expli
 flex or the layer's ``mask_mod``); the model's outputs equal an unwatched twin's.
 
 Cases: q_len != kv_len (lengths not multiples of the block size); BlockMasks depending on batch and
-head, and a broadcast BlockMask whose mask_mod depends on the head; ``and_masks``/``or_masks`` and
+head, a broadcast BlockMask whose mask_mod depends on the head, a block-sparse ``from_kv_blocks``
+mask, grouped-query heads with a per-head mask; ``and_masks``/``or_masks`` and
 modifiers closing over a tensor and an int; a ``score_mod`` sending entries to ``-inf``; rows with no
 visible key; block sizes ``(8, 4)``, 128 on short sequences, ``_compile=True``, no separate full
 blocks; bf16 autocast; ``scale=``, ``return_lse``, ``return_aux``; a call whose head count is not the
 layer's and a call without a block mask; sampled entropy at 300 and 600 rows.
+
+Two strict xfails record a bug: the statistics apply the BlockMask's block rule, but eager flex
+(``math_attention``, what every call outside an inductor graph runs) ignores the blocks and applies
+``mask_mod`` on every entry; they differ where the blocks disagree with the mask_mod.
 
 torch's flex has no backward on the CPU: the attention parameters are frozen, the forward runs with
 gradients on (a counted forward).
@@ -196,6 +201,38 @@ def test_broadcast_block_mask_with_a_head_dependent_mask_mod():
     _check(stats, calls, messages, failures, per_head)
 
 
+@pytest.mark.xfail(strict=True, reason="block-sparse BlockMask.from_kv_blocks (noop mask_mod): the statistics count "
+                   "only the listed blocks, eager flex ignores the blocks and attends every entry")
+def test_block_sparse_mask_from_kv_blocks():
+    """A BlockMask given by its blocks alone (public ``BlockMask.from_kv_blocks``, ``noop_mask``): each
+    query block lists kv blocks {its own, block 0}. flex's kernels read those blocks only; eager flex
+    (``math_attention``) evaluates ``mask_mod`` on every entry and attends everything (checked
+    against its own one-hot output), the reference for an eager call."""
+    t, blk = 32, 8
+    n = t // blk
+    num = torch.where(torch.arange(n) == 0, 1, 2)  # query block i lists [i, 0]; the rest of a row unused
+    kv_indices = torch.tensor([[0, 1, 2, 3], [1, 0, 2, 3], [2, 0, 1, 3], [3, 0, 1, 2]], dtype=torch.int32)
+    mask = flex.BlockMask.from_kv_blocks(num.int()[None, None], kv_indices[None, None], BLOCK_SIZE=blk,
+                                         mask_mod=flex.noop_mask, seq_lengths=(t, t))
+    stats, calls, messages, failures = _measure(lambda q, k, v: flex.flex_attention(q, k, v, block_mask=mask), _x(t))
+    (q, k), = calls
+    everything = torch.ones(1, 1, t, t, dtype=torch.bool)
+    assert (_flex_probabilities(q, k, mask) > 0).all()  # eager flex attended every entry
+    _check(stats, calls, messages, failures, everything)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_heads_with_a_per_head_mask(kv_heads):
+    """``enable_gqa`` with a mask_mod depending on the query head (the ``h`` flex passes)."""
+    t = 32
+    mask = flex.create_block_mask(_per_batch_head, B, HEADS, t, t, device="cpu", BLOCK_SIZE=8)
+    out = _measure(lambda q, k, v: flex.flex_attention(q, k[:, :kv_heads], v[:, :kv_heads], block_mask=mask,
+                                                       enable_gqa=True), _x(t))
+    stats, calls, messages, failures = out
+    (q, k), = calls
+    _check(stats, [(q, k[:, :kv_heads])], messages, failures, _explicit_batch_head(t))
+
+
 # ------------------------------------------------------------------- 3. composed masks and closures
 def _causal(b, h, q, kv):
     return q >= kv
@@ -257,7 +294,7 @@ def test_score_mod_minus_inf_with_a_full_block_mask():
     causal, _, _ = _reference(q, k, (j <= i)[None, None])
     assert (everything > causal * (1 + 1e-4)).any()  # the -inf entries would change max_logit
     _check(*out, torch.ones(1, 1, t, t, dtype=torch.bool),
-           score=lambda l: torch.where(j <= i, l, -math.inf))
+           score=lambda z: torch.where(j <= i, z, -math.inf))
 
 
 def test_score_mod_and_mask_mod_together_with_a_bias():
@@ -273,7 +310,7 @@ def test_score_mod_and_mask_mod_together_with_a_bias():
     i, j = _ij(t, t)
     hh = torch.arange(HEADS).double()[None, :, None, None]
     _check(*out, (j <= i)[None, None],
-           score=lambda l: torch.where((i - j) % 4 == 3, -math.inf, l + 0.5 * hh - 0.1 * (i - j)))
+           score=lambda z: torch.where((i - j) % 4 == 3, -math.inf, z + 0.5 * hh - 0.1 * (i - j)))
 
 
 # --------------------------------------------------------------------- 5. rows with no visible key
@@ -376,7 +413,7 @@ def test_without_a_block_mask_with_a_score_mod():
     t = 24
     out = _measure(lambda q, k, v: flex.flex_attention(q, k, v, score_mod=_causal_score), _x(t))
     i, j = _ij(t, t)
-    _check(*out, torch.ones(1, 1, t, t, dtype=torch.bool), score=lambda l: torch.where(j <= i, l, -math.inf))
+    _check(*out, torch.ones(1, 1, t, t, dtype=torch.bool), score=lambda z: torch.where(j <= i, z, -math.inf))
 
 
 def test_through_watch_with_every_row(tmp_path):
