@@ -11,9 +11,9 @@ visible key; block sizes ``(8, 4)``, 128 on short sequences, ``_compile=True``, 
 blocks; bf16 autocast; ``scale=``, ``return_lse``, ``return_aux``; a call whose head count is not the
 layer's and a call without a block mask; sampled entropy at 300 and 600 rows.
 
-Two strict xfails record a bug: the statistics apply the BlockMask's block rule, but eager flex
+Two cases check the eager rule where it differs from the kernels' block rule: eager flex
 (``math_attention``, what every call outside an inductor graph runs) ignores the blocks and applies
-``mask_mod`` on every entry; they differ where the blocks disagree with the mask_mod.
+``mask_mod`` on every entry, and so do the statistics of an eager call.
 
 torch's flex has no backward on the CPU: the attention parameters are frozen, the forward runs with
 gradients on (a counted forward).
@@ -177,9 +177,6 @@ def _flex_probabilities(q, k, block_mask):
     return flex.flex_attention(q, k, eye, block_mask=block_mask)
 
 
-@pytest.mark.xfail(strict=True, reason="broadcast BlockMask with an h-dependent mask_mod: the statistics apply the "
-                   "block rule (blocks of head 0, mask_mod only inside partial blocks) while eager flex applies "
-                   "mask_mod on every entry of the real head and ignores the blocks")
 def test_broadcast_block_mask_with_a_head_dependent_mask_mod():
     """``create_block_mask(B=None, H=None)`` evaluates the mask_mod for head 0 only: the blocks it
     marks full or empty are wrong for the other heads. Eager flex (``math_attention``, the
@@ -201,8 +198,6 @@ def test_broadcast_block_mask_with_a_head_dependent_mask_mod():
     _check(stats, calls, messages, failures, per_head)
 
 
-@pytest.mark.xfail(strict=True, reason="block-sparse BlockMask.from_kv_blocks (noop mask_mod): the statistics count "
-                   "only the listed blocks, eager flex ignores the blocks and attends every entry")
 def test_block_sparse_mask_from_kv_blocks():
     """A BlockMask given by its blocks alone (public ``BlockMask.from_kv_blocks``, ``noop_mask``): each
     query block lists kv blocks {its own, block 0}. flex's kernels read those blocks only; eager flex
