@@ -114,7 +114,7 @@ def _find_positions() -> dict[str, int] | str:
     mask = create_block_mask(_probe_mask_mod, 1, 1, q_len, kv_len, device="cpu", BLOCK_SIZE=(q_block, kv_block))
     if tuple(mask.BLOCK_SIZE) != (q_block, kv_block) or tuple(mask.seq_lengths) != (q_len, kv_len):
         return "BlockMask.BLOCK_SIZE / seq_lengths do not hold what create_block_mask was given"
-    fields = as_tuple = mask.as_tuple()
+    fields = mask.as_tuple()
     found: dict[str, int] = {}
     for name, value in (("kv_num_blocks", mask.kv_num_blocks), ("kv_indices", mask.kv_indices),
                         ("full_kv_num_blocks", mask.full_kv_num_blocks), ("full_kv_indices", mask.full_kv_indices),
@@ -130,7 +130,7 @@ def _find_positions() -> dict[str, int] | str:
         found[name] = hits[0]
     query = torch.zeros(1, 1, q_len, 1)
     key = torch.zeros(1, 1, kv_len, 1)
-    call = FlexCall((query, key, key, None, as_tuple, None, {}, (), ()), {}, 1, found)
+    call = FlexCall((query, key, key, None, fields, None, {}, (), ()), {}, 1, found)
     mine = flex_visible(call)(0, q_len)
     theirs = create_mask(_probe_mask_mod, 1, 1, q_len, kv_len, device="cpu")
     if mine.shape != theirs.shape or not torch.equal(mine, theirs):

@@ -101,8 +101,9 @@ def sdpa_call(args: tuple, kwargs: dict, heads: int) -> tuple[Tensor, Tensor, fl
 
 class SdpaMode(TorchFunctionMode):
     """Hands every ``scaled_dot_product_attention`` call to ``observe(args, kwargs)`` and every
-    run of flex's operator to ``observe_flex(args, kwargs, traced)`` (neither raises), then makes the call;
-    every other function passes straight through. Nothing else is stored, so a copy of the model or a pickle never meets it (it lives on the mode stack only)."""
+    run of flex's operator to ``observe_flex(args, kwargs, traced)`` (neither raises), then makes
+    the call; every other function passes straight through. Nothing else is stored, so a copy of
+    the model or a pickle never meets it (it lives on the mode stack only)."""
 
     def __init__(self, observe: Any, observe_flex: Any = None) -> None:
         super().__init__()

@@ -38,7 +38,7 @@ from causality (bottom-right), ``sliding_window``, ``cu_seq_lens_q``/packed ``po
 the 2D padding mask (other patterns, e.g. chunked attention, are not rebuilt there).
 Direct ``flex_attention`` calls (a ``BlockMask``) are measured from flex's operator
 (:mod:`attn_probe.activations.flex`: content logits for the maxima, ``score_mod`` in the entropy;
-also under torch.compile, the statistics traced into the graph); transformers' ``flex_attention``
+eager calls always, calls inside a compiled graph with ``flex_compiled``); transformers' ``flex_attention``
 implementation, paged attention and user-registered implementation names are not measured
 (:func:`unavailable_reason` says so).
 
@@ -469,12 +469,7 @@ class AttentionCapture:
                 self._pending.sub_(1)
                 return
             call = FlexCall(args, kwargs, self.heads[i], blocks=False)  # flex's eager rule
-            query = call.query
-            with torch.no_grad(), _autocast_off(query.device.type):
-                stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                                   chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows,
-                                   entropy_seed=i)
-            self._accumulate(i, stats, call.scale)
+            self._accumulate(i, self._flex_stats(i, call), call.scale)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
 
@@ -486,12 +481,9 @@ class AttentionCapture:
         same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
         i = 0 if same else self._running[-1]
         try:
-            call = FlexCall(args, kwargs, self.heads[i], block_mask_reader())
-            query = call.query
-            with torch.no_grad(), _autocast_off(query.device.type):
-                stats = flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                                   chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows,
-                                   entropy_seed=i)
+            call = FlexCall(args, kwargs, self.heads[i])
+            stats = self._flex_stats(i, call)
+            with torch.no_grad():
                 if same:
                     self._accumulate_at(stats, call.scale)
                 else:
@@ -499,6 +491,13 @@ class AttentionCapture:
                 self._pending.add_(1)
         except Exception:  # noqa: BLE001 - a call not measured leaves the layer's row missing: warned per step
             return
+
+    def _flex_stats(self, i: int, call: FlexCall) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise)."""
+        query = call.query
+        with torch.no_grad(), _autocast_off(query.device.type):
+            return flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
+                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i)
 
     def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
         """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""
