@@ -30,7 +30,7 @@ from .lines import (
 )
 from .runs import HEADER_SIGNS, MAX_HEADER, Event, RunKey, RunTracker, looks_like_header
 
-__all__ = ["Cut", "cut_run", "cut_trajectory"]
+__all__ = ["Cut", "Piece", "cut_run", "cut_trajectory", "pieces"]
 
 #: a row as the sink writes it, with what tells its value apart: step, group, layer, head, metric
 _ROW = re.compile(rb'^\{"step": (-?\d{1,19}), "wall_time": [^,\n]*, "group": "([A-Za-z0-9_]{1,128})", '
@@ -172,7 +172,7 @@ class _Walk:
             at = nl
 
 
-def _pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Iterator[Piece]:
+def pieces(fh: Any, chunk_size: int, max_line: int, tracker: RunTracker) -> Iterator[Piece]:
     """The file in order as pieces, each given to its run by ``tracker``."""
     line_no = 0  # lines before the current piece
     walk = _Walk(fh.fileno(), tracker, chunk_size, max_line)
@@ -215,7 +215,7 @@ def _scan(fh: Any, resume_step: int, target: RunKey | None, chunk_size: int,
     is (a line over ``max_line`` bytes as :class:`Unreadable`: copied, never held). A torn last
     line is dropped.
     """
-    for offset, data, key, lines, low, high, _header in _pieces(fh, chunk_size, max_line, RunTracker()):
+    for offset, data, key, lines, low, high, _header in pieces(fh, chunk_size, max_line, RunTracker()):
         if isinstance(data, Unreadable):
             keep = not data.torn and key != target
             yield offset, data if keep else b"", keep, 1
@@ -307,7 +307,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
             return Cut(0, run_id, False, 0)
         tracker = RunTracker()
         with open(path, "rb") as fh:
-            for _ in _pieces(fh, chunk_size, max_line, tracker):
+            for _ in pieces(fh, chunk_size, max_line, tracker):
                 pass
         latest = tracker.latest(run_id) if run_id is not None else None
         found = latest is not None

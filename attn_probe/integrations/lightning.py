@@ -36,7 +36,9 @@ Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_pro
   run already holds it; continuing in the same directory drops the trajectory rows after it
   (and TensorBoard's events through the restart marker). A resumed ``TensorBoardLogger``
   opens a new ``version_N`` by default: one line says where the trajectory continues, and
-  the run header records the parent run and step.
+  the run header records the parent run and step. ``fit`` called again on the same Trainer
+  (no checkpoint: Lightning keeps ``global_step`` and the logger) continues the callback's own
+  run the same way: one run id, each step once.
 * **stop_on_alert**: ``trainer.should_stop`` is set on every rank at the same step (the
   probe's stop decision is agreed across ranks). Lightning ignores ``should_stop`` until
   ``min_steps``/``min_epochs`` are met: the run then stops at the first step where they are.
@@ -185,11 +187,16 @@ class AttnProbeCallback(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self.probe is not None:  # fit() again on the same callback: start over
             self.probe.close(final_snapshot=False)
-            self.probe = None
+            self.last_snapshot_step, self.probe = self.probe.last_snapshot_step, None
         step = int(trainer.global_step)
         self._last_global_step = step
         main = bool(trainer.is_global_zero)
-        restored = self.restored if step > 0 else None
+        restored, self.restored = self.restored, None  # a checkpoint's state serves the fit it was loaded for
+        if restored is None and self.run_id is not None and self.last_snapshot_step is not None:
+            # fit() again without a checkpoint: its own run goes on (Lightning keeps global_step and the
+            # logger), one run whose rows from ``step`` on are cut and taken again (no step twice)
+            restored = self.state_dict()
+        restored = restored if step > 0 else None
         saved = None
         if restored:
             saved_id = restored.get("run_id")
@@ -286,7 +293,7 @@ class AttnProbeCallback(Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.probe is not None:  # no final snapshot: other ranks may not reach it
             self.probe.close(final_snapshot=False)
-            self.probe = None
+            self.last_snapshot_step, self.probe = self.probe.last_snapshot_step, None
 
 
 # ------------------------------------------------------------------------------------ helpers

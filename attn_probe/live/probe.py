@@ -173,6 +173,8 @@ class Probe:
         self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
         if self.outputs is None:
             self._random_rows = []  # computed to keep the main process's pace; only the main process writes it
+        if self.alerting is not None and self.step > 0:
+            self._restore_alerts()
         # the attention stage (registering wrappers) last: nothing after it raises
         self.attention: AttentionStage | None = build_stage(model, layers, cfg, self.pairs, self.ranks,
                                                             self.decision.measures_forwards, self.failure_log)
@@ -181,6 +183,29 @@ class Probe:
         #: what a snapshot measures, in the order taken and assembled (:mod:`attn_probe.live.quantities`)
         self.quantities: list[Quantity] = build_quantities([pair.metrics for pair in self.pairs], cfg.schedule,
                                                            cfg.image_schedule, self.attention, cfg.per_head)
+
+    def _restore_alerts(self) -> None:
+        """A resumed run (``start_step > 0``): the alert rules go on from the rows of this run that the
+        trajectory holds (:meth:`~attn_probe.live.stages.alerting.Alerting.restore`), so that they fire
+        as in an uninterrupted run. Main process only (it alone writes the file); the rules on
+        ``max_logit``/``entropy`` are evaluated on every rank and decide a stop there, so with
+        ``stop_on_alert`` on several ranks they start afresh (warned). Never raises."""
+        alerting = self.alerting
+        assert alerting is not None
+        shared_stop = self.config.stop_on_alert and world_info().distributed
+        found = self.outputs.trajectory() if self.outputs is not None else None
+        if found is None:
+            return
+        try:
+            alerting.restore(*found, every_rank=not shared_stop)
+        except Exception as exc:  # noqa: BLE001 - the rules then start afresh; training goes on
+            self.failure_log.report("restoring the alert rules' state from the trajectory", exc)
+            return
+        if shared_stop and alerting.every_rank is not None:
+            safe_warn(f"attn_probe: resumed at step {self.step} with stop_on_alert on several ranks: the rules on "
+                      f"{', '.join(sorted(r.metric for r in alerting.every_rank.rules))} start afresh (every rank "
+                      "decides their stop and only this one reads the trajectory); the other rules go on from "
+                      "the run's rows.")
 
     # -- state read through the stages ---------------------------------------------------------
     @property

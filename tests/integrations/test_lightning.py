@@ -289,6 +289,34 @@ def test_resume_continues_its_own_run_by_id_and_keeps_another_run_in_the_same_lo
         == [0, 2, 4, 6, 8]  # no step twice: A's stale rows from step 4 on were cut, then taken again
 
 
+def test_fit_twice_on_one_trainer_is_one_run_with_each_step_once(tmp_path):
+    """Issue 44 item 6: ``fit`` called again on the same Trainer (no checkpoint; Lightning keeps
+    ``global_step`` and the logger) continues the callback's own run: one run id, read back by the
+    project's loader as one run, each step once (the step-4 rows of the first fit are cut and taken
+    again), and the last values are the model's own (score_model)."""
+    torch.manual_seed(1)
+    module = LitLM("bert")
+    cb = AttnProbeCallback(every=2)
+    trainer = L.Trainer(callbacks=[cb], max_epochs=1, limit_train_batches=4, limit_val_batches=0,
+                        num_sanity_val_steps=0, logger=TensorBoardLogger(str(tmp_path)), log_every_n_steps=1,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        enable_checkpointing=False, deterministic=True)
+    trainer.fit(module, loader())
+    assert trainer.global_step == 4
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, loader())
+    assert trainer.global_step == 8
+    log_dir = trainer.logger.log_dir
+    runs = lines_by_run(os.path.join(log_dir, "attn_probe.jsonl"))
+    assert {run for run, _ in runs} == {cb.run_id}
+    assert raw_steps(log_dir) == [0, 2, 4, 6, 8]
+    df = attn_probe.load_trajectory(log_dir)
+    assert df["run"].nunique() == 1 and set(df["run_id"]) == {cb.run_id}
+    table = rows(log_dir)
+    assert steps(table) == [0, 2, 4, 6, 8]
+    assert_final_equals_score_model(table, module.model, 8)
+
+
 @pytest.mark.parametrize(("min_steps", "min_epochs", "stops_at"), [(None, None, 1), (3, 0, 3), (3, None, 8)])
 def test_alert_stops_the_trainer(tmp_path, capfd, min_steps, min_epochs, stops_at):
     """stop_on_alert: a rule firing at step 0 sets trainer.should_stop at the next step; Lightning honours it

@@ -116,6 +116,55 @@ class Alerting:
             self._stop(self._pending)
         self._pending = None
 
+    @property
+    def metrics(self) -> set[str]:
+        """The metrics its rules watch."""
+        return {rule.metric for monitor in (self.every_rank, self.main) if monitor is not None
+                for rule in monitor.rules}
+
+    def restore(self, path: str, run_id: str, *, every_rank: bool = True) -> int:
+        """Rebuild the rules' state (growth windows, rules already fired, NaNs already reported) from
+        the rows of the run ``run_id`` that the trajectory ``path`` holds, as if this probe had seen
+        them: a resumed run then fires what an uninterrupted one fires. Nothing is reported and no
+        stop is requested for what fired before the resume. ``every_rank=False`` leaves the rules on
+        ``max_logit``/``entropy`` fresh (another rank, which cannot read the file, must take the same
+        stop decision). Returns the steps replayed; may raise ``OSError``.
+
+        The file was cut back to the resumed step already: the rows are those before it. They are
+        replayed as the rules saw them live: the attention statistics of a column that was not
+        measured (``null`` in the file) give no row, a NaN derived metric neither (:meth:`check`).
+        """
+        from ...formats.run_rows import RunRows
+
+        monitors = {"every": self.every_rank if every_rank else None, "main": self.main}
+        metrics = {rule.metric for m in monitors.values() if m is not None for rule in m.rules}
+        if not metrics:
+            return 0
+        fresh: dict[Any, dict[str, AlertMonitor]] = {}  # run key -> monitors replayed over that run
+        steps: dict[Any, int] = {}
+        reader = RunRows(path, run_id, metrics)
+        for key, step, rows in reader:
+            replay = fresh.setdefault(key, {name: AlertMonitor(m.rules) for name, m in monitors.items() if m is not None})
+            by_row: dict[str, dict[tuple, dict[str, Any]]] = {"every": {}, "main": {}}
+            for _step, group, layer, head, metric, value in rows:
+                every = metric in EVERY_RANK
+                if value != value and (every or metric in DERIVED):
+                    continue  # not measured there, or an input missing: no row live either
+                table = by_row["every" if every else "main"]
+                table.setdefault((group, layer, head), {"group": group, "layer": layer, "head": head})[metric] = value
+            for name, monitor in replay.items():
+                if by_row[name]:
+                    monitor.evaluate(step, by_row[name].values())
+            steps[key] = steps.get(key, 0) + 1
+        replayed = fresh.get(reader.latest)
+        if replayed is None:
+            return 0
+        if "every" in replayed:
+            self.every_rank = replayed["every"]
+        if "main" in replayed:
+            self.main = replayed["main"]
+        return steps.get(reader.latest, 0)
+
     def _stop(self, alert: Alert | None) -> None:
         self.stop_requested = True
         self.stop_alert = alert

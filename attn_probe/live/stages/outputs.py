@@ -119,6 +119,15 @@ class Outputs:
         self.dispatcher: SinkDispatcher | None = dispatcher
         self._lock = lock
 
+    def trajectory(self) -> tuple[str, str] | None:
+        """``(path, run id)`` of the trajectory file this run writes (``None``: no trajectory sink)."""
+        from ...sinks.trajectory import TrajectorySink
+
+        for sink in self.sinks:
+            if isinstance(sink, TrajectorySink) and sink.run_id is not None:
+                return sink.path, sink.run_id
+        return None
+
     def write(self, snapshot: Snapshot) -> None:
         """Hand the snapshot to the dispatcher (background lanes: returns at once; never raises)."""
         if self.dispatcher is not None:
