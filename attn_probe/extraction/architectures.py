@@ -363,7 +363,9 @@ def describe_layouts() -> list[tuple[str, str]]:
     rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config. "
              "A projection is an nn.Linear, a transformers Conv1D, a PEFT LoRA wrapper or a torchtune "
              "LoRALinear/DoRALinear (QLoRA's NF4 base dequantized), in the adapter state in force "
-             "(torchtune Llama-style MultiHeadAttention: q_proj/k_proj).")]
+             "(torchtune Llama-style MultiHeadAttention: q_proj/k_proj). Query head h meets KV head "
+             "h // (H/Hkv), except in x-transformers' Attention (to_q/to_k), whose forward tiles its keys "
+             "(h % Hkv): they are read tiled, one per query head.")]
     for fn in FUSED_LAYOUTS:
         text = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
         table = _LAYOUT_CLASSES.get(fn.__name__)
