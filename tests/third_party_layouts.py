@@ -14,6 +14,10 @@ real package where that package imports (installed apart, ``pip install --target
 * nanoGPT (Karpathy's ``model.py``): ``NanoConfig`` (its ``GPTConfig`` fields), ``CausalSelfAttention``
   (``c_attn(x).split(n_embd, dim=2)``), ``MLP``, ``Block``, ``GPT`` (tied ``wte``/``lm_head``);
   ``tests/extraction/test_research_layouts.py`` checks the scores against the module's own q/k.
+* x-transformers 2.31.10 (``x_transformers.x_transformers.Attention`` with ``kv_heads``): separate ``to_q``/``to_k``,
+  keys *tiled* over the query heads (``repeat(k, 'b kvh n d -> b (r kvh) n d')`` in ``Attend.forward``), so query
+  head ``h`` meets key head ``h % kv_heads``; ``__module__`` is x-transformers', by which the real class is
+  recognised. ``tests/extraction/test_xtransformers_layout.py`` checks it against the real package.
 * timm 1.0.31 (``timm.layers.attention.Attention``): fused ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``;
   ``__module__`` is timm's, by which the real class is recognised (timm needs torchvision, which does
   not install beside a CPU torch).
@@ -334,3 +338,35 @@ class Attention(nn.Module):
 
 
 Attention.__module__ = "timm.layers.attention"
+
+
+# --------------------------------------------------------------------------- x-transformers (verbatim-shaped)
+class XTransformersAttention(nn.Module):
+    """Shaped as x-transformers 2.31.10's ``Attention`` (``heads``, ``kv_heads``, ``groups``, bias-free
+    ``to_q``/``to_k``/``to_v``/``to_out``; the non-flash ``Attend`` path: keys tiled, ``einsum`` logits).
+    ``forward`` returns ``(out, qk_similarities)``, the scaled logits x-transformers keeps in its
+    intermediates. Named ``Attention`` in x-transformers' module, as the real class is (see the module doc)."""
+
+    def __init__(self, dim: int, heads: int = 8, kv_heads: int | None = None, dim_head: int = 8) -> None:
+        super().__init__()
+        kv_heads = heads if kv_heads is None else kv_heads
+        self.scale = dim_head ** -0.5
+        self.heads, self.kv_heads, self.groups = heads, kv_heads, heads // kv_heads
+        self.to_q = nn.Linear(dim, dim_head * heads, bias=False)
+        self.to_k = nn.Linear(dim, dim_head * kv_heads, bias=False)
+        self.to_v = nn.Linear(dim, dim_head * kv_heads, bias=False)
+        self.to_out = nn.Linear(dim_head * heads, dim, bias=False)
+        self.dim_head = dim_head
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, -1, self.dim_head).transpose(1, 2) for t in (self.to_q(x), self.to_k(x), self.to_v(x)))
+        if self.kv_heads < self.heads:  # einops repeat 'b kvh n d -> b (r kvh) n d': tiled, not interleaved
+            k, v = (t.repeat(1, self.groups, 1, 1) for t in (k, v))
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * self.scale
+        out = sim.softmax(-1) @ v
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1)), sim
+
+
+XTransformersAttention.__name__ = XTransformersAttention.__qualname__ = "Attention"
+XTransformersAttention.__module__ = "x_transformers.x_transformers"

@@ -34,7 +34,7 @@ from .heads import check_head_counts, infer_head_dim
 from .heads import first_int as _int
 from .projections import Projection, attached_adapters, child_projection, is_lora, projection
 from .rows import class_is, contiguous_qkv, grouped_qkv, interleaved_qkv
-from .stacks import litgpt_layout, nanogpt_layout, timm_layout, torchtitan_layout
+from .stacks import litgpt_layout, nanogpt_layout, tiles_keys, timm_layout, torchtitan_layout
 
 #: Child-module name pairs (query, key) of attention modules with separate projections.
 SEPARATE_QK_NAMES: list[tuple[str, str]] = [
@@ -68,9 +68,15 @@ GATED_QUERY_CLASSES = ("Qwen3NextAttention", "Qwen3_5Attention", "Qwen3_5MoeAtte
 def separate_layout(
     attn: nn.Module, path: str, config: Any, names: list[tuple[str, str]] | None = None
 ) -> QKLayout | None:
-    """Layout of a module with separate q and k projection children, if it has them."""
+    """Layout of a module with separate q and k projection children, if it has them.
+
+    Where the forward tiles its KV heads (x-transformers, :func:`~attn_probe.extraction.stacks.tiles_keys`:
+    query head ``h`` meets KV head ``h % Hkv``), the keys are tiled the same way, one per query head, so the
+    layout states ``num_kv_heads == num_heads`` and every consumer pairs head ``h`` with key ``h``.
+    """
     children = dict(attn.named_children())
     slots = 2 if class_is(attn, *GATED_QUERY_CLASSES) else 1  # rows per query head: (query[, gate])
+    tiled = tiles_keys(attn)
     for q_name, k_name in names if names is not None else SEPARATE_QK_NAMES:
         if q_name not in children or k_name not in children:
             continue
@@ -87,11 +93,13 @@ def separate_layout(
         if num_heads % num_kv:
             continue
         d = q.in_features
+        tile = num_heads // num_kv if tiled else 1  # (a copy of the keys: repeat, as the forward does)
 
-        def split(get: ParamGetter, q=q, k=k, h=num_heads, hk=num_kv, dh=head_dim, d=d, slots=slots):
-            return q.weight(get).reshape(h, slots, dh, d)[:, 0], k.weight(get).reshape(hk, dh, d)
+        def split(get: ParamGetter, q=q, k=k, h=num_heads, hk=num_kv, dh=head_dim, d=d, slots=slots, tile=tile):
+            key = k.weight(get).reshape(hk, dh, d)
+            return q.weight(get).reshape(h, slots, dh, d)[:, 0], key.repeat(tile, 1, 1) if tile > 1 else key
 
-        return QKLayout(q.param_names + k.param_names, num_heads, num_kv, head_dim, d, split)
+        return QKLayout(q.param_names + k.param_names, num_heads, num_kv * tile, head_dim, d, split)
     return None
 
 
@@ -355,7 +363,9 @@ def describe_layouts() -> list[tuple[str, str]]:
     rows = [("separate projections", f"two child projections named {pairs}; heads from the module or config. "
              "A projection is an nn.Linear, a transformers Conv1D, a PEFT LoRA wrapper or a torchtune "
              "LoRALinear/DoRALinear (QLoRA's NF4 base dequantized), in the adapter state in force "
-             "(torchtune Llama-style MultiHeadAttention: q_proj/k_proj).")]
+             "(torchtune Llama-style MultiHeadAttention: q_proj/k_proj). Query head h meets KV head "
+             "h // (H/Hkv), except in x-transformers' Attention (to_q/to_k), whose forward tiles its keys "
+             "(h % Hkv): they are read tiled, one per query head.")]
     for fn in FUSED_LAYOUTS:
         text = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
         table = _LAYOUT_CLASSES.get(fn.__name__)

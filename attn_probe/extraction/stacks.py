@@ -1,5 +1,5 @@
 """Layouts of the stacks research code trains with, outside Hugging Face: nanoGPT-style, timm,
-LitGPT and torchtitan attention. Each is a fused layout of :data:`attn_probe.extraction.architectures.FUSED_LAYOUTS`
+LitGPT and torchtitan attention, and x-transformers' key-head pairing (:func:`tiles_keys`). Each is a fused layout of :data:`attn_probe.extraction.architectures.FUSED_LAYOUTS`
 (listed there, in the order they are tried), keyed on the module's class and attributes, and was
 checked against the q/k the module's own forward computes (``tests/extraction/test_research_layouts.py``,
 ``tests/extraction/test_stack_layouts.py``)."""
@@ -92,4 +92,14 @@ def torchtitan_layout(attn: nn.Module, path: str, config: Any) -> QKLayout | Non
     return None
 
 
-__all__ = ["nanogpt_layout", "timm_layout", "litgpt_layout", "torchtitan_layout"]
+def tiles_keys(attn: nn.Module) -> bool:
+    """Whether ``attn``'s forward *tiles* its KV heads over the query heads, so query head ``h`` meets KV
+    head ``h % Hkv`` (not ``h // (H/Hkv)``, the ``repeat_kv``/``repeat_interleave``/``enable_gqa`` pairing
+    of every other layout). x-transformers' ``Attention`` (``attn_kv_heads``/``kv_heads``; read from
+    x-transformers 2.31.10, ``x_transformers.attend.Attend.forward``) expands its keys with einops
+    ``repeat(k, 'b kvh n d -> b (r kvh) n d')``. Its ``to_q``/``to_k`` are otherwise separate projections
+    (:func:`attn_probe.extraction.architectures.separate_layout` reads them and tiles the keys)."""
+    return any(c.__name__ == "Attention" and c.__module__.startswith("x_transformers.") for c in type(attn).__mro__)
+
+
+__all__ = ["nanogpt_layout", "timm_layout", "litgpt_layout", "torchtitan_layout", "tiles_keys"]
