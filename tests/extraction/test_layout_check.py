@@ -84,6 +84,23 @@ def test_llama_gqa_rotary_reading_is_verified(monkeypatch: pytest.MonkeyPatch) -
     assert all(c.fits == ("grouped",) and c.scale == pytest.approx(1.0, abs=1e-6) for c in checks)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_default_tolerance_tells_right_from_wrong_in_low_precision(
+    monkeypatch, dtype: torch.dtype
+) -> None:
+    """Measured: right readings leave residuals of ~6e-7 (float32) and ~1.2e-2 (bfloat16), a wrong pairing
+    0.59 and more; the default tolerance (by dtype) accepts the one and refuses the other."""
+    model, attns = _llama()
+    model.to(dtype)
+    seen = run(model, attns, monkeypatch, tokens=512)
+    assert verdicts(model, seen) == ["ok", "ok"]
+    adapter = register_adapter(_wrong("pairing"))
+    try:
+        assert verdicts(model, seen) == ["mismatch", "mismatch"]
+    finally:
+        unregister_adapter(adapter)
+
+
 def test_llama_attention_bias_is_no_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """q/k projection biases (outside W_qk) are fitted, not taken for a wrong reading."""
     model, attns = _llama(attention_bias=True)
@@ -220,3 +237,24 @@ def test_gpt2_fused_slice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert verdicts(model, seen) == ["mismatch", "mismatch"]
     finally:
         unregister_adapter(v_as_k)
+
+
+def test_real_xtransformers_flash_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real x-transformers (flash: keys tiled to every query head, then sdpa): attn_probe's reading is
+    verified; the grouped reading of the same weights is found ``tiled``."""
+    xt = pytest.importorskip("x_transformers")
+    torch.manual_seed(4)
+    model = xt.TransformerWrapper(
+        num_tokens=100,
+        max_seq_len=64,
+        attn_layers=xt.Decoder(
+            dim=64, depth=2, heads=8, attn_kv_heads=2, attn_dim_head=8, attn_flash=True, rotary_pos_emb=True
+        ),
+    )
+    model = model.double().eval()
+    attns = [m for m in model.modules() if type(m).__name__ == "Attention" and hasattr(m, "to_q")]
+    seen = run(model, attns, monkeypatch)
+    assert verdicts(model, seen) == ["ok", "ok"]
+    for attn, x, (q, k) in zip(attns, seen.x, seen.qk, strict=True):
+        grouped = attn.to_q.weight.reshape(8, 8, 64), attn.to_k.weight.reshape(2, 8, 64)
+        assert check_layout(x, *grouped, q, k).verdict == "tiled"
