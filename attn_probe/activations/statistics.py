@@ -92,6 +92,7 @@ from torch import nn
 
 from ..extraction.architectures import unwrap
 from ..extraction.base import AttentionLayer
+from ..extraction.layout_check import LayoutCheck, check_layout
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
@@ -152,6 +153,52 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+#: names of a module's own transform of q/k after the projection (QK-norm), outside W_qk by definition
+QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
+
+
+def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) -> LayoutCheck:
+    """:func:`~attn_probe.extraction.layout_check.check_layout` of ``layer``'s factors against one
+    self-attention call: ``x (B, L, d)`` its module's input, ``query (B, H, L, dh)``, ``key (B, Hs, L, dh)``
+    what the attention call received. ``unverified`` where the call does not read ``x`` position by
+    position (cross-attention, a key length other than ``L``) or where the module normalises q/k after
+    the projection (QK-norm) and the check does not reproduce it with the module's own norms."""
+    def unverified(line: str) -> LayoutCheck:
+        return LayoutCheck("unverified", (), None, line, {})
+
+    if layer.group == "cross":
+        return unverified("cross-attention: the keys do not come from the layer's input")
+    if x.dim() != 3 or query.dim() != 4 or key.dim() != 4:
+        return unverified(f"input {tuple(x.shape)} or q/k {tuple(query.shape)}/{tuple(key.shape)} not read "
+                          "as (batch, length, width) and (batch, heads, length, head_dim)")
+    batch, length = x.shape[:2]
+    if query.shape[0] != batch or key.shape[0] != batch or query.shape[2] != length or key.shape[2] != length:
+        return unverified(f"the attention call's q/k lengths {query.shape[2]}/{key.shape[2]} are not the "
+                          f"input's {length} (a cache or other keys)")
+    wq, wk = layer.factors()
+    q_seen = query.detach().transpose(1, 2).reshape(batch * length, query.shape[1], query.shape[3])
+    k_seen = key.detach().transpose(1, 2).reshape(batch * length, key.shape[1], key.shape[3])
+    module = layer.module
+    norms = next(((getattr(module, a), getattr(module, b)) for a, b in QK_NORMS
+                  if isinstance(getattr(module, a, None), nn.Module)), None) if module is not None else None
+    if norms is None:
+        return check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen)
+
+    def post(norm: nn.Module) -> Callable[[Tensor], Tensor]:
+        return lambda t: norm(t.to(x.dtype))  # the module's own norm, per head (as Qwen3, OLMo's per-head)
+
+    try:
+        result = check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen,
+                              q_post=post(norms[0]), k_post=post(norms[1]))
+    except Exception as exc:  # noqa: BLE001 - a norm over all heads cannot be applied per head
+        return unverified(f"the module normalises q/k after the projection (QK-norm, outside W_qk by "
+                          f"definition) in a way the check cannot apply ({type(exc).__name__})")
+    if result.verdict == "ok":
+        return result
+    return unverified("the module normalises q/k after the projection (QK-norm, outside W_qk by definition) "
+                      f"and the check did not reproduce it: {result.line}")
+
+
 class AttentionCapture:
     """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
 
@@ -179,7 +226,7 @@ class AttentionCapture:
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
                  failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS,
-                 flex_compiled: bool = False) -> None:
+                 flex_compiled: bool = False, layout_check: bool = False) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -233,6 +280,12 @@ class AttentionCapture:
         self._failed_step = False
         self._warned = False
         self.failures: list[str] = []
+        #: layers whose reading is still to be checked against their first counted eager forward
+        #: (:meth:`_check_layout`), their input ``x`` kept from the pre-hook to the attention call only
+        self._to_check: set[int] = set(range(len(self.layers))) if layout_check else set()
+        self._layout_x: dict[int, Tensor] = {}
+        #: per layer index: the :class:`~attn_probe.extraction.layout_check.LayoutCheck` of its reading
+        self.layout_results: dict[int, LayoutCheck] = {}
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
 
@@ -311,6 +364,7 @@ class AttentionCapture:
         self._hooks = []
         self._frames = []
         self._running.clear()
+        self._layout_x.clear()  # a layer whose attention call was not reached: checked at a later step
         self._armed = False
 
     @property
@@ -400,6 +454,8 @@ class AttentionCapture:
             x = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(x, Tensor) or x.dim() < 2:
                 return
+            if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+                self._layout_x[i] = x.detach()  # until this layer's attention call (_check_layout)
             try:
                 with torch.no_grad():
                     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -434,6 +490,8 @@ class AttentionCapture:
             self._measure(i, query, key, float(scaling), rows, softcap=kwargs.get("softcap"), sinks=sinks)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, query, key)
 
     def observe_sdpa(self, args: tuple, kwargs: dict) -> None:
         """One ``scaled_dot_product_attention`` call inside a counted forward (from :class:`SdpaMode`):
@@ -446,6 +504,26 @@ class AttentionCapture:
             self._measure(i, query, key, scaling, rows)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
+            return
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, query, key)
+
+    def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
+        """Layer ``i``'s reading checked once against this eager call's ``query``/``key`` and the input
+        its pre-hook kept (:func:`layout_result`); the input is dropped at once. Inside a compiled graph
+        nothing is checked (the layer waits for an eager call). Never raises."""
+        if torch.compiler.is_compiling() or not self._counted():
+            return
+        x = self._layout_x.pop(i, None)
+        if x is None:
+            return
+        self._to_check.discard(i)
+        try:
+            with torch.no_grad(), _autocast_off(query.device.type):
+                result = layout_result(self.layers[i], x, query, key)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is recorded as such, never raised
+            result = LayoutCheck("unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {})
+        self.layout_results[i] = result
 
     def _layer_tensor(self) -> Tensor | None:
         return self._layer if self.flex_compiled and self._buffers is not None else None
@@ -472,6 +550,9 @@ class AttentionCapture:
             self._accumulate(i, self._flex_stats(i, call), call.scale)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+            return
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, call.query, call.key)
 
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
