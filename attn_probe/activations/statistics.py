@@ -74,6 +74,8 @@ capture, which uses the glue through its small interface (acquire/release, arm/d
 the capture's :meth:`AttentionCapture.observe`). The capture calls :func:`logit_stats` through
 this module's attribute at call time, so a test may replace ``attention_stats.logit_stats``.
 
+**The reading, checked once** (``layout_check=True``): :mod:`attn_probe.activations.layout`.
+
 **torch.compile.** The decision is data the compiler guards on, not state it must trace: the
 armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
 place, so a compiled forward has the graphs of a run without the probe when not armed and
@@ -92,11 +94,12 @@ from torch import nn
 
 from ..extraction.architectures import unwrap
 from ..extraction.base import AttentionLayer
-from ..extraction.layout_check import LayoutCheck, check_layout
+from ..extraction.layout_check import LayoutCheck
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
 from .flex import FlexCall, block_mask_reader, flex_stats
+from .layout import layout_result
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
@@ -151,52 +154,6 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
         return torch.autocast(device_type=device_type, enabled=False)
     except (RuntimeError, ValueError):
         return contextlib.nullcontext()
-
-
-#: names of a module's own transform of q/k after the projection (QK-norm), outside W_qk by definition
-QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
-
-
-def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) -> LayoutCheck:
-    """:func:`~attn_probe.extraction.layout_check.check_layout` of ``layer``'s factors against one
-    self-attention call: ``x (B, L, d)`` its module's input, ``query (B, H, L, dh)``, ``key (B, Hs, L, dh)``
-    what the attention call received. ``unverified`` where the call does not read ``x`` position by
-    position (cross-attention, a key length other than ``L``) or where the module normalises q/k after
-    the projection (QK-norm) and the check does not reproduce it with the module's own norms."""
-    def unverified(line: str) -> LayoutCheck:
-        return LayoutCheck("unverified", (), None, line, {})
-
-    if layer.group == "cross":
-        return unverified("cross-attention: the keys do not come from the layer's input")
-    if x.dim() != 3 or query.dim() != 4 or key.dim() != 4:
-        return unverified(f"input {tuple(x.shape)} or q/k {tuple(query.shape)}/{tuple(key.shape)} not read "
-                          "as (batch, length, width) and (batch, heads, length, head_dim)")
-    batch, length = x.shape[:2]
-    if query.shape[0] != batch or key.shape[0] != batch or query.shape[2] != length or key.shape[2] != length:
-        return unverified(f"the attention call's q/k lengths {query.shape[2]}/{key.shape[2]} are not the "
-                          f"input's {length} (a cache or other keys)")
-    wq, wk = layer.factors()
-    q_seen = query.detach().transpose(1, 2).reshape(batch * length, query.shape[1], query.shape[3])
-    k_seen = key.detach().transpose(1, 2).reshape(batch * length, key.shape[1], key.shape[3])
-    module = layer.module
-    norms = next(((getattr(module, a), getattr(module, b)) for a, b in QK_NORMS
-                  if isinstance(getattr(module, a, None), nn.Module)), None) if module is not None else None
-    if norms is None:
-        return check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen)
-
-    def post(norm: nn.Module) -> Callable[[Tensor], Tensor]:
-        return lambda t: norm(t.to(x.dtype))  # the module's own norm, per head (as Qwen3, OLMo's per-head)
-
-    try:
-        result = check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen,
-                              q_post=post(norms[0]), k_post=post(norms[1]))
-    except Exception as exc:  # noqa: BLE001 - a norm over all heads cannot be applied per head
-        return unverified(f"the module normalises q/k after the projection (QK-norm, outside W_qk by "
-                          f"definition) in a way the check cannot apply ({type(exc).__name__})")
-    if result.verdict == "ok":
-        return result
-    return unverified("the module normalises q/k after the projection (QK-norm, outside W_qk by definition) "
-                      f"and the check did not reproduce it: {result.line}")
 
 
 class AttentionCapture:
@@ -280,12 +237,9 @@ class AttentionCapture:
         self._failed_step = False
         self._warned = False
         self.failures: list[str] = []
-        #: layers whose reading is still to be checked against their first counted eager forward
-        #: (:meth:`_check_layout`), their input ``x`` kept from the pre-hook to the attention call only
-        self._to_check: set[int] = set(range(len(self.layers))) if layout_check else set()
-        self._layout_x: dict[int, Tensor] = {}
-        #: per layer index: the :class:`~attn_probe.extraction.layout_check.LayoutCheck` of its reading
-        self.layout_results: dict[int, LayoutCheck] = {}
+        self._to_check: set[int] = set(range(len(self.layers))) if layout_check else set()  # _check_layout
+        self._layout_x: dict[int, Tensor] = {}  # an input kept from its pre-hook to its attention call only
+        self.layout_results: dict[int, LayoutCheck] = {}  #: per layer index, the check of its reading
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
 
@@ -509,9 +463,7 @@ class AttentionCapture:
             self._check_layout(i, query, key)
 
     def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
-        """Layer ``i``'s reading checked once against this eager call's ``query``/``key`` and the input
-        its pre-hook kept (:func:`layout_result`); the input is dropped at once. Inside a compiled graph
-        nothing is checked (the layer waits for an eager call). Never raises."""
+        """Layer ``i``'s reading checked once (:func:`layout_result`), not in a graph; never raises."""
         if torch.compiler.is_compiling() or not self._counted():
             return
         x = self._layout_x.pop(i, None)

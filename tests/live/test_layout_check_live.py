@@ -26,8 +26,16 @@ B, T = 2, 24
 
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, head_dim=8, vocab_size=100, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(cfg).double()
 
 
@@ -53,8 +61,16 @@ def _train(model, tmp_path, steps: int = 3, adapter=None):
         if adapter is not None:
             register_adapter(adapter)
         try:
-            probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, per_head=True,
-                                     sinks=[sink], metrics=("symmetry",), log_dir=str(tmp_path / "tb"))
+            probe = attn_probe.watch(
+                model,
+                optimizer=opt,
+                every=1,
+                attention_stats=True,
+                per_head=True,
+                sinks=[sink],
+                metrics=("symmetry",),
+                log_dir=str(tmp_path / "tb"),
+            )
         finally:
             if adapter is not None:
                 unregister_adapter(adapter)
@@ -87,7 +103,9 @@ def test_the_right_reading_is_verified_once_and_recorded(tmp_path):
     assert after_eval == {}  # the no_grad evaluation forward ran no check
     assert held == {}
     assert {name: check.verdict for name, check in probe.attention.layout.items()} == {
-        "model.layers.0.self_attn": "ok", "model.layers.1.self_attn": "ok"}
+        "model.layers.0.self_attn": "ok",
+        "model.layers.1.self_attn": "ok",
+    }
     assert probe.attention.refused == {} and probe.attention.refused_snapshots == 0
     assert not [m for m in messages if "does not reproduce" in m]
     rows = _layout_rows(tmp_path)  # read back from the file: one row per layer, once
@@ -112,3 +130,35 @@ def test_a_wrong_adapter_is_refused_warned_once_and_not_written(tmp_path):
     rows = _layout_rows(tmp_path)
     assert sorted((r["layer"], r["value"]) for r in rows) == [(0, 0.0), (1, 0.0)]
     assert all(r["note"].startswith("mismatch: the probe's x.W_q/x.W_k do not reproduce") for r in rows)
+
+
+def test_a_compiled_forward_is_not_checked_inside_its_graph(tmp_path):
+    """torch.compile (aot_eager): the capture runs inside the graph, so the check waits for an eager call
+    (none here): nothing is recorded or refused, the statistics are still written, nothing fails."""
+    torch._dynamo.reset()
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sink = Records()
+    probe = attn_probe.watch(
+        model,
+        optimizer=opt,
+        every=1,
+        attention_stats=True,
+        sinks=[sink],
+        metrics=("symmetry",),
+        log_dir=str(tmp_path / "tb"),
+    )
+    compiled = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 100, (B, T), generator=g)
+        compiled(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    held = dict(probe.attention.capture._layout_x)
+    probe.close()
+    torch._dynamo.reset()
+    assert probe.failures == 0 and held == {}
+    assert all(check.verdict == "ok" for check in probe.attention.layout.values())
+    assert probe.attention.refused == {}
+    assert {snap.step for snap in sink.snapshots for r in snap.records if r.metric == "max_logit"} == {1, 2}
