@@ -74,6 +74,8 @@ capture, which uses the glue through its small interface (acquire/release, arm/d
 the capture's :meth:`AttentionCapture.observe`). The capture calls :func:`logit_stats` through
 this module's attribute at call time, so a test may replace ``attention_stats.logit_stats``.
 
+**The reading, checked once** (``layout_check=True``): :mod:`attn_probe.activations.layout`.
+
 **torch.compile.** The decision is data the compiler guards on, not state it must trace: the
 armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
 place, so a compiled forward has the graphs of a run without the probe when not armed and
@@ -92,10 +94,12 @@ from torch import nn
 
 from ..extraction.architectures import unwrap
 from ..extraction.base import AttentionLayer
+from ..extraction.layout_check import LayoutCheck
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
 from .flex import FlexCall, block_mask_reader, flex_stats
+from .layout import layout_result
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
@@ -179,7 +183,7 @@ class AttentionCapture:
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
                  failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS,
-                 flex_compiled: bool = False) -> None:
+                 flex_compiled: bool = False, layout_check: bool = False) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -233,6 +237,9 @@ class AttentionCapture:
         self._failed_step = False
         self._warned = False
         self.failures: list[str] = []
+        self._to_check: set[int] = set(range(len(self.layers))) if layout_check else set()  # _check_layout
+        self._layout_x: dict[int, Tensor] = {}  # an input kept from its pre-hook to its attention call only
+        self.layout_results: dict[int, LayoutCheck] = {}  #: per layer index, the check of its reading
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
 
@@ -311,6 +318,7 @@ class AttentionCapture:
         self._hooks = []
         self._frames = []
         self._running.clear()
+        self._layout_x.clear()  # a layer whose attention call was not reached: checked at a later step
         self._armed = False
 
     @property
@@ -400,6 +408,8 @@ class AttentionCapture:
             x = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(x, Tensor) or x.dim() < 2:
                 return
+            if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+                self._layout_x[i] = x.detach()  # until this layer's attention call (_check_layout)
             try:
                 with torch.no_grad():
                     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -434,6 +444,8 @@ class AttentionCapture:
             self._measure(i, query, key, float(scaling), rows, softcap=kwargs.get("softcap"), sinks=sinks)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, query, key)
 
     def observe_sdpa(self, args: tuple, kwargs: dict) -> None:
         """One ``scaled_dot_product_attention`` call inside a counted forward (from :class:`SdpaMode`):
@@ -446,6 +458,24 @@ class AttentionCapture:
             self._measure(i, query, key, scaling, rows)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]}: {exc!r}")
+            return
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, query, key)
+
+    def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
+        """Layer ``i``'s reading checked once (:func:`layout_result`), not in a graph; never raises."""
+        if torch.compiler.is_compiling() or not self._counted():
+            return
+        x = self._layout_x.pop(i, None)
+        if x is None:
+            return
+        self._to_check.discard(i)
+        try:
+            with torch.no_grad(), _autocast_off(query.device.type):
+                result = layout_result(self.layers[i], x, query, key)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is recorded as such, never raised
+            result = LayoutCheck("unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {})
+        self.layout_results[i] = result
 
     def _layer_tensor(self) -> Tensor | None:
         return self._layer if self.flex_compiled and self._buffers is not None else None
@@ -472,6 +502,9 @@ class AttentionCapture:
             self._accumulate(i, self._flex_stats(i, call), call.scale)
         except Exception as exc:  # never take training down
             self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+            return
+        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
+            self._check_layout(i, call.query, call.key)
 
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With

@@ -115,6 +115,9 @@ def encode_rows(snapshots: Sequence[Any]) -> bytes:
         for r in (*snapshot.records, *getattr(snapshot, "baselines", ())):
             row = dict(zip(FIELDS, (snapshot.step, snapshot.wall_time, r.group, r.layer, r.head,
                                     r.metric, encode_value(r.value)), strict=True))
+            note = getattr(r, "note", None)
+            if note:  # an extra key: readers of the seven fields ignore it
+                row["note"] = str(note)
             lines.append(json.dumps(row, allow_nan=False) + "\n")
     return "".join(lines).encode("utf-8")
 

@@ -26,6 +26,7 @@ transformers nor accelerate.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 import weakref
@@ -41,7 +42,7 @@ from ..formats.logdir import LogDirError, LogDirInUseError
 from ..isolation import Failures, never_raise, safe_warn
 from ..scoring.pairs import QKPair, ScorePair
 from ..sinks import Record, Snapshot
-from ..sinks.assembly import Assembler
+from ..sinks.assembly import Assembler, layer_statistics
 from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .images import render_heatmap
@@ -64,6 +65,12 @@ __all__ = [
 
 #: open probes in the asynchronous mode (their snapshot in flight is written at interpreter exit)
 _SCORING: weakref.WeakSet[Probe] = weakref.WeakSet()
+
+
+#: the trajectory rows of the layout check (a layer's reading against its forward: issue 44)
+LAYOUT_METRIC = "layout_check"
+#: their values: verified 1, refused 0 (tiled, mismatch), unverified null
+LAYOUT_VALUES = {"ok": 1.0, "tiled": 0.0, "mismatch": 0.0}
 
 
 def _deliver_at_exit(seconds: float) -> None:
@@ -164,6 +171,7 @@ class Probe:
         if self.measurement.scorer is not None:
             _SCORING.add(self)  # never closed: the exit hook writes the snapshot in flight
         self._handles: list[Any] = []
+        self._layout_rows: list[Record] = []  # the layout checks' rows, written with the next snapshot
         self._forward_counter: ForwardPasses | None = None
         self._closed = False
         self._final = False  # close()'s final snapshot: never asynchronous
@@ -265,6 +273,7 @@ class Probe:
         ``weights=False``: a step whose weight snapshot is skipped (the previous asynchronous one
         is still being scored) still takes the quantities and agrees on the stop on every rank.
         """
+        refused = self._layout_news()  # local: the layout checks of the forwards so far
         taken = [(quantity, quantity.take(step)) for quantity in self.quantities]  # every rank
         snap = None
         try:
@@ -273,12 +282,14 @@ class Probe:
                     try:  # local: must not keep this rank out of the walk's collectives below
                         rows = quantity.alert_rows(value)
                         if rows is not None:
+                            rows = [r for r in rows if (r["group"], r["layer"]) not in refused]
                             self.alerting.check_attention(step, rows)
                     except Exception as exc:  # noqa: BLE001
                         self.failure_log.report("the alert rules", exc)
             if weights:
+                layout_rows, self._layout_rows = self._layout_rows, []
                 snap = self.measurement.measure(step, images, asynchronous=asynchronous,
-                                                finish=functools.partial(self._assemble, taken))
+                                                finish=functools.partial(self._assemble, taken, refused, layout_rows))
                 if snap is not None:
                     self._publish(snap)
         finally:
@@ -286,9 +297,37 @@ class Probe:
                 agree_stop(self.alerting, step, self.decision.disable)
         return snap
 
-    def _assemble(self, taken: list[tuple[Quantity, Any]], measured: Measured) -> Snapshot:
-        """Every quantity's rows of ``measured`` (main process; on the scoring worker when asynchronous)."""
-        return self.assembler.assemble(measured.step, [quantity.rows(measured, value) for quantity, value in taken])
+    def _assemble(self, taken: list[tuple[Quantity, Any]], refused: frozenset[tuple[str, int]],
+                  layout_rows: list[Record], measured: Measured) -> Snapshot:
+        """Every quantity's rows of ``measured`` (main process; on the scoring worker when asynchronous),
+        less the layers whose reading their forward contradicted (``refused``), with the layout checks'
+        rows (``layout_rows``: the trajectory file only)."""
+        snap = self.assembler.assemble(measured.step, [quantity.rows(measured, value) for quantity, value in taken])
+        if refused:
+            snap.records = [r for r in snap.records if (r.group, r.layer) not in refused]
+            snap.stats = layer_statistics(snap.records)
+            snap.images = {key: image for key, image in snap.images.items() if key not in refused}
+        snap.baselines = list(layout_rows)
+        return snap
+
+    def _layout_news(self) -> frozenset[tuple[str, int]]:
+        """The layout checks finished since the last snapshot, as rows for the next one written
+        (``layout_check``: 1 verified, 0 refused, null unverified; the check's line beside it), and the
+        ``(group, layer)`` refused now (counted per snapshot). Never raises."""
+        stage = self.attention
+        if stage is None:
+            return frozenset()
+        try:
+            for layer, result in stage.layout_news():
+                value = LAYOUT_VALUES.get(result.verdict, math.nan)
+                self._layout_rows.append(Record(layer.group, layer.layer, None, LAYOUT_METRIC, value,
+                                                f"{result.verdict}: {result.line}"))
+            if stage.refused:
+                stage.refused_snapshots += 1
+            return frozenset(stage.refused)
+        except Exception as exc:  # noqa: BLE001
+            self.failure_log.report("recording the layout check", exc)
+            return frozenset()
 
     def _publish(self, snapshot: Snapshot) -> None:
         """An assembled snapshot: the alert rules (every rank), then the outputs (main process; never raises)."""
@@ -296,7 +335,7 @@ class Probe:
             self.alerting.check(snapshot)
         if self.outputs is not None:
             if self._random_rows:
-                snapshot.baselines, self._random_rows = self._random_rows, []
+                snapshot.baselines, self._random_rows = [*self._random_rows, *snapshot.baselines], []
             self.outputs.write(snapshot)
 
     @property

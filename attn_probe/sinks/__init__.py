@@ -27,6 +27,8 @@ class Record:
     head: int | None
     metric: str
     value: float
+    #: a line of text written beside the value in the trajectory file only (``layout_check`` rows)
+    note: str | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from ...activations.statistics import AttentionCapture, StepStats, combine, unav
 from ..config import ProbeConfig
 from ...distributed import Agreement
 from ...extraction import AttentionLayer
+from ...extraction.layout_check import LayoutCheck
 from ...isolation import Failures, safe_warn
 from ...scoring.pairs import QKPair, ScorePair, pair_metric_names
 from .qk_clip import CLIP_METRICS, DEFAULT_TAU, clip_tables, signed_columns
@@ -43,6 +44,13 @@ __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metri
 
 #: ``armed_for`` of a batch whose step is not known yet (manual optimisation, :meth:`AttentionStage.arm_for_batch`)
 BATCH = -1
+
+#: the checks (:mod:`attn_probe.extraction.layout_check`) whose layer is refused
+REFUSED_VERDICTS = ("tiled", "mismatch")
+
+#: what fixes a reading the forward contradicts
+LAYOUT_FIX = ("Fix: teach attn_probe this layer's layout with attn_probe.extraction.register_adapter, reading "
+              "q/k and their head pairing as the forward does (docs/supported-models.md).")
 
 #: the ratio of the measured max logit to its weight-only bound (with ``qk_bound`` among the metrics)
 RATIO_METRIC = "logit_bound_ratio"
@@ -100,7 +108,14 @@ class AttentionStage:
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
         self.capture = AttentionCapture(model, self.layers, failures=self.failures, entropy_rows=entropy_rows,
-                                        flex_compiled=flex_compiled) if self.reason is None else None
+                                        flex_compiled=flex_compiled, layout_check=True) if self.reason is None else None
+        #: per layer name, the check of its reading against its first counted eager forward (:meth:`layout_news`)
+        self.layout: dict[str, LayoutCheck] = {}
+        #: ``(group, layer)`` -> the line of a check that contradicts the probe's reading: the layer's
+        #: weight scores and attention statistics are no longer written (warned once per layer)
+        self.refused: dict[tuple[str, int], str] = {}
+        #: snapshots that left out refused layers' rows
+        self.refused_snapshots = 0
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
@@ -172,6 +187,30 @@ class AttentionStage:
         """The loop counts forward passes: it is not measured (``docs/scores.md``); cancels what is armed."""
         self.forward_counted = True
         self.cancel()
+
+    def layout_news(self) -> list[tuple[AttentionLayer, LayoutCheck]]:
+        """The layout checks finished since the last call (local, off the forward: at a snapshot), each
+        layer once. A check that contradicts the reading (``tiled``, ``mismatch``) refuses the layer from
+        now on, warned once with the line and the fix. Never raises."""
+        news = []
+        try:
+            capture = self.capture
+            results = dict(capture.layout_results) if capture is not None else {}
+            for i, result in sorted(results.items()):
+                layer = self.layers[i]
+                if layer.name in self.layout:
+                    continue
+                self.layout[layer.name] = result
+                news.append((layer, result))
+                if result.verdict in REFUSED_VERDICTS:
+                    self.refused[(layer.group, layer.layer)] = result.line
+                    safe_warn(f"attn_probe: {layer.name}: the probe's W_q/W_k reading does not reproduce the q/k "
+                              f"its forward hands to attention ({result.verdict}: {result.line}). Its weight scores "
+                              "and attention statistics are no longer written (the trajectory's layout_check row "
+                              f"says why). {LAYOUT_FIX}")
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
+            self.failures.report("recording the layout check", exc)
+        return news
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.group is None:
@@ -255,7 +294,7 @@ class AttentionStage:
         extra = []
         for layer, tables in measured:
             i = index.get((layer.group, layer.layer))
-            if i is None:
+            if i is None or (layer.group, layer.layer) in self.refused:
                 continue
             table = attention.tables[i]
             if qk is not None:

@@ -1,0 +1,94 @@
+"""One attention call of a watched layer checked against the layer's reading (the live half of the layout check).
+
+:func:`layout_result` turns what the capture holds at a layer's first counted eager call (the module's
+input, the q/k its attention call received) into :func:`~attn_probe.extraction.layout_check.check_layout`'s
+inputs. :class:`~attn_probe.activations.statistics.AttentionCapture` (``layout_check=True``, the probe's
+stage) keeps each layer's input from its pre-hook to its first counted eager attention call, calls
+:func:`layout_result` there, drops the input and holds the result in ``layout_results``; the layer is
+not checked again. Inside a compiled graph nothing is kept or checked (the layer waits for an eager call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..extraction.base import AttentionLayer
+from ..extraction.layout_check import LayoutCheck, check_layout
+
+Tensor = torch.Tensor
+
+__all__ = ["QK_NORMS", "layout_result"]
+
+#: names of a module's own transform of q/k after the projection (QK-norm), outside W_qk by definition
+QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
+
+
+def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) -> LayoutCheck:
+    """:func:`~attn_probe.extraction.layout_check.check_layout` of ``layer``'s factors against one
+    self-attention call: ``x (B, L, d)`` its module's input, ``query (B, H, L, dh)``, ``key (B, Hs, L, dh)``
+    what the attention call received. ``unverified`` where the call does not read ``x`` position by
+    position (cross-attention, a key length other than ``L``) or where the module normalises q/k after
+    the projection (QK-norm) and the check does not reproduce it with the module's own norms."""
+
+    def unverified(line: str) -> LayoutCheck:
+        return LayoutCheck("unverified", (), None, line, {})
+
+    if layer.group == "cross":
+        return unverified("cross-attention: the keys do not come from the layer's input")
+    if x.dim() != 3 or query.dim() != 4 or key.dim() != 4:
+        return unverified(
+            f"input {tuple(x.shape)} or q/k {tuple(query.shape)}/{tuple(key.shape)} not read "
+            "as (batch, length, width) and (batch, heads, length, head_dim)"
+        )
+    batch, length = x.shape[:2]
+    if query.shape[0] != batch or key.shape[0] != batch or query.shape[2] != length or key.shape[2] != length:
+        return unverified(
+            f"the attention call's q/k lengths {query.shape[2]}/{key.shape[2]} are not the "
+            f"input's {length} (a cache or other keys)"
+        )
+    wq, wk = layer.factors()
+    q_seen = query.detach().transpose(1, 2).reshape(batch * length, query.shape[1], query.shape[3])
+    k_seen = key.detach().transpose(1, 2).reshape(batch * length, key.shape[1], key.shape[3])
+    module = layer.module
+    norms = (
+        next(
+            (
+                (getattr(module, a), getattr(module, b))
+                for a, b in QK_NORMS
+                if isinstance(getattr(module, a, None), nn.Module)
+            ),
+            None,
+        )
+        if module is not None
+        else None
+    )
+    if norms is None:
+        return check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen)
+
+    def post(norm: nn.Module) -> Callable[[Tensor], Tensor]:
+        return lambda t: norm(t.to(x.dtype))  # the module's own norm, per head (as Qwen3, OLMo's per-head)
+
+    try:
+        result = check_layout(
+            x.reshape(batch * length, -1),
+            wq,
+            wk,
+            q_seen,
+            k_seen,
+            q_post=post(norms[0]),
+            k_post=post(norms[1]),
+        )
+    except Exception as exc:  # noqa: BLE001 - a norm over all heads cannot be applied per head
+        return unverified(
+            f"the module normalises q/k after the projection (QK-norm, outside W_qk by "
+            f"definition) in a way the check cannot apply ({type(exc).__name__})"
+        )
+    if result.verdict == "ok":
+        return result
+    return unverified(
+        "the module normalises q/k after the projection (QK-norm, outside W_qk by definition) "
+        f"and the check did not reproduce it: {result.line}"
+    )
