@@ -26,6 +26,26 @@ __all__ = ["QK_NORMS", "layout_result"]
 QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
 
 
+def _sharded(wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, layer: AttentionLayer) -> bool:
+    """True where this process sees part of the layer: its factors are DTensors, or the attention call
+    received other head counts than the layer has while several processes run (tensor parallel).
+    A head-count difference in one process is a wrong reading and stays the check's ``mismatch``."""
+    try:
+        from torch.distributed.tensor import DTensor  # public since torch 2.4
+    except ImportError:
+        DTensor = ()  # noqa: N806 - no DTensor in this torch: nothing is one
+    if any(isinstance(t, DTensor) for t in (wq, wk, query, key)):
+        return True
+    several = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_world_size() > 1)
+    )
+    return several and (
+        query.shape[1] != layer.num_heads or key.shape[1] not in (layer.num_kv_heads, layer.num_heads)
+    )
+
+
 def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) -> LayoutCheck:
     """:func:`~attn_probe.extraction.layout_check.check_layout` of ``layer``'s factors against one
     self-attention call: ``x (B, L, d)`` its module's input, ``query (B, H, L, dh)``, ``key (B, Hs, L, dh)``
@@ -50,6 +70,11 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
             f"input's {length} (a cache or other keys)"
         )
     wq, wk = layer.factors()
+    if _sharded(wq, wk, query, key, layer):
+        return unverified(
+            "several processes with sharded weights or heads (FSDP, tensor parallel): the check runs "
+            "where a process holds whole projections and whole heads"
+        )
     q_seen = query.detach().transpose(1, 2).reshape(batch * length, query.shape[1], query.shape[3])
     k_seen = key.detach().transpose(1, 2).reshape(batch * length, key.shape[1], key.shape[3])
     module = layer.module
