@@ -5,7 +5,7 @@ The weight metrics bound what the attention logits *could* be; this module measu
 receives (transformers' ``ALL_ATTENTION_FUNCTIONS`` interface: after rotary embeddings, keys
 before grouped-query repetition, with the model's own ``scaling``), or, for modules that call
 ``torch.nn.functional.scaled_dot_product_attention`` themselves, that call receives
-(:mod:`attn_probe.sdpa_capture`; masks: :mod:`attn_probe.attention_masks`).
+(:mod:`attn_probe.activations.sdpa`; masks: :mod:`attn_probe.activations.masks`).
 
 For query head ``h`` (key head ``g(h) = h // (H / H_kv)``), batch row ``b``, query ``i`` and
 key ``j`` the logit is
@@ -21,7 +21,7 @@ without a 2D mask every query token counts.
 
 - ``max_logit[h] = max |l_bhij|``; the layer value is the max over heads;
 - ``signed_max[h] = max l_bhij`` (signed, the same entries and logits: MuonClip's ``S_max``,
-  from which :mod:`attn_probe.stages.qk_clip` derives the QK-clip dry run);
+  from which :mod:`attn_probe.live.stages.qk_clip` derives the QK-clip dry run);
 - ``entropy[h]``: the mean over counted query tokens of ``-sum_j p_bhij log p_bhij`` (nats),
   ``p = softmax_j(z)`` over the visible keys; the layer value is the mean over heads.
 
@@ -212,7 +212,7 @@ class AttentionCapture:
         self._offsets = [0]
         for h in self.heads:
             self._offsets.append(self._offsets[-1] + h)
-        #: per layer: measured from its scaled_dot_product_attention calls (attn_probe.sdpa_capture)
+        #: per layer: measured from its scaled_dot_product_attention calls (attn_probe.activations.sdpa)
         self.sdpa = tuple(measured_by_sdpa(layer) for layer in self.layers)
         self._implementations = self._interface_names()
         self._running: list[int] = []  # the sdpa layers whose forward is running, innermost last
@@ -373,7 +373,7 @@ class AttentionCapture:
                 mask = args[pos]
             masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         counted = torch.is_grad_enabled() or not self.training_only
-        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.sdpa_capture)
+        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.activations.sdpa)
         if pushed:
             self._mode.__enter__()
         self._frames.append((counted, masks, pushed))
