@@ -171,15 +171,18 @@ class AttentionCapture:
     produce the update, including blocks that reentrant gradient checkpointing runs under
     ``no_grad`` inside it); never calls outside a forward of ``model`` (a checkpointed block
     re-run in backward). Without it, also forwards under ``no_grad``/``inference_mode``.
-    A failure while measuring costs that step's values of the layer: one warning per capture
-    (:func:`~attn_probe.isolation.safe_warn`), ``failures`` (a :class:`~attn_probe.isolation.Failures`)
-    counted once per step it happens in.
+    A failure while measuring costs that step's values of the layer: ``failures`` (a
+    :class:`~attn_probe.isolation.Failures`) counted once per step it happens in, and one warning
+    per capture (:func:`~attn_probe.isolation.safe_warn`) at the first failure; with
+    ``warn_failures=False`` the capture only records them (:attr:`failed_calls`,
+    :attr:`failed_layers`, :attr:`first_failure` of the step; :attr:`failed_calls_total`) and its
+    owner warns, once, with the step's count (the probe's attention stage).
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
                  failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS,
-                 flex_compiled: bool = False) -> None:
+                 flex_compiled: bool = False, warn_failures: bool = True) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -231,8 +234,14 @@ class AttentionCapture:
         self._frames: list[tuple[bool, dict[str, Tensor | None], bool]] = []
         self._buffers: list[Tensor] | None = None
         self._failed_step = False
-        self._warned = False
+        self._warned = not warn_failures  # the owner warns instead
         self.failures: list[str] = []
+        #: this step's failed calls, the layers they were in, the first one's message
+        self.failed_calls = 0
+        self.failed_layers: list[str] = []
+        self.first_failure: str | None = None
+        #: failed calls since construction
+        self.failed_calls_total = 0
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
 
@@ -277,6 +286,7 @@ class AttentionCapture:
         self._reset()
         self._frames = []
         self._failed_step = False
+        self.failed_calls, self.failed_layers, self.first_failure = 0, [], None
         self._hooks.append(self.root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
         self._hooks.append(self.root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True,
                                                            always_call=True))
@@ -410,7 +420,7 @@ class AttentionCapture:
                     slot = self._buffers[3][i:i + 1]
                     slot.copy_(torch.maximum(slot, norms.amax().to(slot)))
             except Exception as exc:  # never take training down
-                self._fail(f"input norm of {self.names[i]}: {exc!r}")
+                self._fail(f"input norm of {self.names[i]}: {exc!r}", i)
 
         return hook
 
@@ -433,7 +443,7 @@ class AttentionCapture:
             sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
             self._measure(i, query, key, float(scaling), rows, softcap=kwargs.get("softcap"), sinks=sinks)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]}: {exc!r}")
+            self._fail(f"{self.names[i]}: {exc!r}", i)
 
     def observe_sdpa(self, args: tuple, kwargs: dict) -> None:
         """One ``scaled_dot_product_attention`` call inside a counted forward (from :class:`SdpaMode`):
@@ -445,7 +455,7 @@ class AttentionCapture:
             query, key, scaling, rows = sdpa_call(args, kwargs, self.heads[i])
             self._measure(i, query, key, scaling, rows)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]}: {exc!r}")
+            self._fail(f"{self.names[i]}: {exc!r}", i)
 
     def _layer_tensor(self) -> Tensor | None:
         return self._layer if self.flex_compiled and self._buffers is not None else None
@@ -471,7 +481,7 @@ class AttentionCapture:
             call = FlexCall(args, kwargs, self.heads[i], blocks=False)  # flex's eager rule
             self._accumulate(i, self._flex_stats(i, call), call.scale)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+            self._fail(f"{self.names[i]} (flex_attention): {exc!r}", i)
 
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
@@ -535,11 +545,18 @@ class AttentionCapture:
             scale[i:i + 1].fill_(float(scaling))
             seen[i:i + 1].add_(1)
 
-    def _fail(self, message: str) -> None:
-        """Count a failure (once per step in ``failure_log``), warn about the first one only."""
+    def _fail(self, message: str, layer: int | None = None) -> None:
+        """Count a failure (once per step in ``failure_log``), warn about the first one only
+        (unless the owner warns: ``warn_failures=False``)."""
         try:
             if message not in self.failures:
                 self.failures.append(message)
+            self.failed_calls += 1
+            self.failed_calls_total += 1
+            if self.first_failure is None:
+                self.first_failure = message
+            if layer is not None and self.names[layer] not in self.failed_layers:
+                self.failed_layers.append(self.names[layer])
             if not self._failed_step:
                 self._failed_step = True
                 if self.failure_log is not None:
