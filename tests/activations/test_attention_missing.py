@@ -249,7 +249,7 @@ def test_a_failed_measurement_is_one_warning_carrying_its_count(tmp_path, monkey
     assert len(calls) == 8  # 2 layers x 4 steps reached the wrapper
     assert len(ours) == 1, ours
     if failing == 1:
-        assert "failed at step 1: 1 failed call in 1 of 2 layers (model.layers.0.self_attn)" in ours[0], ours[0]
+        assert "skipped at step 1: 1 failed call in 1 of 2 layers (model.layers.0.self_attn)" in ours[0], ours[0]
         assert "injected failure" in ours[0] and "1 of them are not logged" in ours[0]
         assert probe.failures == 1
         logged = sink.values("max_logit")
@@ -257,7 +257,7 @@ def test_a_failed_measurement_is_one_warning_carrying_its_count(tmp_path, monkey
         measured = {step: {key for key, value in values.items() if not math.isnan(value)} for step, values in logged.items()}
         assert measured[1] == {(1, None)} and measured[4] == {(0, None), (1, None)}  # layer 0: NaN at step 1 only
     else:
-        assert "failed at step 1: 2 failed calls in 2 of 2 layers" in ours[0], ours[0]
+        assert "skipped at step 1: 2 failed calls in 2 of 2 layers" in ours[0], ours[0]
         assert probe.failures == 4  # counted once per step it happened in
         assert sink.values("max_logit") == {}
         assert sorted(sink.values("symmetry")) == [0, 1, 2, 3, 4]  # the weight metrics go on

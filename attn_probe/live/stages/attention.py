@@ -236,7 +236,7 @@ class AttentionStage:
                         f"{', those of the others are partial' if len(empty) < len(failed) else ''}")
             else:
                 where, lost = "", "the step's values may be incomplete"
-            safe_warn(f"attn_probe: measuring the attention statistics failed at step {step}: {calls} failed "
+            safe_warn(f"attn_probe: attention statistics skipped at step {step}: {calls} failed "
                       f"call{'s' if calls != 1 else ''}{where}, first: {capture.first_failure}; {lost}. Training "
                       "is unaffected; later failures are counted in probe.failures, not reported.")
         except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
@@ -313,7 +313,7 @@ class AttentionStage:
         capture = self.capture
         if capture is not None and capture.failed_calls_total and not self.failures_warned:
             self.failures_warned = True  # failures only in steps never measured (cancelled, or stale)
-            safe_warn(f"attn_probe: measuring the attention statistics failed {capture.failed_calls_total} "
+            safe_warn(f"attn_probe: attention statistics skipped: measuring failed {capture.failed_calls_total} "
                       f"time{'s' if capture.failed_calls_total != 1 else ''} in steps that were not logged, "
                       f"first: {capture.failures[0] if capture.failures else '?'}; training was unaffected.")
         missed, self.missed_steps = self.missed_steps, []
