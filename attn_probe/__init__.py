@@ -11,14 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run time the names are lazy)
-    from .live.alerts import Alert, AlertRule
     from .analysis.export import export_trajectory
     from .analysis.loading import load_trajectory, read_table
     from .analysis.plots import plot_dynamics, plot_heatmap
     from .analysis.summary import layer_quantiles, summarize
-    from .scoring.checkpoint import CheckpointError, score_checkpoint
-    from .live.config import ProbeConfig
     from .core import factored_scores, score_factors
+    from .definitions import directionality_score, symmetry_score
     from .extraction import (
         AttentionLayer,
         UnsupportedModelError,
@@ -28,17 +26,15 @@ if TYPE_CHECKING:  # pragma: no cover  (for type checkers and editors; at run ti
     )
     from .integrations.transformers import AttnProbeCallback, attach
     from .intervention import symmetric_init_
+    from .live.alerts import Alert, AlertRule
+    from .live.config import ProbeConfig
     from .live.probe import LogDirError, Probe
-    from .definitions import directionality_score, symmetry_score
     from .live.schedules import every, log_spaced
+    from .scoring.checkpoint import CheckpointError, score_checkpoint
     from .scoring.model import score_model
     from .watching import watch
 
 __version__ = "0.4.0"  # the one place the version is written: setup.cfg reads it (attr:)
-
-from ._compat import install as _install_moved_paths
-
-_install_moved_paths()  # old module paths (before the 0.4 regrouping) keep working until 0.5.0
 
 
 # Names served lazily so that `import attn_probe` stays light.
@@ -121,7 +117,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
-    if not name.startswith("_"):  # `attn_probe.core` after a bare `import attn_probe`, as before names were lazy
+    if not name.startswith(
+        "_"
+    ):  # `attn_probe.core` after a bare `import attn_probe`, as before names were lazy
         import importlib.util
 
         if importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -85,14 +85,19 @@ def safe_warn(message: str, category: type[Warning] = RuntimeWarning, stacklevel
 class Failures:
     """A probe's failure count; the first failure is warned about with its traceback."""
 
+    warned = False  # also for an instance unpickled from before the attribute existed
+
     def __init__(self) -> None:
         self.count = 0
+        self.warned = False
 
     def report(self, what: str, exc: BaseException) -> None:
-        """Count a failure of ``what``; warn about the first one. Never raises."""
+        """Count a failure of ``what``; warn about the first one reported here (failures that
+        others counted and warned about themselves, ``count += 1``, do not silence it). Never raises."""
         try:
             self.count += 1
-            if self.count == 1:
+            if not self.warned:
+                self.warned = True
                 safe_warn(
                     f"attn_probe: {what} failed ({type(exc).__name__}: {exc}); that snapshot "
                     "is skipped and training continues. Later failures are counted, not reported.\n"

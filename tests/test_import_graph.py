@@ -5,8 +5,7 @@ rooms, lowest first, and a module may import (at top level, inside a function, o
 ``if TYPE_CHECKING:``) only modules of its own room, of a room in its layer, or of a lower layer.
 The graph has no circle at all, ``TYPE_CHECKING`` edges included. A room missing from
 :data:`LAYERS` fails the test: place a new folder in its layer here. Every import of the package
-names a module that exists: an old path from before 0.4 would still run (through
-:mod:`attn_probe._compat`, with a warning), so it is caught here.
+names a module that exists.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("integrations",),
     # the user's entry points in Python: attn_probe.watch, the Lightning short path, the intervention
     ("watching", "lightning", "intervention"),
-    # the old import paths (served, never imported by the package)
-    ("_compat",),
     # what users run: the package's names (lazy at run time; its TYPE_CHECKING block names them
     # all), the CLI, reading runs back, the demo
     ("attn_probe", "__main__", "cli", "commands", "analysis", "demo"),
@@ -86,7 +83,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 target = node.module
             else:
                 return
-            named = [f"{target}.{alias.name}" if target != "attn_probe" else alias.name for alias in node.names]
+            named = [
+                f"{target}.{alias.name}" if target != "attn_probe" else alias.name for alias in node.names
+            ]
             if not all(n in modules for n in named):  # names of the package itself, not only its modules
                 resolve(target)
             for n in named:  # ``from . import tags``: a module (its package is already importing)
@@ -105,7 +104,9 @@ def _layer(name: str) -> int:
     for rank, layer in enumerate(LAYERS):
         if _room(name) in layer:
             return rank
-    raise AssertionError(f"attn_probe.{name} has no layer: add its room {_room(name)!r} to LAYERS in {__file__}")
+    raise AssertionError(
+        f"attn_probe.{name} has no layer: add its room {_room(name)!r} to LAYERS in {__file__}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_the_reader_finds_the_imports_it_must(graph):
     assert "scoring.model" in graph["distributed.walk"]
     assert "sinks.tensorboard" in graph["live.stages.outputs"]  # a function-local import
     assert "extraction.base" in graph["extraction.architectures"]
-    assert "_compat" in graph["attn_probe"]
+    assert "live.probe" in graph["attn_probe"]  # its TYPE_CHECKING block
 
 
 def test_every_module_has_a_layer(graph):
@@ -129,9 +130,12 @@ def test_every_module_has_a_layer(graph):
 
 
 def test_no_import_runs_from_a_lower_layer_to_a_higher_one(graph):
-    upward = [f"attn_probe.{a} (layer {_layer(a)}) imports attn_probe.{b} (layer {_layer(b)})"
-              for a, targets in graph.items() for b in sorted(targets)
-              if _layer(b) > _layer(a) and (a, b) not in EXEMPT]
+    upward = [
+        f"attn_probe.{a} (layer {_layer(a)}) imports attn_probe.{b} (layer {_layer(b)})"
+        for a, targets in graph.items()
+        for b in sorted(targets)
+        if _layer(b) > _layer(a) and (a, b) not in EXEMPT
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -145,7 +149,7 @@ def test_no_import_circle(graph):
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 raise AssertionError("import circle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -168,12 +172,7 @@ def test_the_reference_and_the_core_share_nothing(graph):
     none of the reference: a bug in a shared formula could not pass the comparison unseen."""
     assert graph["definitions"] == set()
     core = {name for name in graph if name == "core" or name.startswith("core.")}
-    assert core and all("definitions" not in graph[name] and "_compat.scores" not in graph[name] for name in core)
-
-
-def test_nothing_imports_the_deprecated_paths(graph):
-    users = sorted(a for a, targets in graph.items() if targets & {"_compat.metrics", "_compat.scores"} and a != "_compat")
-    assert not users, users
+    assert core and all("definitions" not in graph[name] for name in core)
 
 
 def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
@@ -192,20 +191,24 @@ def _private_imports(name: str, path: Path, modules: dict[str, Path]) -> list[st
             target = node.module.removeprefix("attn_probe.") if node.module != "attn_probe" else "attn_probe"
         else:
             continue
-        found += [f"attn_probe.{name} imports {target}.{a.name}" for a in node.names
-                  if a.name.startswith("_") and not a.name.startswith("__")]
+        found += [
+            f"attn_probe.{name} imports {target}.{a.name}"
+            for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")
+        ]
     return found
 
 
 #: private imports left for the issue 30 phase 2 (their modules were being changed elsewhere), with the reason
-PRIVATE_EXEMPT: dict[str, str] = {
-}
+PRIVATE_EXEMPT: dict[str, str] = {}
 
 
 def test_no_module_imports_another_modules_private_names():
     modules = _modules()
     found = [line for name, path in sorted(modules.items()) for line in _private_imports(name, path, modules)]
-    assert set(PRIVATE_EXEMPT) <= set(found), "an exempted private import is gone: remove it from PRIVATE_EXEMPT"
+    assert set(PRIVATE_EXEMPT) <= set(found), (
+        "an exempted private import is gone: remove it from PRIVATE_EXEMPT"
+    )
     found = [line for line in found if line not in PRIVATE_EXEMPT]
     assert not found, "\n".join(found)
 
@@ -217,15 +220,20 @@ def _unresolved(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
     bad = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            bad += [a.name for a in node.names if a.name.startswith("attn_probe.")
-                    and a.name.removeprefix("attn_probe.") not in modules]
+            bad += [
+                a.name
+                for a in node.names
+                if a.name.startswith("attn_probe.") and a.name.removeprefix("attn_probe.") not in modules
+            ]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".") if package else []
                 base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
                 target = ".".join([*base, *([node.module] if node.module else [])]) or "attn_probe"
             elif node.module and (node.module == "attn_probe" or node.module.startswith("attn_probe.")):
-                target = node.module.removeprefix("attn_probe.") if node.module != "attn_probe" else "attn_probe"
+                target = (
+                    node.module.removeprefix("attn_probe.") if node.module != "attn_probe" else "attn_probe"
+                )
             else:
                 continue
             if target not in modules:
@@ -234,8 +242,7 @@ def _unresolved(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
 
 
 def test_every_import_of_the_package_names_a_module():
-    # an old path (before the 0.4 regrouping) still imports, through attn_probe._compat, with a
-    # warning: the package itself must never use one
+    # an old path (removed in 0.5.0) or a misspelt one fails only where it runs: caught here
     modules = _modules()
     bad = [line for name, path in sorted(modules.items()) for line in _unresolved(name, path, modules)]
     assert not bad, "\n".join(bad)
@@ -244,21 +251,27 @@ def test_every_import_of_the_package_names_a_module():
 def test_the_top_level_reads_as_a_table_of_contents():
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= 15, modules
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
     assert not long, f"modules over 600 lines: {long}"
 
 
 def test_every_room_is_a_layer_and_every_layer_has_a_room():
-    rooms = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    rooms = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
     listed = {room for layer in LAYERS for room in layer} - {"attn_probe"}
     assert rooms == listed, (sorted(rooms - listed), sorted(listed - rooms))
 
 
 def test_the_test_folders_mirror_the_rooms():
     tests = Path(__file__).resolve().parent
-    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"compat", "commands"}
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"commands"}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
     helpers = {"distributed_workers"}  # the multi-process tests' worker scripts
     assert folders - helpers <= rooms, sorted(folders - helpers - rooms)

@@ -89,7 +89,7 @@ def named_paths(text: str) -> list[str]:
         token = match.group(1).rstrip(".,;:")
         if not (token.endswith("/") or FILE_SUFFIX.search(token) or token == ".ci/run"):
             continue
-        if OUTPUT_FLAG.search(text[max(0, match.start() - 12):match.start()]):
+        if OUTPUT_FLAG.search(text[max(0, match.start() - 12) : match.start()]):
             continue
         first = token.split("/")[0]
         if first in TOP_LEVEL:
@@ -125,13 +125,17 @@ def layout_paths() -> list[str]:
 
 
 def test_every_repository_path_the_docs_name_exists():
-    missing = [f"{doc.relative_to(ROOT)}: {path}" for doc in documents()
-               for path in named_paths(doc.read_text(encoding="utf-8")) if not exists(path)]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {path}"
+        for doc in documents()
+        for path in named_paths(doc.read_text(encoding="utf-8"))
+        if not exists(path)
+    ]
     assert not missing, missing
 
 
 def test_every_entry_of_the_readme_layout_exists():
     paths = layout_paths()
-    assert "attn_probe/live/stages/" in paths and "attn_probe/_compat/" in paths  # the block is read
+    assert "attn_probe/live/stages/" in paths and "attn_probe/isolation.py" in paths  # the block is read
     missing = [path for path in paths if not exists(path)]
     assert not missing, missing

@@ -18,6 +18,12 @@ real package where that package imports (installed apart, ``pip install --target
   keys *tiled* over the query heads (``repeat(k, 'b kvh n d -> b (r kvh) n d')`` in ``Attend.forward``), so query
   head ``h`` meets key head ``h % kv_heads``; ``__module__`` is x-transformers', by which the real class is
   recognised. ``tests/extraction/test_xtransformers_layout.py`` checks it against the real package.
+* TransformerLens (``transformer_lens.components``): ``Attention`` (per-head ``W_Q``/``W_K``/``W_V``
+  ``[n_heads, d_model, d_head]``, ``W_O [n_heads, d_head, d_model]``, ``q = einsum(x, W_Q) + b_Q``, scores
+  ``q . k / sqrt(d_head)`` through ``hook_attn_scores``) and ``GroupedQueryAttention`` (``_W_K``/``_W_V``
+  ``[n_key_value_heads, d_model, d_head]``, keys ``repeat_interleave``-d over the head axis), in a
+  ``HookedTransformer`` of ``embed``, ``pos_embed``, ``blocks`` (``ln1``, ``attn``, ``ln2``, ``mlp``),
+  ``ln_final``, ``unembed``. Hook points are identity modules, as TransformerLens' ``HookPoint``.
 * timm 1.0.31 (``timm.layers.attention.Attention``): fused ``qkv(x).reshape(B, N, 3, num_heads, head_dim)``;
   ``__module__`` is timm's, by which the real class is recognised (timm needs torchvision, which does
   not install beside a CPU torch).
@@ -370,3 +376,142 @@ class XTransformersAttention(nn.Module):
 
 XTransformersAttention.__name__ = XTransformersAttention.__qualname__ = "Attention"
 XTransformersAttention.__module__ = "x_transformers.x_transformers"
+# --------------------------------------------------------------------------- TransformerLens (verbatim-shaped)
+class TLConfig:
+    """The ``HookedTransformerConfig`` fields the components below read."""
+
+    def __init__(self, n_layers: int = 2, d_model: int = 16, n_heads: int = 4, d_head: int = 8,
+                 n_key_value_heads: int | None = None, d_mlp: int = 32, d_vocab: int = 20, n_ctx: int = 12) -> None:
+        self.n_layers, self.d_model, self.n_heads, self.d_head = n_layers, d_model, n_heads, d_head
+        self.n_key_value_heads, self.d_mlp, self.d_vocab, self.n_ctx = n_key_value_heads, d_mlp, d_vocab, n_ctx
+
+
+class HookPoint(nn.Module):
+    """An identity module that forward hooks attach to (``transformer_lens.hook_points.HookPoint``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class TLAttention(nn.Module):
+    """Shaped as ``transformer_lens.components.Attention``: per-head parameters, einsum projections."""
+
+    def __init__(self, cfg: TLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d, dh = cfg.n_heads, cfg.d_model, cfg.d_head
+        self.W_Q = nn.Parameter(torch.randn(h, d, dh) / math.sqrt(d))
+        self.W_O = nn.Parameter(torch.randn(h, dh, d) / math.sqrt(h * dh))
+        self.b_Q = nn.Parameter(torch.zeros(h, dh))
+        self.b_O = nn.Parameter(torch.zeros(d))
+        self._key_value_parameters()
+        self.attn_scale = math.sqrt(dh)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
+
+    def _key_value_parameters(self) -> None:
+        h, d, dh = self.cfg.n_heads, self.cfg.d_model, self.cfg.d_head
+        self.W_K = nn.Parameter(torch.randn(h, d, dh) / math.sqrt(d))
+        self.W_V = nn.Parameter(torch.randn(h, d, dh) / math.sqrt(d))
+        self.b_K = nn.Parameter(torch.zeros(h, dh))
+        self.b_V = nn.Parameter(torch.zeros(h, dh))
+
+    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.hook_k(torch.einsum("bpm,hmd->bphd", x, self.W_K) + self.b_K)
+        v = self.hook_v(torch.einsum("bpm,hmd->bphd", x, self.W_V) + self.b_V)
+        return k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.hook_q(torch.einsum("bpm,hmd->bphd", x, self.W_Q) + self.b_Q)
+        k, v = self._keys_values(x)
+        scores = self.hook_attn_scores(torch.einsum("bqhd,bkhd->bhqk", q, k) / self.attn_scale)
+        n = scores.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        pattern = self.hook_pattern(scores.masked_fill(~causal, -torch.inf).softmax(-1))
+        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        return torch.einsum("bqhd,hdm->bqm", z, self.W_O) + self.b_O
+
+
+class TLGroupedQueryAttention(TLAttention):
+    """Shaped as ``transformer_lens.components.GroupedQueryAttention``: ``_W_K``/``_W_V`` hold
+    ``n_key_value_heads`` heads, and the keys and values are ``repeat_interleave``-d over the head axis."""
+
+    def _key_value_parameters(self) -> None:
+        kv, d, dh = self.cfg.n_key_value_heads, self.cfg.d_model, self.cfg.d_head
+        self.repeat_kv_heads = self.cfg.n_heads // kv
+        self._W_K = nn.Parameter(torch.randn(kv, d, dh) / math.sqrt(d))
+        self._W_V = nn.Parameter(torch.randn(kv, d, dh) / math.sqrt(d))
+        self._b_K = nn.Parameter(torch.zeros(kv, dh))
+        self._b_V = nn.Parameter(torch.zeros(kv, dh))
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        return torch.repeat_interleave(self._W_K, dim=0, repeats=self.repeat_kv_heads)
+
+    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.hook_k(torch.einsum("bpm,hmd->bphd", x, self._W_K) + self._b_K)
+        v = self.hook_v(torch.einsum("bpm,hmd->bphd", x, self._W_V) + self._b_V)
+        return (torch.repeat_interleave(k, dim=2, repeats=self.repeat_kv_heads),
+                torch.repeat_interleave(v, dim=2, repeats=self.repeat_kv_heads))
+
+
+for _cls, _name in ((TLAttention, "Attention"), (TLGroupedQueryAttention, "GroupedQueryAttention")):
+    _cls.__name__ = _cls.__qualname__ = _name
+    _cls.__module__ = "transformer_lens.components"
+
+
+class TLLayerNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:]) * self.w + self.b
+
+
+class TLMLP(nn.Module):
+    def __init__(self, cfg: TLConfig) -> None:
+        super().__init__()
+        self.W_in = nn.Parameter(torch.randn(cfg.d_model, cfg.d_mlp) / math.sqrt(cfg.d_model))
+        self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.randn(cfg.d_mlp, cfg.d_model) / math.sqrt(cfg.d_mlp))
+        self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+class TLBlock(nn.Module):
+    """``transformer_lens.components.TransformerBlock``: pre-norm attention and MLP."""
+
+    def __init__(self, cfg: TLConfig) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = TLLayerNorm(cfg.d_model), TLLayerNorm(cfg.d_model)
+        self.attn = TLGroupedQueryAttention(cfg) if cfg.n_key_value_heads else TLAttention(cfg)
+        self.mlp = TLMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class HookedTransformer(nn.Module):
+    """``transformer_lens.HookedTransformer``'s module tree: ``embed.W_E``, ``pos_embed.W_pos``,
+    ``blocks``, ``ln_final``, ``unembed.W_U``."""
+
+    def __init__(self, cfg: TLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed, self.pos_embed, self.unembed = nn.Module(), nn.Module(), nn.Module()
+        self.embed.W_E = nn.Parameter(torch.randn(cfg.d_vocab, cfg.d_model))
+        self.pos_embed.W_pos = nn.Parameter(torch.randn(cfg.n_ctx, cfg.d_model))
+        self.blocks = nn.ModuleList([TLBlock(cfg) for _ in range(cfg.n_layers)])
+        self.ln_final = TLLayerNorm(cfg.d_model)
+        self.unembed.W_U = nn.Parameter(torch.randn(cfg.d_model, cfg.d_vocab) / math.sqrt(cfg.d_model))
+        self.unembed.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed.W_E[tokens] + self.pos_embed.W_pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_final(x) @ self.unembed.W_U + self.unembed.b_U

@@ -20,7 +20,7 @@ from ..extraction.layout_check import LayoutCheck, check_layout
 
 Tensor = torch.Tensor
 
-__all__ = ["QK_NORMS", "layout_result"]
+__all__ = ["QK_NORMS", "LayoutWatch", "layout_result"]
 
 #: names of a module's own transform of q/k after the projection (QK-norm), outside W_qk by definition
 QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
@@ -117,3 +117,36 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
         "the module normalises q/k after the projection (QK-norm, outside W_qk by definition) "
         f"and the check did not reproduce it: {result.line}"
     )
+
+
+class LayoutWatch:
+    """Which layers of a capture are still to be checked, the input each keeps from its module's
+    pre-hook to its attention call, and the results. ``check`` never raises and never runs inside
+    a compiled graph (the callers test ``torch.compiler.is_compiling()`` before touching the set, so
+    the compiler never guards on it)."""
+
+    def __init__(self, layers: list[AttentionLayer] | tuple[AttentionLayer, ...], enabled: bool) -> None:
+        self.layers = layers
+        self.pending: set[int] = set(range(len(layers))) if enabled else set()
+        self.inputs: dict[int, Tensor] = {}  # kept from the pre-hook to the layer's attention call only
+        self.results: dict[int, LayoutCheck] = {}  #: per layer index, the check of its reading
+
+    def keep(self, i: int, x: Tensor) -> None:
+        if not torch.compiler.is_compiling() and i in self.pending:
+            self.inputs[i] = x.detach()
+
+    def check(self, i: int, query: Tensor, key: Tensor, off: Callable[[str], object]) -> None:
+        """Layer ``i``'s reading checked once (:func:`layout_result`) under ``off(device_type)``
+        (autocast off); a check that cannot run is recorded ``unverified``."""
+        if torch.compiler.is_compiling() or i not in self.pending:
+            return
+        x = self.inputs.pop(i, None)
+        if x is None:
+            return
+        self.pending.discard(i)
+        try:
+            with torch.no_grad(), off(query.device.type):
+                result = layout_result(self.layers[i], x, query, key)
+        except Exception as exc:  # noqa: BLE001 - recorded as such, never raised into training
+            result = LayoutCheck("unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {})
+        self.results[i] = result

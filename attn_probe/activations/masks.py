@@ -1,6 +1,6 @@
 """Which keys each query row sees: the masks attention functions receive, read as :data:`RowMask` s.
 
-:func:`attn_probe.attention_stats.logit_stats` forms the logits a few query rows at a time and asks
+:func:`attn_probe.activations.statistics.logit_stats` forms the logits a few query rows at a time and asks
 a :data:`RowMask` ``rows(r0, r1)`` which keys rows ``r0:r1`` see (``True`` = visible) and which
 additive bias they get. :func:`row_mask` reads the arguments of transformers' attention functions
 (eager, sdpa, flash); :func:`sdpa_row_mask` reads those of ``torch.nn.functional.scaled_dot_product_attention``

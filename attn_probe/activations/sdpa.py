@@ -2,7 +2,7 @@
 
 nanoGPT, timm, LitGPT, torchtitan (0.2) and torchtune compute attention with
 ``torch.nn.functional.scaled_dot_product_attention`` themselves, not through transformers'
-attention interface. :class:`~attn_probe.attention_stats.AttentionCapture` measures those
+attention interface. :class:`~attn_probe.activations.statistics.AttentionCapture` measures those
 calls too: a watched layer whose module does not call the interface
 (:func:`measured_by_sdpa`) is an *sdpa layer*. While the capture is armed, a forward pre-hook
 and an always-called forward hook on each sdpa layer's module keep a stack of the sdpa layers
@@ -17,7 +17,7 @@ function) pass straight through. :func:`sdpa_call` reads the call as torch does:
   a divisor of ``H``: query head ``h`` meets key head ``h // (H / H_kv)``, torch's
   ``repeat_interleave``); ``scale`` or ``E ** -0.5``;
 - ``attn_mask``: boolean (``True`` = takes part) or additive float, broadcast to
-  ``(B, H, Lq, Lk)``; ``is_causal``: upper-left causal (:func:`attn_probe.attention_masks.sdpa_row_mask`).
+  ``(B, H, Lq, Lk)``; ``is_causal``: upper-left causal (:func:`attn_probe.activations.masks.sdpa_row_mask`).
 
 ``dropout_p`` is not applied: the statistics describe the attention distribution before dropout.
 

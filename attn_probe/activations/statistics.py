@@ -5,7 +5,7 @@ The weight metrics bound what the attention logits *could* be; this module measu
 receives (transformers' ``ALL_ATTENTION_FUNCTIONS`` interface: after rotary embeddings, keys
 before grouped-query repetition, with the model's own ``scaling``), or, for modules that call
 ``torch.nn.functional.scaled_dot_product_attention`` themselves, that call receives
-(:mod:`attn_probe.sdpa_capture`; masks: :mod:`attn_probe.attention_masks`).
+(:mod:`attn_probe.activations.sdpa`; masks: :mod:`attn_probe.activations.masks`).
 
 For query head ``h`` (key head ``g(h) = h // (H / H_kv)``), batch row ``b``, query ``i`` and
 key ``j`` the logit is
@@ -21,7 +21,7 @@ without a 2D mask every query token counts.
 
 - ``max_logit[h] = max |l_bhij|``; the layer value is the max over heads;
 - ``signed_max[h] = max l_bhij`` (signed, the same entries and logits: MuonClip's ``S_max``,
-  from which :mod:`attn_probe.stages.qk_clip` derives the QK-clip dry run);
+  from which :mod:`attn_probe.live.stages.qk_clip` derives the QK-clip dry run);
 - ``entropy[h]``: the mean over counted query tokens of ``-sum_j p_bhij log p_bhij`` (nats),
   ``p = softmax_j(z)`` over the visible keys; the layer value is the mean over heads.
 
@@ -94,12 +94,11 @@ from torch import nn
 
 from ..extraction.architectures import unwrap
 from ..extraction.base import AttentionLayer
-from ..extraction.layout_check import LayoutCheck
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
 from .flex import FlexCall, block_mask_reader, flex_stats
-from .layout import layout_result
+from .layout import LayoutWatch
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
@@ -175,15 +174,19 @@ class AttentionCapture:
     produce the update, including blocks that reentrant gradient checkpointing runs under
     ``no_grad`` inside it); never calls outside a forward of ``model`` (a checkpointed block
     re-run in backward). Without it, also forwards under ``no_grad``/``inference_mode``.
-    A failure while measuring costs that step's values of the layer: one warning per capture
-    (:func:`~attn_probe.isolation.safe_warn`), ``failures`` (a :class:`~attn_probe.isolation.Failures`)
-    counted once per step it happens in.
+    A failure while measuring costs that step's values of the layer: ``failures`` (a
+    :class:`~attn_probe.isolation.Failures`) counted once per step it happens in, and one warning
+    per capture (:func:`~attn_probe.isolation.safe_warn`) at the first failure; with
+    ``warn_failures=False`` the capture only records them (:attr:`failed_calls`,
+    :attr:`failed_layers`, :attr:`first_failure` of the step; :attr:`failed_calls_total`) and its
+    owner warns, once, with the step's count (the probe's attention stage).
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, training_only: bool = True,
                  failures: Failures | None = None, entropy_rows: int | None = DEFAULT_ENTROPY_ROWS,
-                 flex_compiled: bool = False, layout_check: bool = False) -> None:
+                 flex_compiled: bool = False, layout_check: bool = False,
+                 warn_failures: bool = True) -> None:
         reason = unavailable_reason(layers)
         if reason is not None:
             raise ValueError(reason)
@@ -216,7 +219,7 @@ class AttentionCapture:
         self._offsets = [0]
         for h in self.heads:
             self._offsets.append(self._offsets[-1] + h)
-        #: per layer: measured from its scaled_dot_product_attention calls (attn_probe.sdpa_capture)
+        #: per layer: measured from its scaled_dot_product_attention calls (attn_probe.activations.sdpa)
         self.sdpa = tuple(measured_by_sdpa(layer) for layer in self.layers)
         self._implementations = self._interface_names()
         self._running: list[int] = []  # the sdpa layers whose forward is running, innermost last
@@ -235,11 +238,15 @@ class AttentionCapture:
         self._frames: list[tuple[bool, dict[str, Tensor | None], bool]] = []
         self._buffers: list[Tensor] | None = None
         self._failed_step = False
-        self._warned = False
+        self._warned = not warn_failures  # the owner warns instead
         self.failures: list[str] = []
-        self._to_check: set[int] = set(range(len(self.layers))) if layout_check else set()  # _check_layout
-        self._layout_x: dict[int, Tensor] = {}  # an input kept from its pre-hook to its attention call only
-        self.layout_results: dict[int, LayoutCheck] = {}  #: per layer index, the check of its reading
+        self.layout = LayoutWatch(self.layers, layout_check)  #: the readings checked once (layout.py)
+        #: this step's failed calls, the layers they were in, the first one's message
+        self.failed_calls = 0
+        self.failed_layers: list[str] = []
+        self.first_failure: str | None = None
+        #: failed calls since construction
+        self.failed_calls_total = 0
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
 
@@ -284,6 +291,7 @@ class AttentionCapture:
         self._reset()
         self._frames = []
         self._failed_step = False
+        self.failed_calls, self.failed_layers, self.first_failure = 0, [], None
         self._hooks.append(self.root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
         self._hooks.append(self.root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True,
                                                            always_call=True))
@@ -318,7 +326,7 @@ class AttentionCapture:
         self._hooks = []
         self._frames = []
         self._running.clear()
-        self._layout_x.clear()  # a layer whose attention call was not reached: checked at a later step
+        self.layout.inputs.clear()  # a layer whose attention call was not reached: checked at a later step
         self._armed = False
 
     @property
@@ -381,7 +389,7 @@ class AttentionCapture:
                 mask = args[pos]
             masks[name] = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         counted = torch.is_grad_enabled() or not self.training_only
-        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.sdpa_capture)
+        pushed = counted and any(self.sdpa)  # intercepts the sdpa layers' calls (attn_probe.activations.sdpa)
         if pushed:
             self._mode.__enter__()
         self._frames.append((counted, masks, pushed))
@@ -408,8 +416,7 @@ class AttentionCapture:
             x = args[0] if args else kwargs.get("hidden_states")
             if not isinstance(x, Tensor) or x.dim() < 2:
                 return
-            if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
-                self._layout_x[i] = x.detach()  # until this layer's attention call (_check_layout)
+            self.layout.keep(i, x)
             try:
                 with torch.no_grad():
                     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -420,7 +427,7 @@ class AttentionCapture:
                     slot = self._buffers[3][i:i + 1]
                     slot.copy_(torch.maximum(slot, norms.amax().to(slot)))
             except Exception as exc:  # never take training down
-                self._fail(f"input norm of {self.names[i]}: {exc!r}")
+                self._fail(f"input norm of {self.names[i]}: {exc!r}", i)
 
         return hook
 
@@ -443,9 +450,8 @@ class AttentionCapture:
             sinks = kwargs.get("s_aux") if family != "sdpa" else None  # sdpa ignores sinks
             self._measure(i, query, key, float(scaling), rows, softcap=kwargs.get("softcap"), sinks=sinks)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]}: {exc!r}")
-        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
-            self._check_layout(i, query, key)
+            self._fail(f"{self.names[i]}: {exc!r}", i)
+        self._check_layout(i, query, key)
 
     def observe_sdpa(self, args: tuple, kwargs: dict) -> None:
         """One ``scaled_dot_product_attention`` call inside a counted forward (from :class:`SdpaMode`):
@@ -457,25 +463,13 @@ class AttentionCapture:
             query, key, scaling, rows = sdpa_call(args, kwargs, self.heads[i])
             self._measure(i, query, key, scaling, rows)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]}: {exc!r}")
+            self._fail(f"{self.names[i]}: {exc!r}", i)
             return
-        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
-            self._check_layout(i, query, key)
+        self._check_layout(i, query, key)
 
     def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
-        """Layer ``i``'s reading checked once (:func:`layout_result`), not in a graph; never raises."""
-        if torch.compiler.is_compiling() or not self._counted():
-            return
-        x = self._layout_x.pop(i, None)
-        if x is None:
-            return
-        self._to_check.discard(i)
-        try:
-            with torch.no_grad(), _autocast_off(query.device.type):
-                result = layout_result(self.layers[i], x, query, key)
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run is recorded as such, never raised
-            result = LayoutCheck("unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {})
-        self.layout_results[i] = result
+        if not torch.compiler.is_compiling() and self._counted():  # no guard on the layout's sets
+            self.layout.check(i, query, key, _autocast_off)
 
     def _layer_tensor(self) -> Tensor | None:
         return self._layer if self.flex_compiled and self._buffers is not None else None
@@ -501,10 +495,9 @@ class AttentionCapture:
             call = FlexCall(args, kwargs, self.heads[i], blocks=False)  # flex's eager rule
             self._accumulate(i, self._flex_stats(i, call), call.scale)
         except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]} (flex_attention): {exc!r}")
+            self._fail(f"{self.names[i]} (flex_attention): {exc!r}", i)
             return
-        if not torch.compiler.is_compiling() and i in self._to_check:  # no guard on the set
-            self._check_layout(i, call.query, call.key)
+        self._check_layout(i, call.query, call.key)
 
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
@@ -568,11 +561,18 @@ class AttentionCapture:
             scale[i:i + 1].fill_(float(scaling))
             seen[i:i + 1].add_(1)
 
-    def _fail(self, message: str) -> None:
-        """Count a failure (once per step in ``failure_log``), warn about the first one only."""
+    def _fail(self, message: str, layer: int | None = None) -> None:
+        """Count a failure (once per step in ``failure_log``), warn about the first one only
+        (unless the owner warns: ``warn_failures=False``)."""
         try:
             if message not in self.failures:
                 self.failures.append(message)
+            self.failed_calls += 1
+            self.failed_calls_total += 1
+            if self.first_failure is None:
+                self.first_failure = message
+            if layer is not None and self.names[layer] not in self.failed_layers:
+                self.failed_layers.append(self.names[layer])
             if not self._failed_step:
                 self._failed_step = True
                 if self.failure_log is not None:

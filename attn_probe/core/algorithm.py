@@ -35,7 +35,7 @@ def gpu_algorithm(device: torch.device) -> bool:
 
     On CPU tensors the GPU algorithm runs inside :func:`gpu_algorithm_on_cpu` or with the
     environment variable ``ATTN_PROBE_GPU_ALGORITHM=1``: the same operations (a fixed stack
-    budget, :data:`attn_probe.scoring.pairs.STACK_BYTES_CAP`, and float32 copies where CUDA multiplies
+    budget, :data:`attn_probe.scoring.pairs.STACK_BYTES`, and float32 copies where CUDA multiplies
     bf16 with float32 output, which has no CPU kernel), so that its operation count
     (:mod:`attn_probe.core.op_count`) and its numbers can be checked without a GPU.
     """

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from . import architectures
+from . import architectures, recipes
 from .architectures import FUSED_LAYOUTS, USER_ADAPTERS, QKLayout, group_of, recognise, unwrap
 from .base import GROUPS, AttentionLayer, UnsupportedModelError
 
@@ -96,24 +96,37 @@ def _qk_guess(kids: list[str]) -> tuple[str, str] | None:
     return (qs[0], ks[0]) if qs and ks else None
 
 
-def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str, str] | None, str | None]:
-    """Candidate attention modules, a guessed ``(query, key)`` child pair, and a description of a
-    child that looks like a fused q/k/v projection (by name or by width).
+def _candidates(
+    model: nn.Module, limit: int = 6
+) -> tuple[list[str], tuple[str, str] | None, str | None, tuple[str, str | None] | None]:
+    """Candidate attention modules, a guessed ``(query, key)`` child pair, a description of a
+    child that looks like a fused q/k/v projection (by name or by width), and a layout no rule
+    reads with the ``register_adapter`` call that reads it (:mod:`.recipes`; the call is ``None``
+    where the module states no head count).
 
     A candidate is a module named like attention with projection children, or, whatever its
-    class name, one holding two or more projections of the model's width (a query, a key...).
+    class name, one holding two or more projections of the model's width (a query, a key...), a
+    child named like a fused q/k/v projection, or per-head ``W_Q``/``W_K`` parameters.
     The guess: q/k-lettered names, else the first two such projections in definition order."""
     width = _model_width(model)
     seen: list[tuple[int, str]] = []
     guess: tuple[str, str] | None = None
     by_shape: tuple[str, str] | None = None
     fused: str | None = None
+    recipe: tuple[str, str | None] | None = None
     for path, module in model.named_modules():
         low = (path.rsplit(".", 1)[-1] + type(module).__name__).lower()
         kids = _linear_children(module)
         named = "attn" in low or "attention" in low
         shaped = _width_children(module, width) if width is not None else []
-        if not kids or not named and len(shaped) < 2:
+        readable = recipes.fused_qkv_recipe(module, path) or recipes.per_head_params_recipe(module, path)
+        if readable is None and (not kids or not named and len(shaped) < 2):
+            continue
+        if recipe is None:
+            recipe = readable
+        if not kids:  # per-head parameters, no projection child
+            params = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)]
+            seen.append((0, f"{path or '<root>'} ({type(module).__name__}: parameters {', '.join(params[:6])})"))
             continue
         if guess is None:
             guess = _qk_guess(kids) or (_qk_guess(shaped) if not named else None)
@@ -127,13 +140,13 @@ def _candidates(model: nn.Module, limit: int = 6) -> tuple[list[str], tuple[str,
             if fused is None:
                 fused = next((f"'{n}' looks like a fused q/k/v projection ({prefix}{n})"
                               for n in kids if "q" in n.lower() and "k" in n.lower()), None)
-        what = ", ".join(kids) if named or len(shaped) == len(kids) else \
+        what = ", ".join(kids) if named or readable or len(shaped) == len(kids) else \
             f"{', '.join(shaped)} of the model's width {width}; also {', '.join(k for k in kids if k not in shaped)}"
-        seen.append((0 if named else 1, f"{path or '<root>'} ({type(module).__name__}: {what})"))
-    seen.sort(key=lambda item: item[0])  # named like attention first, then by shape
-    if guess is None and fused is None:
+        seen.append((0 if named or readable else 1, f"{path or '<root>'} ({type(module).__name__}: {what})"))
+    seen.sort(key=lambda item: item[0])  # named like attention (or readable by a recipe) first, then by shape
+    if guess is None and fused is None and recipe is None:
         guess = by_shape
-    return [text for _, text in seen[:limit]], guess, fused
+    return [text for _, text in seen[:limit]], guess, fused, recipe
 
 
 def _unread_projections(root: nn.Module, pairs: list[tuple[str, str]]) -> str | None:
@@ -224,6 +237,26 @@ def _known_unsupported(model: nn.Module, cfg: Any) -> str | None:
     return None
 
 
+def _torch_transformer_groups(root: nn.Module) -> dict[int, str]:
+    """Groups of the attention modules inside torch's own ``nn.TransformerDecoderLayer`` and
+    ``nn.TransformerEncoderLayer`` (``nn.Transformer``, and models built from those layers), by
+    module id: a decoder layer's ``multihead_attn`` attends to the encoder's output (``memory``),
+    so it is ``cross``; with both kinds of layer in the model, it is an encoder-decoder model: the
+    encoder layers' ``self_attn`` is ``encoder``, the decoder layers' ``decoder``. These classes
+    carry no config and their names no cross-attention marker, so the path rules cannot tell."""
+    encoders = [m for m in root.modules() if isinstance(m, nn.TransformerEncoderLayer)]
+    decoders = [m for m in root.modules() if isinstance(m, nn.TransformerDecoderLayer)]
+    groups: dict[int, str] = {}
+    for layer in decoders:
+        groups[id(layer.multihead_attn)] = "cross"
+        if encoders:
+            groups[id(layer.self_attn)] = "decoder"
+    if decoders:
+        for layer in encoders:
+            groups[id(layer.self_attn)] = "encoder"
+    return groups
+
+
 def _latent_attention(model: nn.Module) -> str | None:
     """The path of a multi-head latent attention module (low-rank keys), if ``model`` has one."""
     for path, module in model.named_modules():
@@ -245,8 +278,9 @@ def find_attention(
 
     ``model`` may be wrapped (DDP/DeepSpeed ``.module``, ``torch.compile``, PEFT); names
     are relative to the unwrapped model. ``group`` is ``"self"`` for single-stack models and
-    ``"encoder"``/``"decoder"``/``"cross"`` for encoder-decoder ones (cross-attention is also
-    recognised by name elsewhere); ``layer`` counts within the group. Each record's
+    ``"encoder"``/``"decoder"``/``"cross"`` for encoder-decoder ones (``nn.Transformer`` included;
+    cross-attention is also recognised by name elsewhere, and as the ``multihead_attn`` of an
+    ``nn.TransformerDecoderLayer``); ``layer`` counts within the group. Each record's
     ``factors()`` gives per-head ``W_q (H, dh, d)`` and ``W_k (Hkv, dh, d)``; query head
     ``h`` pairs with KV head ``h // (H / Hkv)`` as in transformers' ``repeat_kv``.
 
@@ -271,6 +305,7 @@ def find_attention(
     found: list[AttentionLayer] = []
     counters: dict[str, int] = {}
     claimed: list[str] = []
+    torch_groups = _torch_transformer_groups(root)
     for path, module in root.named_modules():
         if any(path.startswith(c + ".") for c in claimed):
             continue  # projections inside an attention module already read
@@ -284,7 +319,7 @@ def find_attention(
         if layout is None:
             continue
         claimed.append(path)
-        group = group_of(path, is_enc_dec)
+        group = torch_groups.get(id(module)) or group_of(path, is_enc_dec)
         index = counters.get(group, 0)
         counters[group] = index + 1
         found.append(
@@ -336,7 +371,18 @@ def find_attention(
                 "found, or it does not divide the projections' output sizes. Set one on the module "
                 "(e.g. module.num_heads = 8), or describe the layout with attn_probe.register_adapter(fn)."
             )
-        cands, guess, fused = _candidates(root)
+        cands, guess, fused, recipe = _candidates(root)
+        if recipe is not None and recipe[1] is not None and guess is None:
+            what, call = recipe
+            rows = "" if "per-head" in what else "If its rows are [q | k | v], each block head-major, r"
+            raise UnsupportedModelError(
+                f"attn_probe found no attention layer it can read in {type(root).__name__}. "
+                f"Candidate modules: {'; '.join(cands)}. {what}. {rows or 'R'}ead it by running this "
+                f"after `import attn_probe` and before this call: `{call}` (other layouts: "
+                "`attn-probe models` prints the adapter recipe)."
+            )
+        if recipe is not None and fused is None:
+            fused = recipe[0]
         q_guess, k_guess = guess or ("my_q", "my_k")
         hint = (
             f" {fused}: describe its layout with "

@@ -293,7 +293,7 @@ class ProbeConfig:
 
     def score_pairs(self) -> list[Any]:
         """The pairs to score: ``pairs`` if given, else the W_qk pair with ``metrics``; with ``qk_update``
-        among ``metrics`` also a fresh :class:`~attn_probe.stages.update.QKUpdatePair` (per call)."""
+        among ``metrics`` also a fresh :class:`~attn_probe.live.stages.update.QKUpdatePair` (per call)."""
         if self.pairs is not None:
             return with_update_pair(list(self.pairs), False)
         core = tuple(m for m in self.metrics if m != UPDATE_METRIC)

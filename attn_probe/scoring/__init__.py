@@ -14,16 +14,17 @@ keeps working: the names of :mod:`.model` are served from here, on first use.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["score_model"]
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from . import model
-
+    if name.startswith("__") or name == "model":  # ``model`` not yet imported: not served from itself
+        raise AttributeError(f"module 'attn_probe.scoring' has no attribute {name!r}")
+    # not ``from . import model``: that asks this package for ``model`` first, which comes back here
+    model = importlib.import_module(f"{__name__}.model")
     try:
         return getattr(model, name)
     except AttributeError:

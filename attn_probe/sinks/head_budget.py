@@ -2,7 +2,7 @@
 
 With per-head values measured (``per_head=True``) and trackers not asked for every head
 (``trackers_per_head``), each tracker gets, per layer and per-head metric, the summaries of
-:func:`attn_probe.tags.summary_names`:
+:func:`attn_probe.formats.tags.summary_names`:
 
 * ``heads_min``, ``heads_median``, ``heads_max``: over the layer's heads (NaN left out; the
   median interpolates linearly, numpy's default; every one NaN when no head has a value);

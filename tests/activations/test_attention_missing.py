@@ -8,6 +8,7 @@ rotary function and explicit masks, in float64) on the weights each step ran wit
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -213,3 +214,54 @@ def test_trainer_torch_compile_after_an_earlier_compiled_run(tmp_path):
         for key, (m, e) in want.items():
             assert got_max[step][key] == pytest.approx(m, rel=TOL, abs=TOL), (step, key)
             assert got_ent[step][key] == pytest.approx(e, rel=TOL, abs=TOL), (step, key)
+
+
+@pytest.mark.parametrize("failing", [1, None], ids=["one failed call", "every call fails"])
+def test_a_failed_measurement_is_one_warning_carrying_its_count(tmp_path, monkeypatch, recwarn, failing):
+    """Issue 44 item 11: measuring inside the attention wrapper raises (here the statistics function
+    the wrapper calls, for the first call only or for every call of 4 due steps). One warning for the
+    whole run, with the count of the step's failed calls and the layers they cost; not a failure
+    warning plus a "not measured" warning plus a summary at close (three on 70bdcc9)."""
+    from attn_probe.activations import statistics
+
+    real, calls = statistics.logit_stats, []
+
+    def raising(*args, **kwargs):
+        calls.append(1)
+        if failing is None or len(calls) <= failing:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(statistics, "logit_stats", raising)
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sink = Records()
+    probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, sinks=[sink],
+                             log_dir=str(tmp_path / "tb"))
+    ids, mask = _same_batch(2)
+    warnings.simplefilter("always")
+    for _ in range(4):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    ours = [str(w.message) for w in recwarn if "attn_probe" in str(w.message)]
+    assert len(calls) == 8  # 2 layers x 4 steps reached the wrapper
+    assert len(ours) == 1, ours
+    if failing == 1:
+        assert "skipped at step 1: 1 failed call in 1 of 2 layers (model.layers.0.self_attn)" in ours[0], ours[0]
+        assert "injected failure" in ours[0] and "1 of them are not logged" in ours[0]
+        assert probe.failures == 1
+        logged = sink.values("max_logit")
+        assert sorted(logged) == [1, 2, 3, 4]
+        measured = {step: {key for key, value in values.items() if not math.isnan(value)} for step, values in logged.items()}
+        assert measured[1] == {(1, None)} and measured[4] == {(0, None), (1, None)}  # layer 0: NaN at step 1 only
+    else:
+        assert "skipped at step 1: 2 failed calls in 2 of 2 layers" in ours[0], ours[0]
+        assert probe.failures == 4  # counted once per step it happened in
+        assert sink.values("max_logit") == {}
+        assert sorted(sink.values("symmetry")) == [0, 1, 2, 3, 4]  # the weight metrics go on
+    # those counted failures do not silence the first failure reported elsewhere (a snapshot's)
+    recwarn.clear()
+    probe.failure_log.report("a snapshot", RuntimeError("later"))
+    assert [w for w in recwarn if "a snapshot failed" in str(w.message)]

@@ -4,6 +4,7 @@ hint by width, and ``attn-probe models`` (run here exactly as the message prints
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import shlex
@@ -234,3 +235,96 @@ def test_unreadable_named_projections_are_named_not_the_head_count() -> None:
     text = message(lambda: find_attention(nn.ModuleDict({"attn": attn}), qk_names=[("q_proj", "k_proj")]))
     assert "attn.q_proj (Conv1d)" in text and "cannot read them as projections" in text
     assert "num_heads" not in text
+
+
+def printed_call(text: str) -> str:
+    """The ``register_adapter`` call the message prints (between backticks)."""
+    return re.search(r"`(attn_probe\.register_adapter\(.*?\))`", text).group(1)
+
+
+class Mixing(nn.Module):
+    """vit-pytorch's attention block under another name (no 'attn' in its class or path): one fused
+    ``to_qkv`` chunked into q, k, v, each split into ``heads`` heads of ``dim_head`` (12, not d / heads)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, dim_head: int = 12) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, dim_head**-0.5
+        self.to_qkv = nn.Linear(dim, heads * dim_head * 3, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(-3, -2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        self.scores = q @ k.transpose(-1, -2) * self.scale  # (B, H, N, N): the reference
+        return self.to_out((self.scores.softmax(-1) @ v).transpose(-3, -2).flatten(-2))
+
+
+class MixingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"mix": Mixing(), "ff": Feed()}) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["mix"](x)
+        return x
+
+
+def test_a_fused_to_qkv_in_a_class_not_named_like_attention_gets_a_call_that_works() -> None:
+    """Issue 44: the message names the module and its fused child, and the register_adapter call it
+    prints, run as printed, reads both layers: their logits equal the module's own forward's."""
+    torch.manual_seed(0)
+    model = MixingNet()
+    text = message(lambda: find_attention(model))
+    assert "layers.0.mix (Mixing: to_qkv, to_out)" in text
+    assert "'to_qkv' looks like a fused q/k/v projection (layers.0.mix.to_qkv: 16 -> 72 = 3 x 24)" in text
+    adapter = eval(printed_call(text), {"attn_probe": attn_probe})  # noqa: S307 - the call exactly as printed
+    try:
+        layers = find_attention(model)
+        assert [(a.name, a.num_heads, a.head_dim) for a in layers] == [("layers.0.mix", 2, 12), ("layers.1.mix", 2, 12)]
+        x = torch.randn(1, 5, 16)
+        with torch.no_grad():
+            model(x)
+            mix, layer = model.layers[1]["mix"], layers[1]
+            inner = x + model.layers[0]["mix"](x)  # layer 1's input
+            for h in range(2):
+                ours = inner[0] @ layer.qk_matrix(head=h).float() @ inner[0].T * mix.scale
+                torch.testing.assert_close(ours, mix.scores[0, h], rtol=1e-4, atol=1e-5)
+    finally:
+        unregister_adapter(adapter)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["Attention", "GroupedQueryAttention"])
+def test_transformer_lens_refusal_lists_its_attention_and_prints_a_call_that_works(tmp_path: Path, kv_heads) -> None:
+    """Issue 44: TransformerLens keeps W_Q/W_K as [heads, d_model, d_head] parameters, no projection
+    module (a verbatim-shaped HookedTransformer: tests/third_party_layouts.py). The refusal lists its
+    attention modules and prints a register_adapter call; run as printed, watch attaches and the
+    logits from the factors equal the forward's own attention scores (GQA keys repeat_interleave-d).
+    On 70bdcc9: 'Candidate modules: none' and a qk_names placeholder that fails."""
+    from tests.third_party_layouts import HookedTransformer, TLConfig
+
+    torch.manual_seed(0)
+    cfg = TLConfig(n_key_value_heads=kv_heads)
+    model = HookedTransformer(cfg)
+    text = message(lambda: attn_probe.watch(model, log_dir=str(tmp_path / "a"), every=1))
+    kind = "GroupedQueryAttention" if kv_heads else "Attention"
+    assert f"blocks.0.attn ({kind}: parameters W_Q [4, 16, 8]" in text and "Candidate modules: none" not in text
+    assert "my_q" not in text
+    adapter = eval(printed_call(text), {"attn_probe": attn_probe})  # noqa: S307 - the call exactly as printed
+    try:
+        probe = attn_probe.watch(model, log_dir=str(tmp_path / "b"), every=1)
+        probe.close()
+        layers = find_attention(model)
+        assert [(a.name, a.num_heads, a.num_kv_heads, a.head_dim) for a in layers] == [
+            (f"blocks.{i}.attn", 4, kv_heads or 4, 8) for i in range(2)]
+        seen = {}
+        attn = model.blocks[1].attn
+        attn.hook_attn_scores.register_forward_hook(lambda m, args, out: seen.update(scores=out))
+        attn.register_forward_pre_hook(lambda m, args: seen.update(x=args[0]))
+        with torch.no_grad():
+            model(torch.randint(0, cfg.d_vocab, (1, 6)))
+            x = seen["x"][0]
+            for h in range(4):
+                ours = x @ layers[1].qk_matrix(head=h).float() @ x.T / math.sqrt(cfg.d_head)
+                torch.testing.assert_close(ours, seen["scores"][0, h], rtol=1e-4, atol=1e-5)
+    finally:
+        unregister_adapter(adapter)

@@ -77,13 +77,13 @@ def _train(model, tmp_path, steps: int = 3, adapter=None):
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             model(torch.randint(0, 100, (B, T), generator=g))
-        after_eval = dict(probe.attention.capture.layout_results)
+        after_eval = dict(probe.attention.capture.layout.results)
         for _ in range(steps):
             ids = torch.randint(0, 100, (B, T), generator=g)
             model(ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-        held = dict(probe.attention.capture._layout_x)  # the inputs kept for the check: none after it
+        held = dict(probe.attention.capture.layout.inputs)  # the inputs kept for the check: none after it
         probe.close()
     messages = [str(w.message) for w in caught if "attn_probe" in str(w.message)]
     return probe, sink, messages, after_eval, held
@@ -155,7 +155,7 @@ def test_a_compiled_forward_is_not_checked_inside_its_graph(tmp_path):
         compiled(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    held = dict(probe.attention.capture._layout_x)
+    held = dict(probe.attention.capture.layout.inputs)
     probe.close()
     torch._dynamo.reset()
     assert probe.failures == 0 and held == {}

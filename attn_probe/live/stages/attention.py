@@ -29,15 +29,15 @@ import torch
 from torch import nn
 
 from ...activations.logits import DEFAULT_ENTROPY_ROWS
+from ...activations.sdpa import measured_by_sdpa
 from ...activations.statistics import AttentionCapture, StepStats, combine, unavailable_reason
-from ..config import ProbeConfig
 from ...distributed import Agreement
 from ...extraction import AttentionLayer
 from ...extraction.layout_check import LayoutCheck
 from ...isolation import Failures, safe_warn
 from ...scoring.pairs import QKPair, ScorePair, pair_metric_names
+from ..config import ProbeConfig
 from .qk_clip import CLIP_METRICS, DEFAULT_TAU, clip_tables, signed_columns
-from ...activations.sdpa import measured_by_sdpa
 
 __all__ = ["AttentionStage", "AttentionTables", "RATIO_METRIC", "attention_metrics", "metric_names",
            "bound_ratio_table", "build_stage", "qk_bound_index"]
@@ -107,8 +107,10 @@ class AttentionStage:
         self.per_head = per_head
         self.failures = failures if failures is not None else Failures()
         self.reason = unavailable_reason(self.layers)
+        #: the capture records its failures and this stage warns, once, with the step's count
         self.capture = AttentionCapture(model, self.layers, failures=self.failures, entropy_rows=entropy_rows,
-                                        flex_compiled=flex_compiled, layout_check=True) if self.reason is None else None
+                                        flex_compiled=flex_compiled, layout_check=True,
+                                        warn_failures=False) if self.reason is None else None
         #: per layer name, the check of its reading against its first counted eager forward (:meth:`layout_news`)
         self.layout: dict[str, LayoutCheck] = {}
         #: ``(group, layer)`` -> the line of a check that contradicts the probe's reading: the layer's
@@ -116,6 +118,7 @@ class AttentionStage:
         self.refused: dict[tuple[str, int], str] = {}
         #: snapshots that left out refused layers' rows
         self.refused_snapshots = 0
+        self.failures_warned = False
         self.armed_for: int | None = None
         self.stopped = False
         #: plain loops arm right after the update before a due step; the Trainer callback turns
@@ -195,7 +198,7 @@ class AttentionStage:
         news = []
         try:
             capture = self.capture
-            results = dict(capture.layout_results) if capture is not None else {}
+            results = dict(capture.layout.results) if capture is not None else {}
             for i, result in sorted(results.items()):
                 layer = self.layers[i]
                 if layer.name in self.layout:
@@ -246,18 +249,49 @@ class AttentionStage:
                           "max_logit and entropy are no longer measured on this rank, the weight metrics go on.")
                 return None
         if measured:
+            self._warn_failures(step, stats)
             self._check_measured(step, stats)
         if not bool(torch.isfinite(stats.max_logit).any()) and not bool((stats.tokens > 0).any()):
             return None
         return AttentionTables(stats)
 
+    def _warn_failures(self, step: int, stats: StepStats) -> None:
+        """The first measured step in which measuring failed on this rank: one warning, carrying that
+        step's count of failed calls and the layers they cost (a layer whose value is missing for
+        that reason is not warned about again as "not measured"). Later failures are counted in
+        ``failures``; failures of steps never measured are summed up at :meth:`close`."""
+        capture = self.capture
+        try:
+            if capture is None or not capture.failed_calls or self.failures_warned:
+                return
+            self.failures_warned = True
+            failed, calls = capture.failed_layers, capture.failed_calls
+            off, tokens = stats.offsets, stats.tokens.detach().cpu()
+            empty = [name for i, name in enumerate(stats.names)
+                     if name in failed and not bool((tokens[off[i]:off[i + 1]] > 0).any())]
+            if failed:
+                where = (f" in {len(failed)} of {len(stats.names)} layers ({', '.join(failed[:3])}"
+                         f"{', ...' if len(failed) > 3 else ''})")
+                lost = (f"max_logit and entropy of {len(empty)} of them are not logged at this step"
+                        f"{', those of the others are partial' if len(empty) < len(failed) else ''}")
+            else:
+                where, lost = "", "the step's values may be incomplete"
+            safe_warn(f"attn_probe: attention statistics skipped at step {step}: {calls} failed "
+                      f"call{'s' if calls != 1 else ''}{where}, first: {capture.first_failure}; {lost}. Training "
+                      "is unaffected; later failures are counted in probe.failures, not reported.")
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
+            self.failures.report("warning about a failed attention measurement", exc)
+
     def _check_measured(self, step: int, stats: StepStats) -> None:
         """An armed step that counted nothing for some layer: never silent (warned once, counted).
+        Layers whose measurement failed this step are left out (:meth:`_warn_failures` warned).
         Local (no collective): ``stats`` are already combined, so every rank sees the same."""
         try:
             off = stats.offsets
             tokens = stats.tokens.detach().cpu()
-            missing = [name for i, name in enumerate(stats.names) if not bool((tokens[off[i]:off[i + 1]] > 0).any())]
+            failed = set(self.capture.failed_layers) if self.capture is not None else set()
+            missing = [name for i, name in enumerate(stats.names)
+                       if name not in failed and not bool((tokens[off[i]:off[i + 1]] > 0).any())]
             if not missing:
                 return
             self.missed_steps.append(step)
@@ -316,6 +350,12 @@ class AttentionStage:
                 self.capture.close()
         except Exception as exc:  # noqa: BLE001
             self.failures.report("closing the attention capture", exc)
+        capture = self.capture
+        if capture is not None and capture.failed_calls_total and not self.failures_warned:
+            self.failures_warned = True  # failures only in steps never measured (cancelled, or stale)
+            safe_warn(f"attn_probe: attention statistics skipped: measuring failed {capture.failed_calls_total} "
+                      f"time{'s' if capture.failed_calls_total != 1 else ''} in steps that were not logged, "
+                      f"first: {capture.failures[0] if capture.failures else '?'}; training was unaffected.")
         missed, self.missed_steps = self.missed_steps, []
         if len(missed) > 1:
             safe_warn(f"attn_probe: max_logit and entropy were missing for some layers at {len(missed)} due steps "
