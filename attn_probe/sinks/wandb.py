@@ -3,10 +3,10 @@
 Where the values go (docs/live-probe.md, "W&B: what it receives"):
 
 * **A run of the probe's own (the default beside a run of yours).** Given your run (``run=``,
-  ``wandb.run``, the Trainer's or the accelerator's W&B run), the sink creates a run of its own
-  with ``wandb.init(reinit="create_new", resume="allow")``: same project, entity, mode and
-  directory, your run's group (``job_type="attn_probe"``, named ``<your run>-attn_probe``, your
-  run's id in its config under ``attn_probe/user_run``, its id derived from yours so that a
+  ``wandb.run``, the Trainer's, the accelerator's or Lightning's ``WandbLogger``'s W&B run), the
+  sink creates a run of its own with ``wandb.init(resume="allow", ...)``: same project, entity,
+  mode and directory, your run's group (``job_type="attn_probe"``, named ``<your run>-attn_probe``,
+  your run's id in its config under ``attn_probe/user_run``, its id derived from yours so that a
   resumed run of yours resumes it). Every snapshot is a row of its own there, and nothing is
   logged into your run: the only lossless way through W&B's public API, whatever you log.
 * **Joining your run** (``separate_run=False``): each snapshot goes in with
@@ -15,6 +15,13 @@ Where the values go (docs/live-probe.md, "W&B: what it receives"):
   row, where the later overwrites the earlier: those are counted (from W&B's public
   ``run.step``, read on the sink's own lane) and told once at ``close()``.
 * **A run the sink creates** (no run of yours, or ``init_kwargs``): rows of its own.
+
+Every run the probe creates lives in a child process of its own
+(:mod:`attn_probe.sinks.wandb_process`): a W&B run started in the training process would become
+W&B's most recent active run there, which a plain ``wandb.init()`` of yours returns (and, with
+``mode="disabled"``, ``wandb.run``). So ``wandb.run``, ``wandb.log``, ``wandb.config`` and
+``wandb.init()`` stay exactly what they are without the probe. A disabled run of yours (or
+``mode="disabled"``) records nothing: the probe then creates no run at all.
 
 Keys: the TensorBoard tags (``attn_probe/...``) plotted against ``attn_probe/step``
 (``define_metric``). A second probe joining the same run of yours gets ``attn_probe_2/...``
@@ -28,15 +35,17 @@ training step. ``wandb`` is imported in :meth:`WandbSink.start` (``pip install '
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 from typing import Any
 
-from ..isolation import print_line, safe_warn
 from ..formats.tags import PREFIX
-from .tracker_record import STEP_KEY, TrackerRun, wandb_run
+from ..isolation import print_line, safe_warn
 from . import RunInfo, Snapshot
+from .tracker_record import STEP_KEY, TrackerRun, wandb_run
 from .trackers import TrackerSink
+from .wandb_process import ChildRun
 
 __all__ = ["WandbSink", "JoinedRows", "define_probe_axis", "probe_run_id", "JOB_TYPE"]
 
@@ -236,17 +245,20 @@ class WandbSink(TrackerSink):
                       "(attn_probe.jsonl and TensorBoard hold every snapshot).")
             return
         if user is None:
-            self.mode = "own"
             kwargs = dict(self._init_kwargs)
             if self.separate_run:
                 safe_warn("attn_probe: WandbSink(separate_run=True) found no W&B run of yours (pass run= or call "
                           "wandb.init first); the probe's run is created from W&B's settings alone.")
-                kwargs = {"reinit": "create_new", "job_type": JOB_TYPE, **kwargs}
-            self.run, self.owns_run = wandb.init(**kwargs), True
-            define_probe_axis(self.run)
-            if self._log_config:
-                self.run.config.update(self._config_value(run_info), allow_val_change=True)
-            self._ready = True
+                kwargs = {"job_type": JOB_TYPE, **kwargs}
+            if _disabled(kwargs.get("mode")):
+                self.mode = None
+                _status("W&B is disabled (mode='disabled'): the probe sends nothing to W&B")
+                return
+            self.mode, self.probe_run_kwargs = "own", kwargs
+            return
+        if self.separate_run is not False and _disabled(getattr(getattr(user, "settings", None), "mode", None)):
+            self.mode = None
+            _status(f"your W&B run {user.id} is disabled (mode='disabled'): the probe sends nothing to W&B")
             return
         self.namespace = claim_namespace(user)
         self._claim = (_run_key(user), self.namespace)
@@ -273,7 +285,7 @@ class WandbSink(TrackerSink):
         if self._log_config:
             config.update(self._config_value(run_info))
         kwargs: dict[str, Any] = {
-            "reinit": "create_new", "resume": "allow", "job_type": JOB_TYPE,
+            "resume": "allow", "job_type": JOB_TYPE,
             "id": probe_run_id(str(user.id), self.namespace), "project": user.project,
             "entity": getattr(user, "entity", None) or None,
             "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}", "config": config,
@@ -295,10 +307,12 @@ class WandbSink(TrackerSink):
         """On the lane, before the first snapshot: create the probe's run, or set up the joined one."""
         if self._ready:
             return
-        if self.mode == "separate":
-            if self.run is None:
-                self.run, self.owns_run = self._import().init(**self.probe_run_kwargs), True
+        if self.mode in ("separate", "own"):
+            if self.run is None:  # in a process of its own: never one of this process's W&B runs
+                self.run, self.owns_run = ChildRun(self.probe_run_kwargs), True
             define_probe_axis(self.run)
+            if self.mode == "own" and self._log_config and self.run_info is not None:
+                self.run.config.update(self._config_value(self.run_info), allow_val_change=True)
         elif self.mode == "join":
             define_probe_axis(self.user_run, self.namespace)
             if self._log_config and self.run_info is not None:
@@ -342,6 +356,11 @@ class WandbSink(TrackerSink):
         finally:
             if claim is not None:
                 release_namespace(*claim)
+
+
+def _disabled(mode: Any) -> bool:
+    """Whether W&B runs in ``mode`` (else in ``WANDB_MODE``) are disabled: they record nothing."""
+    return (mode or os.environ.get("WANDB_MODE")) == "disabled"
 
 
 def _status(text: str) -> None:
