@@ -45,7 +45,7 @@ from ..isolation import print_line, safe_warn
 from . import RunInfo, Snapshot
 from .tracker_record import STEP_KEY, TrackerRun, wandb_run
 from .trackers import TrackerSink
-from .wandb_process import ChildRun
+from .wandb_process import ChildRun, reserve
 
 __all__ = ["WandbSink", "JoinedRows", "define_probe_axis", "probe_run_id", "JOB_TYPE"]
 
@@ -214,6 +214,8 @@ class WandbSink(TrackerSink):
         self.probe_run_kwargs: dict[str, Any] | None = None
         self.joined: JoinedRows | None = None
         self._claim: tuple[tuple[str, str], str] | None = None
+        #: the place reserved for the probe's run in its process (until the run is created)
+        self._place: Any = None
         self._ready = False
 
     # ------------------------------------------------------------------ start (training thread)
@@ -255,6 +257,7 @@ class WandbSink(TrackerSink):
                 _status("W&B is disabled (mode='disabled'): the probe sends nothing to W&B")
                 return
             self.mode, self.probe_run_kwargs = "own", kwargs
+            self._place = reserve()  # the run's process starts now, beside training; the run at the first snapshot
             return
         if self.separate_run is not False and _disabled(getattr(getattr(user, "settings", None), "mode", None)):
             self.mode = None
@@ -271,6 +274,7 @@ class WandbSink(TrackerSink):
         else:
             self.mode = "separate"
             self.probe_run_kwargs = self._separate_kwargs(user, run_info)
+            self._place = reserve()
             _status(f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
                     f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
                     + (f" in group {user.group}" if getattr(user, "group", None) else "")
@@ -309,7 +313,8 @@ class WandbSink(TrackerSink):
             return
         if self.mode in ("separate", "own"):
             if self.run is None:  # in a process of its own: never one of this process's W&B runs
-                self.run, self.owns_run = ChildRun(self.probe_run_kwargs), True
+                place, self._place = self._place, None
+                self.run, self.owns_run = ChildRun(self.probe_run_kwargs, place), True
             define_probe_axis(self.run)
             if self.mode == "own" and self._log_config and self.run_info is not None:
                 self.run.config.update(self._config_value(self.run_info), allow_val_change=True)
@@ -348,7 +353,10 @@ class WandbSink(TrackerSink):
     def _close(self) -> None:
         run, self.run = self.run, None
         claim, self._claim = self._claim, None
+        place, self._place = self._place, None
         try:
+            if place is not None:  # no snapshot came: the run was never created
+                place.release()
             if self.joined is not None:
                 self.joined.report()
             if self.owns_run and run is not None:
