@@ -52,8 +52,10 @@ __all__ = ["WandbSink", "JoinedRows", "define_probe_axis", "probe_run_id", "JOB_
 #: ``job_type`` of the probe's own W&B runs
 JOB_TYPE = "attn_probe"
 #: how the loss warning names the lossless way
-LOSSLESS_WAY = ("leave separate_run at its default (WandbSink(run); with the Trainer or Accelerate, "
-                "wandb_separate_run=True): the probe then logs into a W&B run of its own, grouped with yours")
+LOSSLESS_WAY = (
+    "leave separate_run at its default (WandbSink(run); with the Trainer or Accelerate, "
+    "wandb_separate_run=True): the probe then logs into a W&B run of its own, grouped with yours"
+)
 
 # the key prefixes taken in each W&B run of a user, so that two probes never share a key; held
 # only around these few dictionary operations (no W&B call, no user thread ever takes it)
@@ -150,7 +152,10 @@ class JoinedRows:
         last_step, last_before, last_after = last
         if last_after is not None and before is not None and last_after < before:
             return  # a row was committed in between: the earlier snapshot's row is closed, it reached W&B
-        if None not in (last_before, last_after, before, after) and last_before == last_after == before == after:
+        if (
+            None not in (last_before, last_after, before, after)
+            and last_before == last_after == before == after
+        ):
             self.lost.append(last_step)  # both known to be in the same row: the later overwrote it
         else:
             self.maybe_lost.append(last_step)
@@ -159,14 +164,20 @@ class JoinedRows:
         """One warning with the count and the steps of the snapshots that did not reach W&B (if any)."""
         if not self.lost and not self.maybe_lost:
             return
-        text = (f"attn_probe: {len(self.lost)} of the probe's {self.sent} snapshots did not reach {self.label}"
-                + (f" ({_steps_text(self.lost)})" if self.lost else ""))
+        text = (
+            f"attn_probe: {len(self.lost)} of the probe's {self.sent} snapshots did not reach {self.label}"
+            + (f" ({_steps_text(self.lost)})" if self.lost else "")
+        )
         if self.maybe_lost:
-            text += (f"; {len(self.maybe_lost)} more may not have ({_steps_text(self.maybe_lost)}: a row was "
-                     "committed while they were logged, so which row each joined is unknown)")
-        safe_warn(text + ". Joining your run (separate_run=False), a snapshot shares the row you commit next and "
-                  "is overwritten by the next snapshot when you commit no row in between; attn_probe.jsonl and "
-                  f"TensorBoard hold every snapshot. To lose none, {LOSSLESS_WAY}.")
+            text += (
+                f"; {len(self.maybe_lost)} more may not have ({_steps_text(self.maybe_lost)}: a row was "
+                "committed while they were logged, so which row each joined is unknown)"
+            )
+        safe_warn(
+            text + ". Joining your run (separate_run=False), a snapshot shares the row you commit next and "
+            "is overwritten by the next snapshot when you commit no row in between; attn_probe.jsonl and "
+            f"TensorBoard hold every snapshot. To lose none, {LOSSLESS_WAY}."
+        )
 
 
 class WandbSink(TrackerSink):
@@ -197,8 +208,15 @@ class WandbSink(TrackerSink):
     #: the probe's own run is created at the first snapshot, on the lane: the guard is made then
     guard_at_first_log = True
 
-    def __init__(self, run: Any = None, *, per_head: bool = False, log_config: bool = True,
-                 separate_run: bool | None = None, **init_kwargs: Any) -> None:
+    def __init__(
+        self,
+        run: Any = None,
+        *,
+        per_head: bool = False,
+        log_config: bool = True,
+        separate_run: bool | None = None,
+        **init_kwargs: Any,
+    ) -> None:
         super().__init__(per_head=per_head)
         self._given = run
         self._init_kwargs = init_kwargs
@@ -243,23 +261,30 @@ class WandbSink(TrackerSink):
         self.user_run = user
         if user is None and found_by_tracker:
             self.mode = None
-            safe_warn(f"attn_probe: found no W&B run to log beside ({why}); the probe sends nothing to W&B "
-                      "(attn_probe.jsonl and TensorBoard hold every snapshot).")
+            safe_warn(
+                f"attn_probe: found no W&B run to log beside ({why}); the probe sends nothing to W&B "
+                "(attn_probe.jsonl and TensorBoard hold every snapshot)."
+            )
             return
         if user is None:
             kwargs = dict(self._init_kwargs)
             if self.separate_run:
-                safe_warn("attn_probe: WandbSink(separate_run=True) found no W&B run of yours (pass run= or call "
-                          "wandb.init first); the probe's run is created from W&B's settings alone.")
+                safe_warn(
+                    "attn_probe: WandbSink(separate_run=True) found no W&B run of yours (pass run= or call "
+                    "wandb.init first); the probe's run is created from W&B's settings alone."
+                )
                 kwargs = {"job_type": JOB_TYPE, **kwargs}
             if _disabled(kwargs.get("mode")):
                 self.mode = None
                 _status("W&B is disabled (mode='disabled'): the probe sends nothing to W&B")
                 return
             self.mode, self.probe_run_kwargs = "own", kwargs
-            self._place = reserve()  # the run's process starts now, beside training; the run at the first snapshot
+            # the run's process starts now, beside training; the run itself at the first snapshot
+            self._place = reserve()
             return
-        if self.separate_run is not False and _disabled(getattr(getattr(user, "settings", None), "mode", None)):
+        if self.separate_run is not False and _disabled(
+            getattr(getattr(user, "settings", None), "mode", None)
+        ):
             self.mode = None
             _status(f"your W&B run {user.id} is disabled (mode='disabled'): the probe sends nothing to W&B")
             return
@@ -268,20 +293,29 @@ class WandbSink(TrackerSink):
         if self.separate_run is False:
             self.mode = "join"
             self.joined = JoinedRows(user, f"W&B run {user.id}")
-            _status(f"the probe's values join the rows of W&B run {user.id} under {self.namespace}/ "
-                    "(separate_run=False: a snapshot between two of your commits is overwritten by the next, "
-                    "counted and told at close)")
+            _status(
+                f"the probe's values join the rows of W&B run {user.id} under {self.namespace}/ "
+                "(separate_run=False: a snapshot between two of your commits is overwritten by the next, "
+                "counted and told at close)"
+            )
         else:
             self.mode = "separate"
             self.probe_run_kwargs = self._separate_kwargs(user, run_info)
             self._place = reserve()
-            _status(f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
-                    f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
-                    + (f" in group {user.group}" if getattr(user, "group", None) else "")
-                    + "; nothing is logged into yours")
+            _status(
+                f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
+                f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
+                + (f" in group {user.group}" if getattr(user, "group", None) else "")
+                + "; nothing is logged into yours"
+            )
 
     def _config_value(self, run_info: RunInfo) -> dict[str, Any]:
-        return {PREFIX if self.mode != "join" else self.namespace: {"config": run_info.config, "model": run_info.model}}
+        return {
+            PREFIX if self.mode != "join" else self.namespace: {
+                "config": run_info.config,
+                "model": run_info.model,
+            }
+        }
 
     def _separate_kwargs(self, user: Any, run_info: RunInfo) -> dict[str, Any]:
         """``wandb.init`` arguments of the probe's own run: beside the user's run, in its group."""
@@ -289,15 +323,20 @@ class WandbSink(TrackerSink):
         if self._log_config:
             config.update(self._config_value(run_info))
         kwargs: dict[str, Any] = {
-            "resume": "allow", "job_type": JOB_TYPE,
-            "id": probe_run_id(str(user.id), self.namespace), "project": user.project,
+            "resume": "allow",
+            "job_type": JOB_TYPE,
+            "id": probe_run_id(str(user.id), self.namespace),
+            "project": user.project,
             "entity": getattr(user, "entity", None) or None,
-            "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}", "config": config,
+            "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}",
+            "config": config,
         }
         if getattr(user, "group", None):
             kwargs["group"] = user.group
         settings = getattr(user, "settings", None)
-        mode = {"dryrun": "offline", "run": "online"}.get(getattr(settings, "mode", None), getattr(settings, "mode", None))
+        mode = {"dryrun": "offline", "run": "online"}.get(
+            getattr(settings, "mode", None), getattr(settings, "mode", None)
+        )
         if mode in ("online", "offline", "disabled"):
             kwargs["mode"] = mode
         root = getattr(settings, "root_dir", None)
@@ -374,4 +413,3 @@ def _disabled(mode: Any) -> bool:
 def _status(text: str) -> None:
     """One status line, printed like the probe's own start line (clear of progress bars, never raising)."""
     print_line(f"attn_probe: {text}")
-

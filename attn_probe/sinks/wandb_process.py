@@ -61,8 +61,13 @@ class _Process:
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([here, *(p for p in sys.path if p)]))
         env.setdefault("WANDB_CONSOLE", "off")  # nothing of the child's to capture
-        self.proc = subprocess.Popen([sys.executable, "-m", "attn_probe.sinks.wandb_process"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attn_probe.sinks.wandb_process"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
         self.lock = threading.Lock()
         self.runs = 0
         self.next_handle = 0
@@ -172,7 +177,9 @@ class ChildRun:
         except Exception as exc:  # noqa: BLE001 - named in the error below
             if reservation is not None:
                 reservation.release()
-            raise TypeError(f"the W&B run's settings cannot be sent to its process ({type(exc).__name__}: {exc})") from None
+            raise TypeError(
+                f"the W&B run's settings cannot be sent to its process ({type(exc).__name__}: {exc})"
+            ) from None
         self._place: Reservation | None = reservation if reservation is not None else reserve()
         try:
             info = self.call("init", **payload)
@@ -238,9 +245,14 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
 
                     # several runs of the probe's side by side in this process; its globals serve no one
                     run = runs[handle] = wandb.init(**{**kwargs, "reinit": "create_new"})
-                    result = {"id": run.id, "name": run.name, "project": run.project,
-                              "entity": getattr(run, "entity", None), "group": getattr(run, "group", None),
-                              "mode": getattr(run.settings, "mode", None)}
+                    result = {
+                        "id": run.id,
+                        "name": run.name,
+                        "project": run.project,
+                        "entity": getattr(run, "entity", None),
+                        "group": getattr(run, "group", None),
+                        "mode": getattr(run.settings, "mode", None),
+                    }
                 elif op == "finish":
                     runs.pop(handle).finish(**kwargs)
                 else:

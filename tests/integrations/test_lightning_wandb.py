@@ -28,9 +28,18 @@ STEPS = 20
 class LitBert(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = tiny_model("bert", 0, vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
-                                attention_probs_dropout_prob=0.0)
+        self.model = tiny_model(
+            "bert",
+            0,
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -51,8 +60,16 @@ def fit(root, name: str, callbacks: list) -> str:
 
     torch.manual_seed(1)
     logger = WandbLogger(name=name, project="lightning-wandb", offline=True, save_dir=str(root), group="g44")
-    trainer = L.Trainer(callbacks=callbacks, max_steps=STEPS, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", log_every_n_steps=1)
+    trainer = L.Trainer(
+        callbacks=callbacks,
+        max_steps=STEPS,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        log_every_n_steps=1,
+    )
     trainer.fit(LitBert(), torch.utils.data.DataLoader(RandomTokens(), batch_size=4))
     run_id = logger.experiment.id
     assert wandb.run is logger.experiment  # the logger's run is still the user's wandb.run
@@ -66,8 +83,10 @@ def test_wandb_logger_run_holds_only_the_users_rows(tmp_path, wandb_offline):
     user = fit(wandb_offline / "probe", "with-probe", [cb])
 
     def user_rows(root, run_id):
-        return [{k: v for k, v in row.items() if k != "_timestamp" and k != "_runtime"}
-                for row in wandb_history(root, run_id=run_id)]
+        return [
+            {k: v for k, v in row.items() if k != "_timestamp" and k != "_runtime"}
+            for row in wandb_history(root, run_id=run_id)
+        ]
 
     want = user_rows(wandb_offline / "ref", reference)
     got = user_rows(wandb_offline / "probe", user)
@@ -85,6 +104,9 @@ def test_wandb_logger_run_holds_only_the_users_rows(tmp_path, wandb_offline):
     assert sorted(probe) == sorted(snapshots)
     for step, values in snapshots.items():
         assert {k: probe[step][k] for k in values} == pytest.approx(values, rel=1e-6, abs=1e-9)
-    record = next(r.run for r in finished_wandb_records(wandb_offline / "probe", run_id=probe_id)
-                  if r.WhichOneof("record_type") == "run")
+    record = next(
+        r.run
+        for r in finished_wandb_records(wandb_offline / "probe", run_id=probe_id)
+        if r.WhichOneof("record_type") == "run"
+    )
     assert (record.run_group, record.job_type, record.project) == ("g44", "attn_probe", "lightning-wandb")

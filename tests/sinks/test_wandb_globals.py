@@ -132,18 +132,32 @@ wandb.teardown()
 def outcomes(request, tmp_path_factory):
     mode = request.param
     tmp = tmp_path_factory.mktemp(f"wandb_globals_{mode}")
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true",
-           "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp / "cfg"), "WANDB_CACHE_DIR": str(tmp / "cache")}
-    env.update(WANDB_MODE=mode, WANDB_DIR=str(tmp / "wb"), WANDB_PROJECT="globals")  # a plain wandb.init() works
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_CONFIG_DIR": str(tmp / "cfg"),
+        "WANDB_CACHE_DIR": str(tmp / "cache"),
+    }
+    # so that a plain wandb.init() works
+    env.update(WANDB_MODE=mode, WANDB_DIR=str(tmp / "wb"), WANDB_PROJECT="globals")
     code = SCRIPT.format(tests=TESTS, mode=mode, root=str(tmp / "wb"))
     (tmp / "wb").mkdir()
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=str(tmp))
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(tmp),
+    )
     found = {}
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
+            r = json.loads(line[len("RESULT ") :])
             found[r["kind"]] = r
     assert res.returncode == 0 and len(found) == 3, f"{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
     return mode, found
@@ -168,7 +182,9 @@ def test_the_users_rows_and_the_probes_run_read_back(outcomes, kind):
         pytest.skip("disabled: W&B writes no file")
     without, with_probe = found["none"], found[kind]
     assert [r["loss"] for r in without["user_rows"]["user1"]] == pytest.approx([1.0 / k for k in range(3, 9)])
-    assert [r["loss"] for r in without["user_rows"]["user2"] if "loss" in r] == pytest.approx([1 / 9, 1 / 10, 1 / 11])
+    assert [r["loss"] for r in without["user_rows"]["user2"] if "loss" in r] == pytest.approx(
+        [1 / 9, 1 / 10, 1 / 11]
+    )
     assert with_probe["user_rows"] == without["user_rows"]
     assert with_probe["user_keys_in_probe_run"] == []
     # every snapshot: own, from the first update (step 0 and 11 updates); beside, attached after 2 of them
