@@ -35,6 +35,7 @@ training step. ``wandb`` is imported in :meth:`WandbSink.start` (``pip install '
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import threading
@@ -279,8 +280,7 @@ class WandbSink(TrackerSink):
                 _status("W&B is disabled (mode='disabled'): the probe sends nothing to W&B")
                 return
             self.mode, self.probe_run_kwargs = "own", kwargs
-            # the run's process starts now, beside training; the run itself at the first snapshot
-            self._place = reserve()
+            self._place = _reserve()
             return
         if self.separate_run is not False and _disabled(
             getattr(getattr(user, "settings", None), "mode", None)
@@ -301,7 +301,7 @@ class WandbSink(TrackerSink):
         else:
             self.mode = "separate"
             self.probe_run_kwargs = self._separate_kwargs(user, run_info)
-            self._place = reserve()
+            self._place = _reserve()
             _status(
                 f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
                 f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
@@ -310,12 +310,9 @@ class WandbSink(TrackerSink):
             )
 
     def _config_value(self, run_info: RunInfo) -> dict[str, Any]:
-        return {
-            PREFIX if self.mode != "join" else self.namespace: {
-                "config": run_info.config,
-                "model": run_info.model,
-            }
-        }
+        # plain JSON values (what W&B's config holds anyway): they travel to the run's process
+        value = json.loads(json.dumps({"config": run_info.config, "model": run_info.model}, default=str))
+        return {PREFIX if self.mode != "join" else self.namespace: value}
 
     def _separate_kwargs(self, user: Any, run_info: RunInfo) -> dict[str, Any]:
         """``wandb.init`` arguments of the probe's own run: beside the user's run, in its group."""
@@ -403,6 +400,16 @@ class WandbSink(TrackerSink):
         finally:
             if claim is not None:
                 release_namespace(*claim)
+
+
+def _reserve() -> Any:
+    """A place in the process of the probe's W&B runs, started now so that W&B's import overlaps
+    training (the run itself is created at the first snapshot, on the lane). ``None`` if it cannot
+    start here: the lane tries again and its failure is counted there, never on the training thread."""
+    try:
+        return reserve()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _disabled(mode: Any) -> bool:

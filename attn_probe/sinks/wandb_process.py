@@ -94,6 +94,13 @@ class _Process:
         return value
 
     def end(self) -> None:
+        """End the child: told so (a forked process of the user's, a DataLoader worker, may hold its
+        input open, so the end of input alone would not reach it), then its pipes closed."""
+        with self.lock:
+            try:
+                _write(self.proc.stdin, ("exit", 0, (), {}))
+            except (OSError, ValueError):
+                pass
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 stream.close()
@@ -238,6 +245,8 @@ def _serve(requests: BinaryIO, replies: BinaryIO) -> None:
             if message is None:  # the training process is gone, or its last run is finished
                 break
             op, handle, args, kwargs = message
+            if op == "exit":
+                break
             try:
                 result = None
                 if op == "init":
