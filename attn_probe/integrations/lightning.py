@@ -18,8 +18,9 @@ Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_pro
   in ``logger.log_dir``; otherwise ``log_dir=``, else ``<default_root_dir>/runs/<time>_<host>``.
   A ``WandbLogger`` gets them in a W&B run of the probe's own beside the logger's run, in its
   group (:class:`~attn_probe.sinks.wandb.WandbSink`: nothing is logged into the logger's run);
-  other loggers (MLflow, CSV, ...) through ``logger.log_metrics`` (``trackers=``). A TensorBoardLogger on tensorboardX (Lightning's fallback when the
-  ``tensorboard`` package is missing) is refused in one line: pass ``log_dir=``.
+  other loggers (MLflow, CSV, ...) through ``logger.log_metrics`` (``trackers=``). A
+  TensorBoardLogger on tensorboardX (Lightning's fallback when the ``tensorboard`` package is
+  missing) is refused in one line: pass ``log_dir=``.
 * **Ranks**: the probe is built on every rank (its collective protocol: the attention
   combine and the stop decision run on every rank); only global zero writes.
 * **Attention statistics** (``attention_stats=True``): armed at ``on_train_batch_start`` of a
@@ -347,7 +348,9 @@ def _tracker_sinks(loggers: list[Any], per_head: bool) -> list[Any]:
         from ..sinks.wandb import WandbSink
 
         # logger.experiment: the logger's run, started by it on first use (Lightning's public accessor)
-        sinks.extend(WandbSink(lambda lg=lg: lg.experiment, separate_run=True, per_head=per_head) for lg in on_wandb)
+        sinks.extend(
+            WandbSink(lambda lg=lg: lg.experiment, separate_run=True, per_head=per_head) for lg in on_wandb
+        )
     if others:
         from ..sinks.trackers import TrackerFanOut
 
