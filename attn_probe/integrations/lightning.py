@@ -16,9 +16,11 @@ Built on the public :class:`~attn_probe.live.probe.Probe` API, as :mod:`attn_pro
 * **Where**: with a ``TensorBoardLogger``, into the logger's own ``SummaryWriter``
   (``logger.experiment``): one event stream with Lightning's scalars, and ``attn_probe.jsonl``
   in ``logger.log_dir``; otherwise ``log_dir=``, else ``<default_root_dir>/runs/<time>_<host>``.
-  Other loggers (W&B, MLflow, CSV, ...) get the values through ``logger.log_metrics``
-  (``trackers=``). A TensorBoardLogger on tensorboardX (Lightning's fallback when the
-  ``tensorboard`` package is missing) is refused in one line: pass ``log_dir=``.
+  A ``WandbLogger`` gets them in a W&B run of the probe's own beside the logger's run, in its
+  group (:class:`~attn_probe.sinks.wandb.WandbSink`: nothing is logged into the logger's run);
+  other loggers (MLflow, CSV, ...) through ``logger.log_metrics`` (``trackers=``). A
+  TensorBoardLogger on tensorboardX (Lightning's fallback when the ``tensorboard`` package is
+  missing) is refused in one line: pass ``log_dir=``.
 * **Ranks**: the probe is built on every rank (its collective protocol: the attention
   combine and the stop decision run on every rank); only global zero writes.
 * **Attention statistics** (``attention_stats=True``): armed at ``on_train_batch_start`` of a
@@ -211,11 +213,7 @@ class AttnProbeCallback(Callback):
             plan = settle_run(step, saved, LightningDirs(trainer, writer), log_dir=log_dir, output_dir=None)
             continues = plan.continues
             header.update(plan.identity)
-            others = self._other_loggers(trainer)
-            if others:
-                from ..sinks.trackers import TrackerFanOut
-
-                sinks.append(TrackerFanOut([_logger_target(lg) for lg in others], per_head=self.trackers_per_head))
+            sinks.extend(_tracker_sinks(self._other_loggers(trainer), self.trackers_per_head))
             if log_dir is None and writer is None:
                 log_dir = plan.directory
         # the same choice on every rank (the snapshot of the resumed step is a collective)
@@ -343,6 +341,37 @@ def _flush(probe: Probe) -> None:
         probe.flush()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _tracker_sinks(loggers: list[Any], per_head: bool) -> list[Any]:
+    """The sinks of the Trainer's other loggers: a ``WandbLogger`` gets a
+    :class:`~attn_probe.sinks.wandb.WandbSink` beside its run (a W&B run of the probe's own, as the
+    Trainer's and Accelerate's W&B runs get: nothing is logged into the logger's run), the others
+    one :class:`~attn_probe.sinks.trackers.TrackerFanOut` through their ``log_metrics``."""
+    on_wandb = [lg for lg in loggers if _is_logger(lg, "WandbLogger")]
+    others = [lg for lg in loggers if not any(lg is w for w in on_wandb)]
+    sinks: list[Any] = []
+    if on_wandb:
+        from ..sinks.wandb import WandbSink
+
+        # logger.experiment: the logger's run, started by it on first use (Lightning's public accessor)
+        sinks.extend(
+            WandbSink(lambda lg=lg: lg.experiment, separate_run=True, per_head=per_head) for lg in on_wandb
+        )
+    if others:
+        from ..sinks.trackers import TrackerFanOut
+
+        sinks.append(TrackerFanOut([_logger_target(lg) for lg in others], per_head=per_head))
+    return sinks
+
+
+def _is_logger(logger: Any, name: str) -> bool:
+    """Whether ``logger`` is the logger class ``name`` of ``lightning`` or of ``pytorch_lightning``."""
+    for package in ("lightning.pytorch.loggers", "pytorch_lightning.loggers"):
+        cls = getattr(sys.modules.get(package), name, None)
+        if isinstance(cls, type) and isinstance(logger, cls):
+            return True
+    return False
 
 
 def _logger_target(logger: Any) -> Any:

@@ -3,10 +3,10 @@
 Where the values go (docs/live-probe.md, "W&B: what it receives"):
 
 * **A run of the probe's own (the default beside a run of yours).** Given your run (``run=``,
-  ``wandb.run``, the Trainer's or the accelerator's W&B run), the sink creates a run of its own
-  with ``wandb.init(reinit="create_new", resume="allow")``: same project, entity, mode and
-  directory, your run's group (``job_type="attn_probe"``, named ``<your run>-attn_probe``, your
-  run's id in its config under ``attn_probe/user_run``, its id derived from yours so that a
+  ``wandb.run``, the Trainer's, the accelerator's or Lightning's ``WandbLogger``'s W&B run), the
+  sink creates a run of its own with ``wandb.init(resume="allow", ...)``: same project, entity,
+  mode and directory, your run's group (``job_type="attn_probe"``, named ``<your run>-attn_probe``,
+  your run's id in its config under ``attn_probe/user_run``, its id derived from yours so that a
   resumed run of yours resumes it). Every snapshot is a row of its own there, and nothing is
   logged into your run: the only lossless way through W&B's public API, whatever you log.
 * **Joining your run** (``separate_run=False``): each snapshot goes in with
@@ -15,6 +15,13 @@ Where the values go (docs/live-probe.md, "W&B: what it receives"):
   row, where the later overwrites the earlier: those are counted (from W&B's public
   ``run.step``, read on the sink's own lane) and told once at ``close()``.
 * **A run the sink creates** (no run of yours, or ``init_kwargs``): rows of its own.
+
+Every run the probe creates lives in a child process of its own
+(:mod:`attn_probe.sinks.wandb_process`): a W&B run started in the training process would become
+W&B's most recent active run there, which a plain ``wandb.init()`` of yours returns (and, with
+``mode="disabled"``, ``wandb.run``). So ``wandb.run``, ``wandb.log``, ``wandb.config`` and
+``wandb.init()`` stay exactly what they are without the probe. A disabled run of yours (or
+``mode="disabled"``) records nothing: the probe then creates no run at all.
 
 Keys: the TensorBoard tags (``attn_probe/...``) plotted against ``attn_probe/step``
 (``define_metric``). A second probe joining the same run of yours gets ``attn_probe_2/...``
@@ -28,23 +35,28 @@ training step. ``wandb`` is imported in :meth:`WandbSink.start` (``pip install '
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import threading
 from typing import Any
 
-from ..isolation import print_line, safe_warn
 from ..formats.tags import PREFIX
-from .tracker_record import STEP_KEY, TrackerRun, wandb_run
+from ..isolation import print_line, safe_warn
 from . import RunInfo, Snapshot
+from .tracker_record import STEP_KEY, TrackerRun, wandb_run
 from .trackers import TrackerSink
+from .wandb_process import ChildRun, reserve
 
 __all__ = ["WandbSink", "JoinedRows", "define_probe_axis", "probe_run_id", "JOB_TYPE"]
 
 #: ``job_type`` of the probe's own W&B runs
 JOB_TYPE = "attn_probe"
 #: how the loss warning names the lossless way
-LOSSLESS_WAY = ("leave separate_run at its default (WandbSink(run); with the Trainer or Accelerate, "
-                "wandb_separate_run=True): the probe then logs into a W&B run of its own, grouped with yours")
+LOSSLESS_WAY = (
+    "leave separate_run at its default (WandbSink(run); with the Trainer or Accelerate, "
+    "wandb_separate_run=True): the probe then logs into a W&B run of its own, grouped with yours"
+)
 
 # the key prefixes taken in each W&B run of a user, so that two probes never share a key; held
 # only around these few dictionary operations (no W&B call, no user thread ever takes it)
@@ -141,7 +153,10 @@ class JoinedRows:
         last_step, last_before, last_after = last
         if last_after is not None and before is not None and last_after < before:
             return  # a row was committed in between: the earlier snapshot's row is closed, it reached W&B
-        if None not in (last_before, last_after, before, after) and last_before == last_after == before == after:
+        if (
+            None not in (last_before, last_after, before, after)
+            and last_before == last_after == before == after
+        ):
             self.lost.append(last_step)  # both known to be in the same row: the later overwrote it
         else:
             self.maybe_lost.append(last_step)
@@ -150,14 +165,20 @@ class JoinedRows:
         """One warning with the count and the steps of the snapshots that did not reach W&B (if any)."""
         if not self.lost and not self.maybe_lost:
             return
-        text = (f"attn_probe: {len(self.lost)} of the probe's {self.sent} snapshots did not reach {self.label}"
-                + (f" ({_steps_text(self.lost)})" if self.lost else ""))
+        text = (
+            f"attn_probe: {len(self.lost)} of the probe's {self.sent} snapshots did not reach {self.label}"
+            + (f" ({_steps_text(self.lost)})" if self.lost else "")
+        )
         if self.maybe_lost:
-            text += (f"; {len(self.maybe_lost)} more may not have ({_steps_text(self.maybe_lost)}: a row was "
-                     "committed while they were logged, so which row each joined is unknown)")
-        safe_warn(text + ". Joining your run (separate_run=False), a snapshot shares the row you commit next and "
-                  "is overwritten by the next snapshot when you commit no row in between; attn_probe.jsonl and "
-                  f"TensorBoard hold every snapshot. To lose none, {LOSSLESS_WAY}.")
+            text += (
+                f"; {len(self.maybe_lost)} more may not have ({_steps_text(self.maybe_lost)}: a row was "
+                "committed while they were logged, so which row each joined is unknown)"
+            )
+        safe_warn(
+            text + ". Joining your run (separate_run=False), a snapshot shares the row you commit next and "
+            "is overwritten by the next snapshot when you commit no row in between; attn_probe.jsonl and "
+            f"TensorBoard hold every snapshot. To lose none, {LOSSLESS_WAY}."
+        )
 
 
 class WandbSink(TrackerSink):
@@ -188,8 +209,15 @@ class WandbSink(TrackerSink):
     #: the probe's own run is created at the first snapshot, on the lane: the guard is made then
     guard_at_first_log = True
 
-    def __init__(self, run: Any = None, *, per_head: bool = False, log_config: bool = True,
-                 separate_run: bool | None = None, **init_kwargs: Any) -> None:
+    def __init__(
+        self,
+        run: Any = None,
+        *,
+        per_head: bool = False,
+        log_config: bool = True,
+        separate_run: bool | None = None,
+        **init_kwargs: Any,
+    ) -> None:
         super().__init__(per_head=per_head)
         self._given = run
         self._init_kwargs = init_kwargs
@@ -205,6 +233,8 @@ class WandbSink(TrackerSink):
         self.probe_run_kwargs: dict[str, Any] | None = None
         self.joined: JoinedRows | None = None
         self._claim: tuple[tuple[str, str], str] | None = None
+        #: the place reserved for the probe's run in its process (until the run is created)
+        self._place: Any = None
         self._ready = False
 
     # ------------------------------------------------------------------ start (training thread)
@@ -232,40 +262,57 @@ class WandbSink(TrackerSink):
         self.user_run = user
         if user is None and found_by_tracker:
             self.mode = None
-            safe_warn(f"attn_probe: found no W&B run to log beside ({why}); the probe sends nothing to W&B "
-                      "(attn_probe.jsonl and TensorBoard hold every snapshot).")
+            safe_warn(
+                f"attn_probe: found no W&B run to log beside ({why}); the probe sends nothing to W&B "
+                "(attn_probe.jsonl and TensorBoard hold every snapshot)."
+            )
             return
         if user is None:
-            self.mode = "own"
             kwargs = dict(self._init_kwargs)
             if self.separate_run:
-                safe_warn("attn_probe: WandbSink(separate_run=True) found no W&B run of yours (pass run= or call "
-                          "wandb.init first); the probe's run is created from W&B's settings alone.")
-                kwargs = {"reinit": "create_new", "job_type": JOB_TYPE, **kwargs}
-            self.run, self.owns_run = wandb.init(**kwargs), True
-            define_probe_axis(self.run)
-            if self._log_config:
-                self.run.config.update(self._config_value(run_info), allow_val_change=True)
-            self._ready = True
+                safe_warn(
+                    "attn_probe: WandbSink(separate_run=True) found no W&B run of yours (pass run= or call "
+                    "wandb.init first); the probe's run is created from W&B's settings alone."
+                )
+                kwargs = {"job_type": JOB_TYPE, **kwargs}
+            if _disabled(kwargs.get("mode")):
+                self.mode = None
+                _status("W&B is disabled (mode='disabled'): the probe sends nothing to W&B")
+                return
+            self.mode, self.probe_run_kwargs = "own", kwargs
+            self._place = _reserve()
+            return
+        if self.separate_run is not False and _disabled(
+            getattr(getattr(user, "settings", None), "mode", None)
+        ):
+            self.mode = None
+            _status(f"your W&B run {user.id} is disabled (mode='disabled'): the probe sends nothing to W&B")
             return
         self.namespace = claim_namespace(user)
         self._claim = (_run_key(user), self.namespace)
         if self.separate_run is False:
             self.mode = "join"
             self.joined = JoinedRows(user, f"W&B run {user.id}")
-            _status(f"the probe's values join the rows of W&B run {user.id} under {self.namespace}/ "
-                    "(separate_run=False: a snapshot between two of your commits is overwritten by the next, "
-                    "counted and told at close)")
+            _status(
+                f"the probe's values join the rows of W&B run {user.id} under {self.namespace}/ "
+                "(separate_run=False: a snapshot between two of your commits is overwritten by the next, "
+                "counted and told at close)"
+            )
         else:
             self.mode = "separate"
             self.probe_run_kwargs = self._separate_kwargs(user, run_info)
-            _status(f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
-                    f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
-                    + (f" in group {user.group}" if getattr(user, "group", None) else "")
-                    + "; nothing is logged into yours")
+            self._place = _reserve()
+            _status(
+                f"the probe logs into a W&B run of its own, {self.probe_run_kwargs.get('name')} "
+                f"(id {self.probe_run_kwargs.get('id')}), beside W&B run {user.id}"
+                + (f" in group {user.group}" if getattr(user, "group", None) else "")
+                + "; nothing is logged into yours"
+            )
 
     def _config_value(self, run_info: RunInfo) -> dict[str, Any]:
-        return {PREFIX if self.mode != "join" else self.namespace: {"config": run_info.config, "model": run_info.model}}
+        # plain JSON values (what W&B's config holds anyway): they travel to the run's process
+        value = json.loads(json.dumps({"config": run_info.config, "model": run_info.model}, default=str))
+        return {PREFIX if self.mode != "join" else self.namespace: value}
 
     def _separate_kwargs(self, user: Any, run_info: RunInfo) -> dict[str, Any]:
         """``wandb.init`` arguments of the probe's own run: beside the user's run, in its group."""
@@ -273,15 +320,20 @@ class WandbSink(TrackerSink):
         if self._log_config:
             config.update(self._config_value(run_info))
         kwargs: dict[str, Any] = {
-            "reinit": "create_new", "resume": "allow", "job_type": JOB_TYPE,
-            "id": probe_run_id(str(user.id), self.namespace), "project": user.project,
+            "resume": "allow",
+            "job_type": JOB_TYPE,
+            "id": probe_run_id(str(user.id), self.namespace),
+            "project": user.project,
             "entity": getattr(user, "entity", None) or None,
-            "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}", "config": config,
+            "name": f"{getattr(user, 'name', None) or user.id}-{self.namespace}",
+            "config": config,
         }
         if getattr(user, "group", None):
             kwargs["group"] = user.group
         settings = getattr(user, "settings", None)
-        mode = {"dryrun": "offline", "run": "online"}.get(getattr(settings, "mode", None), getattr(settings, "mode", None))
+        mode = {"dryrun": "offline", "run": "online"}.get(
+            getattr(settings, "mode", None), getattr(settings, "mode", None)
+        )
         if mode in ("online", "offline", "disabled"):
             kwargs["mode"] = mode
         root = getattr(settings, "root_dir", None)
@@ -295,10 +347,13 @@ class WandbSink(TrackerSink):
         """On the lane, before the first snapshot: create the probe's run, or set up the joined one."""
         if self._ready:
             return
-        if self.mode == "separate":
-            if self.run is None:
-                self.run, self.owns_run = self._import().init(**self.probe_run_kwargs), True
+        if self.mode in ("separate", "own"):
+            if self.run is None:  # in a process of its own: never one of this process's W&B runs
+                place, self._place = self._place, None
+                self.run, self.owns_run = ChildRun(self.probe_run_kwargs, place), True
             define_probe_axis(self.run)
+            if self.mode == "own" and self._log_config and self.run_info is not None:
+                self.run.config.update(self._config_value(self.run_info), allow_val_change=True)
         elif self.mode == "join":
             define_probe_axis(self.user_run, self.namespace)
             if self._log_config and self.run_info is not None:
@@ -334,7 +389,10 @@ class WandbSink(TrackerSink):
     def _close(self) -> None:
         run, self.run = self.run, None
         claim, self._claim = self._claim, None
+        place, self._place = self._place, None
         try:
+            if place is not None:  # no snapshot came: the run was never created
+                place.release()
             if self.joined is not None:
                 self.joined.report()
             if self.owns_run and run is not None:
@@ -344,7 +402,21 @@ class WandbSink(TrackerSink):
                 release_namespace(*claim)
 
 
+def _reserve() -> Any:
+    """A place in the process of the probe's W&B runs, started now so that W&B's import overlaps
+    training (the run itself is created at the first snapshot, on the lane). ``None`` if it cannot
+    start here: the lane tries again and its failure is counted there, never on the training thread."""
+    try:
+        return reserve()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _disabled(mode: Any) -> bool:
+    """Whether W&B runs in ``mode`` (else in ``WANDB_MODE``) are disabled: they record nothing."""
+    return (mode or os.environ.get("WANDB_MODE")) == "disabled"
+
+
 def _status(text: str) -> None:
     """One status line, printed like the probe's own start line (clear of progress bars, never raising)."""
     print_line(f"attn_probe: {text}")
-
