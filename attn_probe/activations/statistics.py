@@ -95,7 +95,8 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
-from .flex import FlexCall, block_mask_reader, flex_stats
+from .flex import FlexCall, block_mask_reader, compiled_ops, flex_stats, take_failures
+from .flex import trace_failed as flex_trace_failed
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
@@ -192,11 +193,14 @@ class AttentionCapture:
         #: trace the statistics of flex calls into compiled graphs (attn_probe.activations.flex)
         self.flex_compiled = bool(flex_compiled)
         if self.flex_compiled:
-            try:  # checked before any compile may trace a flex call
+            try:  # checked (and the operators registered) before any compile may trace a flex call
                 block_mask_reader()
-            except RuntimeError as exc:
+                compiled_ops()
+            except Exception as exc:  # noqa: BLE001 - an older torch: the opt-in cannot be honoured
                 self.flex_compiled = False
                 safe_warn(f"attn_probe: flex_attention calls inside compiled graphs will not be measured: {exc}.")
+        #: this capture's key for failures inside the compiled graphs' operators (flex.take_failures)
+        self._owner = id(self)
         # on the CPU whatever the device: read after a step without waiting for the device
         #: flex calls met inside compiled code (traced there: one add per call the graph runs)
         self.flex_in_graphs = torch.zeros((), dtype=torch.long)
@@ -332,6 +336,10 @@ class AttentionCapture:
     def collect(self) -> StepStats:
         """The step's values so far (see :class:`StepStats`), on the first layer's device."""
         if self._buffers is None:
+            self._reset()
+        failed = take_failures(self._owner) if self.flex_compiled else []
+        if failed:  # a flex call's statistics failed inside a compiled graph: none of the step's values kept
+            self._fail(f"flex_attention inside a compiled graph ({failed[0]})")
             self._reset()
         mx, ent, tok, norm, scaling, _, signed = (b.clone() for b in self._buffers)
         scales = tuple(None if math.isnan(s) else s for s in scaling.tolist())
@@ -482,22 +490,24 @@ class AttentionCapture:
         i = 0 if same else self._running[-1]
         try:
             call = FlexCall(args, kwargs, self.heads[i])
-            stats = self._flex_stats(i, call)
+            stats = self._flex_stats(i, call, owner=self._owner)
             with torch.no_grad():
                 if same:
                     self._accumulate_at(stats, call.scale)
                 else:
                     self._accumulate(i, stats, call.scale)
                 self._pending.add_(1)
-        except Exception:  # noqa: BLE001 - a call not measured leaves the layer's row missing: warned per step
-            return
+        except Exception as exc:  # noqa: BLE001 - not traced: the step's values are dropped, warned once, counted
+            flex_trace_failed(self._owner, type(exc).__name__)
 
-    def _flex_stats(self, i: int, call: FlexCall) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise)."""
+    def _flex_stats(self, i: int, call: FlexCall, owner: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise);
+        ``owner``: traced into a compiled graph, the arithmetic in opaque operators."""
         query = call.query
         with torch.no_grad(), _autocast_off(query.device.type):
             return flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i)
+                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i,
+                              owner=owner)
 
     def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
         """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""
