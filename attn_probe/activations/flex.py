@@ -20,9 +20,14 @@ model) no eager call comes. By default nothing of the probe is traced there beyo
 (so the due step can say that flex ran inside a compiled graph and was not measured): tracing
 the statistics means tracing the user's ``mask_mod`` and ``score_mod`` under ``torch.vmap``,
 and a compiler error there would be raised inside the user's forward, which the probe must
-never cause. ``attention_flex_compiled=True`` opts in: the statistics (:func:`flex_stats`,
-tensor operations only) are traced into the graph and run with it; layers of equal head counts
-share one graph (the running layer is a 0-d tensor the layers' hooks set).
+never cause. ``attention_flex_compiled=True`` opts in: :func:`flex_stats` is traced into the
+graph with its arithmetic (the logits' matmul, every reduction) inside two opaque operators
+(:func:`compiled_ops`), which run eagerly on the graph's tensors and which no backend lowers;
+only the visible entries (``mask_mod`` under ``torch.vmap``, the blocks) and ``score_mod`` are
+compiled. A failure inside the operators is kept, never raised into the graph, and one while
+tracing leaves the call untraced; either drops the step's values, warned once and counted
+(:func:`take_failures`). Layers of equal head counts share one graph (the running layer is a
+0-d tensor the layers' hooks set).
 
 **The BlockMask read.** The operator receives ``BlockMask.as_tuple()``, a positional tuple that is
 not a documented contract. :func:`block_mask_reader` therefore finds each field by identity in the
