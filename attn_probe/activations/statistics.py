@@ -484,8 +484,9 @@ class AttentionCapture:
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
         equal layers the layer is data (``self._layer``, set by the layers' hooks): one graph
-        serves every layer. Tracing the user's ``mask_mod``/``score_mod`` here is what the option
-        accepts: a compiler that cannot trace them raises inside the forward."""
+        serves every layer. The arithmetic goes into opaque operators
+        (:func:`~attn_probe.activations.flex.compiled_ops`); an exception while tracing leaves the call untraced and is kept for :meth:`collect`
+        (the step's values dropped, warned once, counted)."""
         same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
         i = 0 if same else self._running[-1]
         try:
