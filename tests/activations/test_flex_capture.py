@@ -38,6 +38,10 @@ def _document_window(b, h, q, kv):
 ALLOWED = (torch.rand(T, T, generator=torch.Generator().manual_seed(9)) < 0.5) | torch.eye(T, dtype=torch.bool)
 
 
+def _causal_document(b, h, q, kv):
+    return (DOCS[b, q] == DOCS[b, kv]) & (q >= kv)
+
+
 def _table(b, h, q, kv):
     """Written for scalar indices (``ALLOWED[q][kv]``): right under flex's vmap, wrong if broadcast."""
     return ALLOWED[q][kv]
@@ -58,6 +62,7 @@ CASES = {  # name: (mask_mod, score_mod, grouped-query)
     "alibi": (_document_window, _alibi, False),
     "gqa": (_causal, None, True),
     "table": (_table, _softcap, False),
+    "gqa_documents": (_causal_document, None, True),
 }
 
 
@@ -70,6 +75,8 @@ def _reference_mask(case: str) -> torch.Tensor:
     if CASES[case][0] is _table:
         return ALLOWED.expand(B, 1, T, T)
     same = DOCS[:, :, None] == DOCS[:, None, :]
+    if CASES[case][0] is _causal_document:
+        return (causal & same)[:, None]
     return (causal & same & (i - j < WINDOW))[:, None]
 
 
@@ -100,18 +107,32 @@ class FlexNano(NanoCausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+_TITAN_FLEX: list = []
+
+
+def _titan_compiled_flex():
+    """``flex_attention`` compiled as torchtitan 0.3's ``FlexAttention`` compiles it (once, at class
+    level: inductor with ``max_autotune`` and ``coordinate_descent_tuning``)."""
+    if not _TITAN_FLEX:
+        _TITAN_FLEX.append(torch.compile(flex.flex_attention, options={
+            "max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": False}))
+    return _TITAN_FLEX[0]
+
+
 class FlexTitan(TitanAttention):
-    """torchtitan's ``wq/wk/wv`` attention with fewer key heads, ``flex_attention(..., enable_gqa=True)``."""
+    """torchtitan's ``wq/wk/wv`` attention with fewer key heads, ``flex_attention(..., enable_gqa=True)``;
+    ``compiled``: flex compiled as torchtitan 0.3 does (:func:`_titan_compiled_flex`)."""
 
     def __init__(self, case: str) -> None:
         super().__init__()
-        self.case, self.calls = case, []
+        self.case, self.calls, self.compiled = case, [], False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         self.calls.append((q.detach().double(), k.detach().double(), torch.is_grad_enabled()))
-        y = flex.flex_attention(q, k, v, block_mask=_block_mask(_causal), enable_gqa=True)
+        attend = _titan_compiled_flex() if self.compiled else flex.flex_attention
+        y = attend(q, k, v, block_mask=_block_mask(CASES[self.case][0]), enable_gqa=True)
         return self.wo(y.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -120,7 +141,7 @@ _MASKS: dict = {}
 
 def _block_mask(mask_mod):
     if mask_mod not in _MASKS:
-        batch = B if mask_mod is _document_window else None
+        batch = B if mask_mod in (_document_window, _causal_document) else None
         _MASKS[mask_mod] = flex.create_block_mask(mask_mod, batch, None, T, T, device="cpu", BLOCK_SIZE=BLOCK)
     return _MASKS[mask_mod]
 
@@ -212,6 +233,20 @@ def test_under_the_users_compile_when_opted_in(backend, tmp_path):
                                   attention_flex_compiled=True)
     _check("alibi", net, sink, messages)
     torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0 if backend != "inductor" else 1e-5)
+
+
+def test_flex_compiled_as_torchtitan_compiles_it_when_opted_in(tmp_path):
+    """Issue 44 (2), without torchtitan: flex compiled as torchtitan 0.3 compiles it (inductor,
+    ``max_autotune``), q/k/v transposed from ``(B, L, H, E)``, GQA, causal documents. With
+    ``attention_flex_compiled=True`` the step raised ``InductorError`` (the statistics' ``bmm``
+    in inductor's CPU template); now its values equal the float64 reference."""
+    net, twin = _net("gqa_documents"), _net("gqa_documents")
+    for block in net.blocks:
+        block.attn.compiled = True
+    torch._dynamo.reset()
+    sink, outs, messages = _train(net, tmp_path, attention_flex_compiled=True)
+    _check("gqa_documents", net, sink, messages)
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=1e-5)
 
 
 def test_users_compile_by_default_traces_nothing_of_the_probe(monkeypatch, tmp_path):
