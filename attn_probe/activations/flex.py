@@ -20,9 +20,14 @@ model) no eager call comes. By default nothing of the probe is traced there beyo
 (so the due step can say that flex ran inside a compiled graph and was not measured): tracing
 the statistics means tracing the user's ``mask_mod`` and ``score_mod`` under ``torch.vmap``,
 and a compiler error there would be raised inside the user's forward, which the probe must
-never cause. ``attention_flex_compiled=True`` opts in: the statistics (:func:`flex_stats`,
-tensor operations only) are traced into the graph and run with it; layers of equal head counts
-share one graph (the running layer is a 0-d tensor the layers' hooks set).
+never cause. ``attention_flex_compiled=True`` opts in: :func:`flex_stats` is traced into the
+graph with its arithmetic (the logits' matmul, every reduction) inside two opaque operators
+(:func:`compiled_ops`), which run eagerly on the graph's tensors and which no backend lowers;
+only the visible entries (``mask_mod`` under ``torch.vmap``, the blocks) and ``score_mod`` are
+compiled. A failure inside the operators is kept, never raised into the graph, and one while
+tracing leaves the call untraced; either drops the step's values, warned once and counted
+(:func:`take_failures`). Layers of equal head counts share one graph (the running layer is a
+0-d tensor the layers' hooks set).
 
 **The BlockMask read.** The operator receives ``BlockMask.as_tuple()``, a positional tuple that is
 not a documented contract. :func:`block_mask_reader` therefore finds each field by identity in the
@@ -228,11 +233,18 @@ def flex_visible(call: FlexCall) -> Callable[[int, int], Tensor]:
 
 
 def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None, chunk_elements: int = 2 ** 22,
-               entropy_rows: int | None = None, entropy_seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               entropy_rows: int | None = None, entropy_seed: int = 0,
+               owner: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per query head ``(max |l|, sum of row entropies, counted rows, max l)`` of one flex call
     (:func:`~attn_probe.activations.statistics.logit_stats`'s four ``(H,)`` tensors; float64 for
-    float64 inputs, float32 otherwise; ``-inf`` maxima where nothing is counted). Tensor
-    operations only, with shapes fixed by the call's shapes: a compiler can trace it."""
+    float64 inputs, float32 otherwise; ``-inf`` maxima where nothing is counted).
+
+    ``owner``: traced into a compiled graph (``attention_flex_compiled``): the visible entries
+    (``mask_mod`` under ``torch.vmap``, the blocks) and ``score_mod`` are traced, the logits'
+    matmul and every reduction run inside the opaque operators of :func:`compiled_ops`, eagerly
+    on the graph's real tensors (a compiler never lowers them; a failure there is kept for
+    :func:`take_failures` of ``owner``, never raised into the graph). ``None``: plain eager code
+    (may raise)."""
     query, key = call.query.detach(), call.key.detach()
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     batch, heads, q_len, _ = query.shape
@@ -244,6 +256,16 @@ def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None, chunk_eleme
     b, h = torch.arange(batch, device=device), torch.arange(heads, device=device)
     kv = torch.arange(k_len, device=device)
     score_mod = None if call.score_mod is None else _grid(call.score_mod, call.score_buffers, score=True)
+    if owner is None:
+        chunk, logits_of = chunk_stats, _logits
+    else:
+        ops = compiled_ops()
+
+        def chunk(*args: Any) -> tuple[Tensor, ...]:
+            return ops.flex_chunk_stats(*args, owner)
+
+        def logits_of(q_rows: Tensor, kt: Tensor) -> Tensor:
+            return ops.flex_logits(q_rows, kt, owner)
     max_abs = torch.full((heads,), -math.inf, dtype=dtype, device=device)
     max_signed = max_abs.clone()
     ent, count = torch.zeros(heads, dtype=dtype, device=device), torch.zeros(heads, dtype=dtype, device=device)
@@ -252,35 +274,138 @@ def flex_stats(call: FlexCall, *, query_valid: Tensor | None = None, chunk_eleme
     step = max(1, chunk_elements // max(1, batch * heads * k_len))
     for r0 in range(0, q_len, step):
         r1 = min(q_len, r0 + step)
-        logits = torch.matmul(q[..., r0:r1, :], kt).flatten(1, 2)  # (B, H, C, Lk)
+        q_rows = q[..., r0:r1, :]
         keep = visible(r0, r1)
         s0 = r0 + (start - r0) % stride
-        pick = slice(s0 - r0, r1 - r0, stride) if s0 < r1 else None
-        scores = None
+        logits = scores = None
         if score_mod is not None:  # every entry: entries it sends to -inf are not visible
+            logits = logits_of(q_rows, kt)
             scores = score_mod(logits, b, h, torch.arange(r0, r1, device=device), kv, *call.score_buffers).to(dtype)
-            keep = keep & (scores > -math.inf)
-        valid = keep.any(-1)  # (B, H, C): rows with a visible key
-        if query_valid is not None:
-            valid = valid & query_valid[:, None, r0:r1].to(device=device, dtype=torch.bool)
-        hide = torch.where(keep, 0.0, -HIDE).to(dtype)  # hidden entries never a row's max (or, negated, min)
-        high = torch.add(logits, hide).amax(-1)
-        low = torch.sub(logits, hide).amin(-1)
-        max_signed = torch.maximum(max_signed, high.masked_fill(~valid, -math.inf).amax(dim=(0, 2)))
-        max_abs = torch.maximum(max_abs, torch.maximum(high, -low).masked_fill(~valid, -math.inf).amax(dim=(0, 2)))
-        count = count + valid.sum(dim=(0, 2)).to(dtype)
-        if pick is None:
-            continue
-        z = (logits if scores is None else scores)[:, :, pick].masked_fill(~keep[:, :, pick], -math.inf)
-        sampled = valid[:, :, pick]
-        z = z - torch.where(sampled, z.amax(-1), 0.0)[..., None]  # d = z - max z (0 for empty rows)
-        p = torch.softmax(z, dim=-1)
-        row = -torch.log(p.amax(-1)) - torch.nansum(p * z, dim=-1)  # hidden keys: 0 * -inf = NaN, dropped
-        ent = ent + torch.where(sampled, row, 0.0).sum(dim=(0, 2))
-        ent_rows = ent_rows + sampled.sum(dim=(0, 2)).to(dtype)
+        valid_rows = None if query_valid is None else query_valid[:, r0:r1].to(device=device, dtype=torch.bool)
+        parts = chunk(q_rows, kt, logits, keep, scores, valid_rows, s0 - r0 if s0 < r1 else -1, stride)
+        max_abs = torch.maximum(max_abs, parts[0])
+        max_signed = torch.maximum(max_signed, parts[1])
+        count = count + parts[2]
+        ent = ent + parts[3]
+        ent_rows = ent_rows + parts[4]
     if stride > 1:  # the sample's mean stands for every counted row of its head
         ent = ent * count / ent_rows.clamp(min=1)
     return max_abs, ent, count, max_signed
 
 
-__all__ = ["FIELDS", "FLEX", "FlexCall", "block_mask_reader", "flex_stats", "flex_visible"]
+def _logits(q_rows: Tensor, kt: Tensor) -> Tensor:
+    """``(B, H, C, Lk)`` logits of ``q_rows (B, Hkv, G, C, E)`` (scaled) and ``kt (B, Hkv, 1, E, Lk)``."""
+    return torch.matmul(q_rows, kt).flatten(1, 2)
+
+
+def chunk_stats(q_rows: Tensor, kt: Tensor, logits: Tensor | None, keep: Tensor, scores: Tensor | None,
+                query_valid: Tensor | None, pick_start: int, pick_stride: int) -> tuple[Tensor, ...]:
+    """One chunk of query rows of :func:`flex_stats`: per head ``(max |l|, max l, counted rows,
+    entropy sum, entropy rows)``. ``logits`` (``None``: formed here from ``q_rows`` and ``kt``);
+    ``keep (B, H, C, Lk)``: the visible entries; ``scores``: ``score_mod`` of the logits, or
+    ``None``; ``query_valid (B, C)``: non-padding query rows; the entropy is taken on rows
+    ``pick_start::pick_stride`` of the chunk (none when ``pick_start < 0``)."""
+    if logits is None:
+        logits = _logits(q_rows, kt)
+    dtype = logits.dtype
+    if scores is not None:
+        keep = keep & (scores > -math.inf)
+    valid = keep.any(-1)  # (B, H, C): rows with a visible key
+    if query_valid is not None:
+        valid = valid & query_valid[:, None].to(device=valid.device, dtype=torch.bool)
+    hide = torch.where(keep, 0.0, -HIDE).to(dtype)  # hidden entries never a row's max (or, negated, min)
+    high = torch.add(logits, hide).amax(-1)
+    low = torch.sub(logits, hide).amin(-1)
+    max_signed = high.masked_fill(~valid, -math.inf).amax(dim=(0, 2))
+    max_abs = torch.maximum(high, -low).masked_fill(~valid, -math.inf).amax(dim=(0, 2))
+    count = valid.sum(dim=(0, 2)).to(dtype)
+    if pick_start < 0:
+        zero = torch.zeros_like(count)
+        return max_abs, max_signed, count, zero, zero.clone()
+    pick = slice(pick_start, None, pick_stride)
+    z = (logits if scores is None else scores)[:, :, pick].masked_fill(~keep[:, :, pick], -math.inf)
+    sampled = valid[:, :, pick]
+    z = z - torch.where(sampled, z.amax(-1), 0.0)[..., None]  # d = z - max z (0 for empty rows)
+    p = torch.softmax(z, dim=-1)
+    row = -torch.log(p.amax(-1)) - torch.nansum(p * z, dim=-1)  # hidden keys: 0 * -inf = NaN, dropped
+    ent = torch.where(sampled, row, 0.0).sum(dim=(0, 2))
+    return max_abs, max_signed, count, ent, sampled.sum(dim=(0, 2)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------- compiled graphs
+#: owner -> messages of failures inside the opaque operators (read by :func:`take_failures`)
+_FAILURES: dict[int, list[str]] = {}
+_OPS: list[Any] = []  # the operators' namespace, once registered
+
+
+def _failed(owner: int, exc: BaseException) -> None:
+    messages = _FAILURES.setdefault(owner, [])
+    if len(messages) < 8:  # the first few are kept: one is warned, every step it happens in is counted
+        messages.append(f"{type(exc).__name__}: {exc}")
+
+
+def trace_failed(owner: int, what: str) -> None:
+    """Tracing a flex call's statistics into a compiled graph raised ``what`` (an exception's type
+    name): kept for :func:`take_failures`. Traced by the compiler as a side effect of the graph,
+    so it is kept at every run of that graph."""
+    _FAILURES.setdefault(owner, []).append(f"{what} while tracing the statistics into the graph")
+
+
+def take_failures(owner: int) -> list[str]:
+    """The failures inside the compiled graphs' operators for ``owner`` since the last call."""
+    return _FAILURES.pop(owner, [])
+
+
+def _op_logits(q_rows: Tensor, kt: Tensor, owner: int) -> Tensor:
+    try:
+        with torch.no_grad():
+            return _logits(q_rows, kt).clone()
+    except Exception as exc:  # noqa: BLE001 - inside the user's compiled graph: kept, never raised
+        _failed(owner, exc)
+        return q_rows.new_zeros(_logits_shape(q_rows, kt))
+
+
+def _logits_shape(q_rows: Tensor, kt: Tensor) -> tuple[int, ...]:
+    return (q_rows.shape[0], q_rows.shape[1] * q_rows.shape[2], q_rows.shape[3], kt.shape[-1])
+
+
+def _op_chunk(q_rows: Tensor, kt: Tensor, logits: Tensor | None, keep: Tensor, scores: Tensor | None,
+              query_valid: Tensor | None, pick_start: int, pick_stride: int,
+              owner: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    try:
+        with torch.no_grad():
+            return tuple(x.clone() for x in chunk_stats(q_rows, kt, logits, keep, scores, query_valid,
+                                                        pick_start, pick_stride))
+    except Exception as exc:  # noqa: BLE001 - inside the user's compiled graph: kept, never raised
+        _failed(owner, exc)
+        heads = q_rows.shape[1] * q_rows.shape[2]  # nothing counted from this chunk
+        return (q_rows.new_full((heads,), -math.inf), q_rows.new_full((heads,), -math.inf),
+                *(q_rows.new_zeros((heads,)) for _ in range(3)))
+
+
+def _op_chunk_fake(q_rows: Tensor, kt: Tensor, logits: Tensor | None, keep: Tensor, scores: Tensor | None,
+                   query_valid: Tensor | None, pick_start: int, pick_stride: int,
+                   owner: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    heads = q_rows.shape[1] * q_rows.shape[2]
+    return tuple(q_rows.new_empty((heads,)) for _ in range(5))
+
+
+def compiled_ops() -> Any:
+    """``torch.ops.attn_probe``, with ``flex_logits`` and ``flex_chunk_stats`` registered (once per
+    process, with ``torch.library.custom_op``): the parts of :func:`flex_stats` that a compiler
+    sees only as calls, so none of the probe's arithmetic is lowered by inductor. Inductor's CPU
+    matmul template under ``max_autotune`` (torchtitan 0.3 compiles flex with it) failed to
+    generate code for the statistics' ``bmm`` with the masking fused after it (``InductorError:
+    AssertionError`` in the template's epilogue, torch 2.13), inside the user's forward.
+    Call it before any compile may trace a flex call (the capture does, at construction)."""
+    if not _OPS:
+        logits = torch.library.custom_op("attn_probe::flex_logits", _op_logits, mutates_args=())
+        logits.register_fake(lambda q_rows, kt, owner: q_rows.new_empty(_logits_shape(q_rows, kt)))
+        chunk = torch.library.custom_op("attn_probe::flex_chunk_stats", _op_chunk, mutates_args=())
+        chunk.register_fake(_op_chunk_fake)
+        _OPS.append(torch.ops.attn_probe)
+    return _OPS[0]
+
+
+__all__ = ["FIELDS", "FLEX", "FlexCall", "block_mask_reader", "chunk_stats", "compiled_ops", "flex_stats",
+           "flex_visible", "take_failures", "trace_failed"]

@@ -48,6 +48,7 @@ a period dividing ``t`` would not be.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -66,7 +67,7 @@ DEFAULT_ENTROPY_ROWS = 256
 #: default number of logit elements formed at once (see the module docstring for the bound)
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_ENTROPY_ROWS", "entropy_error_bound", "logit_stats_impl", "sample_rows"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DEFAULT_ENTROPY_ROWS", "autocast_off", "entropy_error_bound", "logit_stats_impl", "sample_rows"]
 
 
 def entropy_error_bound(k_len: int, m: int, delta: float = 0.01) -> float:
@@ -228,3 +229,12 @@ def _general(q: Tensor, kt: Tensor, rows: RowMask, valid_rows: Tensor | None, so
         ent = ent + torch.where(valid, row, zero).sum(dim=(0, 2))
         count = count + valid.expand(B, H, r1 - r0).sum(dim=(0, 2)).to(dtype)
     return max_abs, ent, count, max_signed
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device_type``; nothing where this torch has no autocast for it (torch < 2.5
+    refuses ``torch.autocast("mps", enabled=False)``), since nothing can be autocast there."""
+    try:
+        return torch.autocast(device_type=device_type, enabled=False)
+    except (RuntimeError, ValueError):
+        return contextlib.nullcontext()

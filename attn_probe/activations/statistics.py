@@ -84,7 +84,6 @@ one more variant (compiled at the first armed call, then reused) when armed.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -97,9 +96,10 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
-from .flex import FlexCall, block_mask_reader, flex_stats
+from .flex import FlexCall, block_mask_reader, compiled_ops, flex_stats, take_failures
+from .flex import trace_failed as flex_trace_failed
 from .layout import LayoutWatch
-from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, logit_stats_impl
+from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, autocast_off, logit_stats_impl
 from .masks import RowMask, row_mask
 from .registry import installed_wrappers
 from .sdpa import SdpaMode, measured_by_sdpa, running_hooks, sdpa_call, unavailable_reason
@@ -141,18 +141,9 @@ def logit_stats(
     """
     # the caller's autocast (Trainer/TRL bf16=True) would run the matmuls below in bfloat16 and
     # round max |l| to 8 bits of mantissa: the statistics are float32 (float64 for float64 inputs)
-    with _autocast_off(query.device.type):
+    with autocast_off(query.device.type):
         return logit_stats_impl(query, key, scaling, rows, query_valid=query_valid, softcap=softcap, sinks=sinks,
                                 chunk_elements=chunk_elements, entropy_rows=entropy_rows, entropy_seed=entropy_seed)
-
-
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off for ``device_type``; nothing where this torch has no autocast for it (torch < 2.5
-    refuses ``torch.autocast("mps", enabled=False)``), since nothing can be autocast there."""
-    try:
-        return torch.autocast(device_type=device_type, enabled=False)
-    except (RuntimeError, ValueError):
-        return contextlib.nullcontext()
 
 
 class AttentionCapture:
@@ -199,11 +190,14 @@ class AttentionCapture:
         #: trace the statistics of flex calls into compiled graphs (attn_probe.activations.flex)
         self.flex_compiled = bool(flex_compiled)
         if self.flex_compiled:
-            try:  # checked before any compile may trace a flex call
+            try:  # checked (and the operators registered) before any compile may trace a flex call
                 block_mask_reader()
-            except RuntimeError as exc:
+                compiled_ops()
+            except Exception as exc:  # noqa: BLE001 - an older torch: the opt-in cannot be honoured
                 self.flex_compiled = False
                 safe_warn(f"attn_probe: flex_attention calls inside compiled graphs will not be measured: {exc}.")
+        #: this capture's key for failures inside the compiled graphs' operators (flex.take_failures)
+        self._owner = id(self)
         # on the CPU whatever the device: read after a step without waiting for the device
         #: flex calls met inside compiled code (traced there: one add per call the graph runs)
         self.flex_in_graphs = torch.zeros((), dtype=torch.long)
@@ -349,6 +343,10 @@ class AttentionCapture:
         """The step's values so far (see :class:`StepStats`), on the first layer's device."""
         if self._buffers is None:
             self._reset()
+        failed = take_failures(self._owner) if self.flex_compiled else []
+        if failed:  # a flex call's statistics failed inside a compiled graph: none of the step's values kept
+            self._fail(f"flex_attention inside a compiled graph ({failed[0]})")
+            self._reset()
         mx, ent, tok, norm, scaling, _, signed = (b.clone() for b in self._buffers)
         scales = tuple(None if math.isnan(s) else s for s in scaling.tolist())
         return StepStats(self.names, self.heads, mx, ent, tok, norm, scales, signed)
@@ -469,7 +467,7 @@ class AttentionCapture:
 
     def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
         if not torch.compiler.is_compiling() and self._counted():  # no guard on the layout's sets
-            self.layout.check(i, query, key, _autocast_off)
+            self.layout.check(i, query, key, autocast_off)
 
     def _layer_tensor(self) -> Tensor | None:
         return self._layer if self.flex_compiled and self._buffers is not None else None
@@ -502,28 +500,31 @@ class AttentionCapture:
     def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
         """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
         equal layers the layer is data (``self._layer``, set by the layers' hooks): one graph
-        serves every layer. Tracing the user's ``mask_mod``/``score_mod`` here is what the option
-        accepts: a compiler that cannot trace them raises inside the forward."""
+        serves every layer. The arithmetic goes into opaque operators
+        (:func:`~attn_probe.activations.flex.compiled_ops`); an exception while tracing leaves the call untraced and is kept for :meth:`collect`
+        (the step's values dropped, warned once, counted)."""
         same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
         i = 0 if same else self._running[-1]
         try:
             call = FlexCall(args, kwargs, self.heads[i])
-            stats = self._flex_stats(i, call)
+            stats = self._flex_stats(i, call, owner=self._owner)
             with torch.no_grad():
                 if same:
                     self._accumulate_at(stats, call.scale)
                 else:
                     self._accumulate(i, stats, call.scale)
                 self._pending.add_(1)
-        except Exception:  # noqa: BLE001 - a call not measured leaves the layer's row missing: warned per step
-            return
+        except Exception as exc:  # noqa: BLE001 - not traced: the step's values are dropped, warned once, counted
+            flex_trace_failed(self._owner, type(exc).__name__)
 
-    def _flex_stats(self, i: int, call: FlexCall) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise)."""
+    def _flex_stats(self, i: int, call: FlexCall, owner: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise);
+        ``owner``: traced into a compiled graph, the arithmetic in opaque operators."""
         query = call.query
-        with torch.no_grad(), _autocast_off(query.device.type):
+        with torch.no_grad(), autocast_off(query.device.type):
             return flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i)
+                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i,
+                              owner=owner)
 
     def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
         """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""

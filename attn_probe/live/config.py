@@ -136,8 +136,9 @@ class ProbeConfig:
       bound in :mod:`attn_probe.activations.logits`); ``None``: every row;
       ``attention_flex_compiled``: also measure ``flex_attention`` calls inside a compiled graph
       (torchtitan 0.3's inductor-compiled flex, your ``torch.compile`` of a flex model) by tracing
-      the statistics, and your ``mask_mod``/``score_mod``, into it; off by default because a
-      modifier the compiler cannot trace there would fail the compile (flex called eagerly is
+      your ``mask_mod``/``score_mod`` into it, the arithmetic in opaque operators (a failure
+      drops that step's values, warned once and counted); off by default because a modifier the
+      compiler cannot trace at all would break a ``fullgraph=True`` compile (flex called eagerly is
       always measured; :mod:`attn_probe.activations.flex`);
     * ``alerts``: :class:`~attn_probe.live.alerts.AlertRule` s on logged metrics; ``alert_callback``
       (called with each :class:`~attn_probe.live.alerts.Alert`, main process); ``stop_on_alert``: a

@@ -38,6 +38,10 @@ def _document_window(b, h, q, kv):
 ALLOWED = (torch.rand(T, T, generator=torch.Generator().manual_seed(9)) < 0.5) | torch.eye(T, dtype=torch.bool)
 
 
+def _causal_document(b, h, q, kv):
+    return (DOCS[b, q] == DOCS[b, kv]) & (q >= kv)
+
+
 def _table(b, h, q, kv):
     """Written for scalar indices (``ALLOWED[q][kv]``): right under flex's vmap, wrong if broadcast."""
     return ALLOWED[q][kv]
@@ -58,6 +62,7 @@ CASES = {  # name: (mask_mod, score_mod, grouped-query)
     "alibi": (_document_window, _alibi, False),
     "gqa": (_causal, None, True),
     "table": (_table, _softcap, False),
+    "gqa_documents": (_causal_document, None, True),
 }
 
 
@@ -70,6 +75,8 @@ def _reference_mask(case: str) -> torch.Tensor:
     if CASES[case][0] is _table:
         return ALLOWED.expand(B, 1, T, T)
     same = DOCS[:, :, None] == DOCS[:, None, :]
+    if CASES[case][0] is _causal_document:
+        return (causal & same)[:, None]
     return (causal & same & (i - j < WINDOW))[:, None]
 
 
@@ -100,18 +107,32 @@ class FlexNano(NanoCausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+_TITAN_FLEX: list = []
+
+
+def _titan_compiled_flex():
+    """``flex_attention`` compiled as torchtitan 0.3's ``FlexAttention`` compiles it (once, at class
+    level: inductor with ``max_autotune`` and ``coordinate_descent_tuning``)."""
+    if not _TITAN_FLEX:
+        _TITAN_FLEX.append(torch.compile(flex.flex_attention, options={
+            "max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": False}))
+    return _TITAN_FLEX[0]
+
+
 class FlexTitan(TitanAttention):
-    """torchtitan's ``wq/wk/wv`` attention with fewer key heads, ``flex_attention(..., enable_gqa=True)``."""
+    """torchtitan's ``wq/wk/wv`` attention with fewer key heads, ``flex_attention(..., enable_gqa=True)``;
+    ``compiled``: flex compiled as torchtitan 0.3 does (:func:`_titan_compiled_flex`)."""
 
     def __init__(self, case: str) -> None:
         super().__init__()
-        self.case, self.calls = case, []
+        self.case, self.calls, self.compiled = case, [], False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         self.calls.append((q.detach().double(), k.detach().double(), torch.is_grad_enabled()))
-        y = flex.flex_attention(q, k, v, block_mask=_block_mask(_causal), enable_gqa=True)
+        attend = _titan_compiled_flex() if self.compiled else flex.flex_attention
+        y = attend(q, k, v, block_mask=_block_mask(CASES[self.case][0]), enable_gqa=True)
         return self.wo(y.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
@@ -120,7 +141,7 @@ _MASKS: dict = {}
 
 def _block_mask(mask_mod):
     if mask_mod not in _MASKS:
-        batch = B if mask_mod is _document_window else None
+        batch = B if mask_mod in (_document_window, _causal_document) else None
         _MASKS[mask_mod] = flex.create_block_mask(mask_mod, batch, None, T, T, device="cpu", BLOCK_SIZE=BLOCK)
     return _MASKS[mask_mod]
 
@@ -212,6 +233,20 @@ def test_under_the_users_compile_when_opted_in(backend, tmp_path):
                                   attention_flex_compiled=True)
     _check("alibi", net, sink, messages)
     torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=0 if backend != "inductor" else 1e-5)
+
+
+def test_flex_compiled_as_torchtitan_compiles_it_when_opted_in(tmp_path):
+    """Issue 44 (2), without torchtitan: flex compiled as torchtitan 0.3 compiles it (inductor,
+    ``max_autotune``), q/k/v transposed from ``(B, L, H, E)``, GQA, causal documents. With
+    ``attention_flex_compiled=True`` the step raised ``InductorError`` (the statistics' ``bmm``
+    in inductor's CPU template); now its values equal the float64 reference."""
+    net, twin = _net("gqa_documents"), _net("gqa_documents")
+    for block in net.blocks:
+        block.attn.compiled = True
+    torch._dynamo.reset()
+    sink, outs, messages = _train(net, tmp_path, attention_flex_compiled=True)
+    _check("gqa_documents", net, sink, messages)
+    torch.testing.assert_close(outs[0][1], twin(outs[0][0]).detach(), rtol=0, atol=1e-5)
 
 
 def test_users_compile_by_default_traces_nothing_of_the_probe(monkeypatch, tmp_path):
@@ -392,6 +427,109 @@ def test_real_torchtitan_03_flex_compiled_by_torchtitan(opted_in, tmp_path) -> N
             top = torch.where(vis, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
             ent = -torch.where(vis, torch.special.xlogy(p, p), 0).sum(dim=(0, 2, 3)) / (B * T)
             for h in range(8):
+                assert got_max[step][(layer, h)] == pytest.approx(float(top[h]), rel=1e-5), (step, layer, h)
+                assert got_ent[step][(layer, h)] == pytest.approx(float(ent[h]), rel=1e-5), (step, layer, h)
+
+
+def _titan_llama3():
+    """torchtitan 0.3's Llama 3 (``Llama3Model``, flex inner attention: compiled by torchtitan with
+    inductor and ``max_autotune``), tiny: 2 layers, dim 32, GQA 4/2; built from its public configs
+    as its ``llama3_configs`` entries are. Only the final norm and the head train (flex has no
+    backward on the CPU)."""
+    config_utils = pytest.importorskip("torchtitan.models.common.config_utils")
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3.model import Llama3TransformerBlock
+
+    dim, init = 32, {"weight": torch.nn.init.normal_}
+    layer = Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=dim), ffn_norm=RMSNorm.Config(normalized_shape=dim),
+        attention=config_utils.make_gqa_config(
+            dim=dim, n_heads=4, n_kv_heads=2, wqkv_param_init=init, wo_param_init=init,
+            inner_attention=config_utils.get_attention_config("flex"), rope=ComplexRoPE.Config(dim=8, max_seq_len=64),
+            fuse_qkv=True),
+        feed_forward=config_utils.make_ffn_config(dim=dim, hidden_dim=64, w1_param_init=init, w2w3_param_init=init))
+    cfg = Llama3Model.Config(dim=dim, vocab_size=64, tok_embeddings=Embedding.Config(num_embeddings=64, embedding_dim=dim),
+                             norm=RMSNorm.Config(normalized_shape=dim),
+                             lm_head=Linear.Config(in_features=dim, out_features=64), layers=[layer, layer])
+    torch.manual_seed(5)
+    model = cfg.build()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("norm.", "lm_head.")))
+    return model
+
+
+@pytest.mark.parametrize("fault", [None, "statistics raise in the graph", "tracing fails"])
+def test_real_torchtitan_03_llama3_opt_in_never_raises(fault, monkeypatch, tmp_path) -> None:
+    """Issue 44 (2): the real torchtitan 0.3 Llama 3 with its packed-document ``BlockMask``
+    (``get_attention_masks``: causal within each document). With ``attention_flex_compiled=True``
+    the training forward raised ``InductorError`` (the statistics' ``bmm`` in torchtitan's
+    ``max_autotune`` graph). Now the step runs and the per-head values equal the float64 reference
+    of the q/k after RoPE with the documents written out. Where the statistics fail inside the
+    graph or cannot be traced into it (both forced here), the steps still run, their values are
+    dropped, one warning is given and every failing step is counted."""
+    from attn_probe.activations import flex as flex_module
+    from attn_probe.activations import statistics
+
+    model = _titan_llama3()
+    if fault == "statistics raise in the graph":
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected failure of the flex statistics")
+
+        monkeypatch.setattr(flex_module, "chunk_stats", broken)
+    elif fault == "tracing fails":
+        def untraceable(*args, **kwargs):
+            raise ValueError("injected failure while tracing the flex statistics")
+
+        monkeypatch.setattr(statistics, "flex_stats", untraceable)
+    calls: list = [[], []]
+    for n, block in enumerate(model.layers.values()):
+        block.attention.rope.register_forward_hook(
+            lambda _m, _a, out, n=n: calls[n].append((out[0].detach().double().transpose(1, 2),
+                                                      out[1].detach().double().transpose(1, 2))))
+    positions = torch.cat([torch.cat([torch.arange(a), torch.arange(T - a)])[None] for a in (6, 11)])
+    docs = torch.cumsum(positions == 0, dim=1)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = ((j <= i) & (docs[:, :, None] == docs[:, None, :]))[:, None]  # (B, 1, T, T), written out
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    sink = Records()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = attn_probe.watch(model, optimizer=opt, every=1, attention_stats=True, per_head=True, sinks=[sink],
+                                 metrics=("symmetry",), log_dir=str(tmp_path / "tb"), attention_flex_compiled=True)
+        for step in range(1, STEPS + 1):
+            tokens = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(step))
+            out = model(tokens, positions, attention_masks=model.get_attention_masks(positions))
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        failures = probe.failures
+        probe.close()
+    messages = [str(w.message) for w in caught if "attn_probe" in str(w.message)]
+    if fault is not None:
+        assert sink.values("max_logit") == {}
+        skipped = [m for m in messages if "skipped" in m]
+        assert len(skipped) == 1 and "flex_attention inside a compiled graph" in skipped[0], messages
+        assert failures == STEPS, failures
+        return
+    assert failures == 0 and not [m for m in messages if "not measured" in m or "skipped" in m], messages
+    got_max, got_ent = sink.values("max_logit"), sink.values("entropy")
+    scale = model.layers["0"].attention.scaling
+    for layer in range(2):
+        assert len(calls[layer]) == STEPS
+        for step in range(1, STEPS + 1):
+            q, k = calls[layer][step - 1]
+            k = k.repeat_interleave(2, dim=1)
+            logits = torch.einsum("bhid,bhjd->bhij", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
+            vis = visible.expand(logits.shape)
+            p = torch.softmax(torch.where(vis, logits, -math.inf), dim=-1)
+            top = torch.where(vis, logits.abs(), -math.inf).amax(dim=(0, 2, 3))
+            ent = -torch.where(vis, torch.special.xlogy(p, p), 0).sum(dim=(0, 2, 3)) / (B * T)
+            # the documents matter: causal attention over the whole row gives other values
+            causal = torch.softmax(torch.where(j <= i, logits, -math.inf), dim=-1)
+            assert float((-torch.special.xlogy(causal, causal).sum(dim=(0, 2, 3)) / (B * T) - ent).abs().max()) > 1e-3
+            for h in range(4):
                 assert got_max[step][(layer, h)] == pytest.approx(float(top[h]), rel=1e-5), (step, layer, h)
                 assert got_ent[step][(layer, h)] == pytest.approx(float(ent[h]), rel=1e-5), (step, layer, h)
 

@@ -366,9 +366,10 @@ class AttentionStage:
 #: why flex calls inside a compiled graph are not measured by default, and the remedy
 FLEX_IN_GRAPHS = ("flex_attention ran inside a torch.compile graph (torchtitan 0.3 compiles it with inductor; or "
                   "your torch.compile of the model), where the probe traces nothing by default. "
-                  "attention_flex_compiled=True traces the statistics, your mask_mod and score_mod into that "
-                  "graph (a modifier the compiler cannot trace there would fail your compile); flex called "
-                  "eagerly is always measured.")
+                  "attention_flex_compiled=True traces your mask_mod and score_mod into that graph (the "
+                  "arithmetic runs in opaque operators; a failure costs that step's values, warned once), "
+                  "though a modifier the compiler cannot trace at all would break a fullgraph=True compile; "
+                  "flex called eagerly is always measured.")
 
 
 def missing_reason(layers: Sequence[AttentionLayer], nothing: bool, *, flex_in_graphs: bool = False) -> str:
