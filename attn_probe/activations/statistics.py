@@ -235,6 +235,7 @@ class AttentionCapture:
         self.failures: list[str] = []
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
+        self._install()
 
     def _interface_names(self) -> list[str]:
         """The implementation names of the layers measured through transformers' interface."""
@@ -267,8 +268,30 @@ class AttentionCapture:
         scaling.fill_(math.nan)
         seen.zero_()
 
+    def _install(self) -> None:
+        """The hooks, registered once for the capture's life (removed by :meth:`close`): a forward
+        pre-hook and an always-called forward hook on the model (the forward's grad mode, its 2D
+        padding masks, the sdpa mode), a pre-hook on each attention module (its input norm; for an
+        sdpa layer, the running stack) and, for an sdpa layer, an always-called forward hook.
+
+        Registered once, not per armed step: ``torch.compile`` guards on a traced module's hook ids
+        (``hook_id in module._forward_hooks_always_called``), so hooks registered anew at every due
+        step failed that guard and recompiled every due step, up to dynamo's recompile limit. Kept,
+        they switch on :attr:`_armed` and :attr:`_frames`: a compiled frame has one variant
+        unarmed, one armed. Each is a :class:`~attn_probe.hooks.ProbeHook` (a copy of the model gets
+        a no-op in its place)."""
+        root = self.root
+        self._hooks.append(root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
+        self._hooks.append(root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True, always_call=True))
+        for i, layer in enumerate(self.layers):
+            enter, leave = running_hooks(self._running, i, self._layer_tensor) if self.sdpa[i] else (None, None)
+            self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._layer_hook(i, enter)),
+                                                                      with_kwargs=True))
+            if leave is not None:
+                self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
+
     def arm(self) -> None:
-        """Start a step: zero the accumulators, add the hooks, let the wrappers measure."""
+        """Start a step: zero the accumulators, switch the hooks on, let the wrappers measure."""
         if self._closed:
             raise RuntimeError("AttentionCapture is closed")
         if self._armed:
@@ -277,16 +300,6 @@ class AttentionCapture:
         self._reset()
         self._frames = []
         self._failed_step = False
-        self._hooks.append(self.root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
-        self._hooks.append(self.root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True,
-                                                           always_call=True))
-        for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._input_hook(i)),
-                                                                      with_kwargs=True))
-            if self.sdpa[i]:
-                enter, leave = running_hooks(self._running, i, self._layer_tensor)
-                self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(enter)))
-                self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
         registry.arm(self)
         self._armed = True
 
@@ -304,14 +317,13 @@ class AttentionCapture:
         self._implementations = now
 
     def disarm(self) -> None:
-        """End the step: the wrappers pass straight through again and the hooks are removed."""
+        """End the step: the wrappers pass straight through again and the hooks do nothing."""
         registry.disarm(self)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        self._frames = []
-        self._running.clear()
         self._armed = False
+        # disarmed inside a forward of the model: nothing more counts, _exit still pops its mode
+        self._frames = [(False, masks, pushed) for _, masks, pushed in self._frames]
+        if not self._frames:
+            self._running.clear()
 
     @property
     def armed(self) -> bool:
@@ -342,6 +354,9 @@ class AttentionCapture:
         if self._closed:
             return
         self.disarm()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self._implementations:
             registry.release(self._implementations)
         self._closed = True
@@ -361,6 +376,8 @@ class AttentionCapture:
         return torch.device("cpu")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._armed:
+            return
         if not torch.compiler.is_compiling():  # a switch between arming and the forward (plain loops)
             try:
                 self._resolve()
@@ -393,8 +410,15 @@ class AttentionCapture:
             return None
         return mask[:, -q_len:].bool()
 
-    def _input_hook(self, i: int) -> Callable:
+    def _layer_hook(self, i: int, enter: Callable | None) -> Callable:
+        """Layer ``i``'s forward pre-hook: inside an armed forward of the model, push the layer on
+        the running stack (``enter``, sdpa layers) and, in a counted forward, take its input norm."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._frames:
+                return  # not armed, or outside a forward of the model (a checkpointed block re-run in backward)
+            if enter is not None:
+                enter(module, args)
             if not self._counted():
                 return
             x = args[0] if args else kwargs.get("hidden_states")
