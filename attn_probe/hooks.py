@@ -37,7 +37,7 @@ INERT = contextlib.nullcontext.__exit__
 
 
 class ProbeHook:
-    """``call`` as a hook of a model or optimizer; a copy or a pickle of it is an inert builtin (module docstring)."""
+    """``call`` as a hook of a model or optimizer; a copy or a pickle of it is :data:`INERT` (module docstring)."""
 
     __slots__ = ("call",)
 

@@ -63,11 +63,12 @@ that reentrant checkpointing runs under ``no_grad`` inside a training forward co
 :func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
 entropy sums and token counts), so combined values equal one process on the global batch.
 
-**Zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
+**Near zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
 wrapped while a capture exists: for a measured implementation name it returns the function
 transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
-(the armed captures); an unwatched module gets exactly that function. Hooks exist only while
-armed; nothing is written into the model, its config or the registry. That glue lives in
+(the armed captures); an unwatched module gets exactly that function. The capture's hooks are
+registered once, at construction, and removed at :meth:`AttentionCapture.close`; unarmed each
+returns at its first check; nothing else is written into the model, its config or the registry. That glue lives in
 :mod:`attn_probe.activations.registry` (which also says which models can be read,
 :func:`unavailable_reason`); this module holds the statistics (pure tensor functions) and the
 capture, which uses the glue through its small interface (acquire/release, arm/disarm, and
@@ -75,9 +76,10 @@ the capture's :meth:`AttentionCapture.observe`). The capture calls :func:`logit_
 this module's attribute at call time, so a test may replace ``attention_stats.logit_stats``.
 
 **torch.compile.** The decision is data the compiler guards on, not state it must trace: the
-armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
-place, so a compiled forward has the graphs of a run without the probe when not armed and
-one more variant (compiled at the first armed call, then reused) when armed.
+armed tuple, the capture's armed flag and the hooks (the same objects, with the same ids, at every
+step) are guarded, the accumulators are preallocated tensors updated in place, so a compiled
+forward has the graphs of a run without the probe when not armed and one more variant (compiled
+at the first armed call, then reused, whatever the number of armed steps) when armed.
 """
 
 from __future__ import annotations
@@ -157,11 +159,12 @@ class AttentionCapture:
 
     Construction wraps, for the implementation names the layers use, what transformers'
     ``AttentionInterface.get_interface`` returns (shared and reference-counted across captures,
-    restored by the last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators,
-    adds a forward pre-hook and an always-called forward hook on the model, for the forward's
-    grad mode and 2D padding masks, and a pre-hook on each attention module for its input
-    norm; :class:`~attn_probe.hooks.ProbeHook` s, inert in a copy of the model), :meth:`disarm`
-    ends it and removes the hooks, :meth:`collect` returns the step's :class:`StepStats`. Raises
+    restored by the last :meth:`close`) and registers the hooks, once (a forward pre-hook and an
+    always-called forward hook on the model, for the forward's grad mode and 2D padding masks, and
+    a pre-hook on each attention module for its input norm; :class:`~attn_probe.hooks.ProbeHook` s,
+    inert in a copy of the model; :meth:`_install`). :meth:`arm` starts a step (zeroes the
+    accumulators, switches the hooks on), :meth:`disarm` ends it (the hooks stay, doing nothing),
+    :meth:`collect` returns the step's :class:`StepStats`, :meth:`close` removes the hooks. Raises
     ``ValueError`` with :func:`unavailable_reason`'s line when the model cannot be measured.
     ``entropy_rows`` (default :data:`~attn_probe.activations.logits.DEFAULT_ENTROPY_ROWS`; ``None``:
     every row) is :func:`logit_stats`'s, the layer index seeding the sample.
