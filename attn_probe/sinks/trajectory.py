@@ -6,6 +6,12 @@ write and one fsync (:meth:`TrajectorySink.log_batch`), so a crash loses at most
 snapshots being written. It is a ``lossless`` sink: when its lane is full the training thread
 waits (bounded) for room instead of dropping a snapshot (:mod:`attn_probe.sinks.dispatch`).
 
+One writer only: the sink holds an exclusive ``flock`` on the file for its life
+(:func:`attn_probe.formats.writer_lock.lock_writer`; :meth:`TrajectorySink.claim`, taken before the
+resume cut and, by the probe, before any sink of the directory starts), so a second writer is
+refused with :class:`~attn_probe.formats.logdir.LogDirInUseError` even when the directory's lock
+file was deleted (a temp-file reaper).
+
 The file only ever holds complete lines:
 
 * a write that fails (a full disk) is rolled back: the file is truncated to its size before
@@ -102,8 +108,25 @@ class TrajectorySink(Sink):
     def directory(self) -> str:
         return os.path.dirname(self.path) or "."
 
+    def claim(self) -> None:
+        """Hold the file against a second writer from now on (:func:`~attn_probe.formats.writer_lock.lock_writer`):
+        raises :class:`~attn_probe.formats.logdir.LogDirInUseError` while another writer holds it.
+        :meth:`start` claims it where this was not called; :meth:`finish` lets it go."""
+        from ..formats.writer_lock import lock_writer
+
+        if self._fd is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._fd = lock_writer(self.path)
+
     def start(self, run: RunInfo) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.claim()
+        try:
+            self._start(run)
+        except BaseException:
+            self._close_fd()
+            raise
+
+    def _start(self, run: RunInfo) -> None:
         config = dict(run.config or {})
         given = config.get("run_id") if isinstance(config.get("run_id"), str) and config.get("run_id") else None
         resumed = run.resume_step is not None
@@ -159,16 +182,24 @@ class TrajectorySink(Sink):
         return encode_header(self.run_id, step, wall_time=time.time(), **fields)
 
     def _open(self) -> None:
-        """Open for appending and cut a torn last line, so the next row starts on a line of its own."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Open for appending (the descriptor claimed, where it still is the file at the path) under
+        the writer's lock, and cut a torn last line, so the next row starts on a line of its own."""
+        from ..formats.writer_lock import lock_writer
+
+        held, self._fd = self._fd, None
         try:
-            reader = os.open(self.path, os.O_RDONLY)
-            try:
-                good = last_complete_line_end(reader)
-                if good < os.fstat(reader).st_size:
-                    os.ftruncate(fd, good)
-            finally:
-                os.close(reader)
+            fd = lock_writer(self.path, held)
+        except BaseException:
+            if held is not None:
+                try:
+                    os.close(held)
+                except OSError:
+                    pass
+            raise
+        try:  # read through the locked descriptor: closing another one could drop an NFS lock
+            good = last_complete_line_end(fd)
+            if good < os.fstat(fd).st_size:
+                os.ftruncate(fd, good)
         except BaseException:
             os.close(fd)
             raise
