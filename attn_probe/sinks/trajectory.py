@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any
 
 from ..formats.runs import describe_events
@@ -85,6 +86,28 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+#: the sinks holding their file's lock in this process (see :func:`_let_go_in_child`)
+_HOLDERS: weakref.WeakSet[TrajectorySink] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """In a forked child (a DataLoader worker): close the inherited descriptors of the files this
+    process writes. A ``flock`` belongs to the open file, which a fork shares: a child keeping it
+    would hold the writer's lock after its parent let it go (a new probe in the same directory
+    refused while persistent workers live). Closing the child's copy leaves the parent's lock held."""
+    for sink in list(_HOLDERS):
+        fd, sink._fd = sink._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_let_go_in_child)
+
+
 class TrajectorySink(Sink):
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
@@ -117,6 +140,7 @@ class TrajectorySink(Sink):
         if self._fd is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self._fd = lock_writer(self.path)
+            _HOLDERS.add(self)
 
     def start(self, run: RunInfo) -> None:
         self.claim()
@@ -204,6 +228,7 @@ class TrajectorySink(Sink):
             os.close(fd)
             raise
         self._fd, self._size = fd, good
+        _HOLDERS.add(self)
         self._inherited, self._written = good > 0, None
         self._dir_id = _identity(os.path.dirname(self.path) or ".")
 

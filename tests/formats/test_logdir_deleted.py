@@ -252,3 +252,32 @@ def test_a_second_trajectory_sink_on_one_file_is_refused_in_one_process(tmp_path
     again = TrajectorySink(str(tmp_path))
     again.claim()  # free once the first finished
     again.finish()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_child_does_not_keep_the_writers_lock(tmp_path):
+    """A ``flock`` belongs to the open file, which a fork shares (a DataLoader worker forked while the
+    probe writes). The child lets its copy go: once the parent finished, the file is free, while the
+    child still lives."""
+    first = TrajectorySink(str(tmp_path))
+    first.claim()
+    read_end, write_end = os.pipe()
+    up_read, up_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its at-fork handlers ran before fork() returned here): say so, wait until told
+        os.close(write_end)
+        os.write(up_write, b"u")
+        os.read(read_end, 1)
+        os._exit(0)
+    try:
+        os.close(read_end)
+        assert os.read(up_read, 1) == b"u"
+        first.finish()
+        again = TrajectorySink(str(tmp_path))
+        again.claim()  # refused before: the child's copy held the lock
+        again.finish()
+    finally:
+        os.write(write_end, b"x")
+        for fd in (write_end, up_read, up_write):
+            os.close(fd)
+        os.waitpid(pid, 0)
