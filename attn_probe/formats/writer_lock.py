@@ -46,8 +46,11 @@ def lock_writer(path: str | os.PathLike, fd: int | None = None) -> int:
         try:
             mine = fd if reuse else os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise log_dir_error(f"attn_probe cannot write its trajectory file {path!r}: {os_error_reason(exc)}. "
-                                "Pass a writable log_dir=", exc.errno) from exc
+            raise log_dir_error(
+                f"attn_probe cannot write its trajectory file {path!r}: {os_error_reason(exc)}. "
+                "Pass a writable log_dir=",
+                exc.errno,
+            ) from exc
         assert mine is not None
         if fcntl is not None:
             try:
@@ -63,7 +66,8 @@ def lock_writer(path: str | os.PathLike, fd: int | None = None) -> int:
                         "probe in this one, holds the file's own lock, whether or not the directory's lock file "
                         "is still there); two writers in one file would interleave their rows. Give this run "
                         "its own log_dir=, or stop the other one",
-                        log_dir=os.path.dirname(path) or ".") from exc
+                        log_dir=os.path.dirname(path) or ".",
+                    ) from exc
         if _same_file(mine, path):
             if fd is not None and not reuse:
                 try:
