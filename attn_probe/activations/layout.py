@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..extraction.base import AttentionLayer
-from ..extraction.layout_check import LayoutCheck, check_layout
+from ..extraction.layout_check import TOLERANCES, LayoutCheck, check_layout
 
 Tensor = torch.Tensor
 
@@ -32,6 +32,29 @@ _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropo
 MAX_TOKENS = 1024
 
 
+def _tolerance(computed_in: torch.dtype | None, *tensors: Tensor) -> float:
+    """The check's tolerance: the least precise of the tensors' dtypes and ``computed_in``, the precision
+    the projections ran in (an autocast dtype; float32 matmuls in TF32 count as half precision)."""
+    dtypes = [t.dtype for t in tensors] + ([computed_in] if computed_in is not None else [])
+    return max(TOLERANCES.get(d, TOLERANCES[torch.float16]) for d in dtypes)
+
+
+def computed_precision(device_type: str) -> torch.dtype | None:
+    """The reduced precision the forward's projections ran in on ``device_type``, read at the attention
+    call: the autocast dtype where autocast is on; half precision where float32 matmuls may use TF32
+    (``torch.get_float32_matmul_precision()`` other than ``"highest"``, or cuDNN/cuBLAS TF32 switched on)."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4: no per-device query
+        pass
+    if device_type == "cuda" and (
+        torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+    ):
+        return torch.float16
+    return None
+
+
 def _stochastic(module: nn.Module | None, result: LayoutCheck) -> LayoutCheck:
     """A ``mismatch`` where dropout is active inside the attention module (a PEFT LoRA's
     ``lora_dropout`` on the projection's input, say) is not evidence against the reading: the forward's
@@ -39,8 +62,9 @@ def _stochastic(module: nn.Module | None, result: LayoutCheck) -> LayoutCheck:
     if result.verdict != "mismatch" or module is None:
         return result
     if any(isinstance(m, _DROPOUTS) and m.training and m.p > 0 for m in module.modules()):
-        return LayoutCheck("unverified", (), None, f"dropout is active in the projections: {result.line}",
-                           result.residuals)
+        return LayoutCheck(
+            "unverified", (), None, f"dropout is active in the projections: {result.line}", result.residuals
+        )
     return result
 
 
@@ -64,7 +88,9 @@ def _sharded(wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, layer: Attentio
     )
 
 
-def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) -> LayoutCheck:
+def layout_result(
+    layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor, computed_in: torch.dtype | None = None
+) -> LayoutCheck:
     """:func:`~attn_probe.extraction.layout_check.check_layout` of ``layer``'s factors against one
     self-attention call: ``x (B, L, d)`` its module's input, ``query (B, H, L, dh)``, ``key (B, Hs, L, dh)``
     what the attention call received. ``unverified`` where the call does not read ``x`` position by
@@ -108,10 +134,13 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
         if module is not None
         else None
     )
+    tol = _tolerance(computed_in, x, wq, wk, q_seen, k_seen)
     tokens = max(MAX_TOKENS, 8 * wq.shape[1] + 8)  # well above the fits' 2 dh + 2 unknowns, bounded memory
     if norms is None:
-        return _stochastic(module, check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen,
-                                                max_tokens=tokens))
+        return _stochastic(
+            module,
+            check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen, max_tokens=tokens, tol=tol),
+        )
 
     def post(norm: nn.Module) -> Callable[[Tensor], Tensor]:
         return lambda t: norm(t.to(x.dtype))  # the module's own norm, per head (as Qwen3, OLMo's per-head)
@@ -126,6 +155,7 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
             q_post=post(norms[0]),
             k_post=post(norms[1]),
             max_tokens=tokens,
+            tol=tol,
         )
     except Exception as exc:  # noqa: BLE001 - a norm over all heads cannot be applied per head
         return unverified(
@@ -166,8 +196,11 @@ class LayoutWatch:
             return
         self.pending.discard(i)
         try:
+            computed_in = computed_precision(query.device.type)  # before autocast is turned off
             with torch.no_grad(), off(query.device.type):
-                result = layout_result(self.layers[i], x, query, key)
+                result = layout_result(self.layers[i], x, query, key, computed_in)
         except Exception as exc:  # noqa: BLE001 - recorded as such, never raised into training
-            result = LayoutCheck("unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {})
+            result = LayoutCheck(
+                "unverified", (), None, f"the check could not run ({type(exc).__name__}: {exc})", {}
+            )
         self.results[i] = result
