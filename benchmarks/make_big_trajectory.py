@@ -50,7 +50,9 @@ def snapshot(step: int, layers: int, heads: int) -> bytes:
     for layer in range(layers):
         for head in (None, *range(heads)):
             phase = layer * 0.37 + (head or 0) * 0.11
-            records.append(_Record("self", layer, head, "symmetry", 0.1 + 0.3 * math.tanh(step / 4000 + phase)))
+            records.append(
+                _Record("self", layer, head, "symmetry", 0.1 + 0.3 * math.tanh(step / 4000 + phase))
+            )
             records.append(_Record("self", layer, head, "directionality", 0.5 - 0.2 * math.tanh(step / 5000)))
             records.append(_Record("self", layer, head, "frobenius_norm", 10.0 + step * 1e-3 + phase))
         records.append(_Record("self", layer, None, "max_logit", 5.0 + math.sin(step / 300 + layer)))
@@ -62,8 +64,13 @@ def write(out_dir: Path, size: int, layers: int, heads: int) -> tuple[Path, int]
     """A one-run file of about ``size`` bytes in ``out_dir``; returns its path and number of steps."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / TRAJECTORY_FILENAME
-    header = encode_header(RUN_ID, 0, wall_time=WALL, config={"every": 1, "run_id": RUN_ID},
-                           model={"layers": layers, "heads": heads})
+    header = encode_header(
+        RUN_ID,
+        0,
+        wall_time=WALL,
+        config={"every": 1, "run_id": RUN_ID},
+        model={"layers": layers, "heads": heads},
+    )
     written = step = 0
     # ten distinct snapshots of real encoded rows, repeated with the step substituted
     templates = [snapshot(s, layers, heads) for s in range(10)]
