@@ -85,7 +85,7 @@ def main() -> None:
     last = last_step(args.file)
     for what in args.what:
         with tempfile.TemporaryDirectory(dir=args.tmp or args.file.parent) as tmp:
-            shutil.copyfile(args.file, Path(tmp) / args.file.name)
+            shutil.copyfile(args.file, Path(tmp) / "attn_probe.jsonl")
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.code, str(ROOT)])}
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, args.code, what, tmp, str(last)],
