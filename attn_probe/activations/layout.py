@@ -26,6 +26,24 @@ __all__ = ["QK_NORMS", "LayoutWatch", "layout_result"]
 QK_NORMS = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"), ("query_layernorm", "key_layernorm"))
 
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+#: tokens the check reads at most (evenly strided): its float64 work stays near ``H x 1024 x (2 dh + 2)``
+MAX_TOKENS = 1024
+
+
+def _stochastic(module: nn.Module | None, result: LayoutCheck) -> LayoutCheck:
+    """A ``mismatch`` where dropout is active inside the attention module (a PEFT LoRA's
+    ``lora_dropout`` on the projection's input, say) is not evidence against the reading: the forward's
+    q/k are not a function of ``x`` and the weights alone. Recorded ``unverified``, never refused."""
+    if result.verdict != "mismatch" or module is None:
+        return result
+    if any(isinstance(m, _DROPOUTS) and m.training and m.p > 0 for m in module.modules()):
+        return LayoutCheck("unverified", (), None, f"dropout is active in the projections: {result.line}",
+                           result.residuals)
+    return result
+
+
 def _sharded(wq: Tensor, wk: Tensor, query: Tensor, key: Tensor, layer: AttentionLayer) -> bool:
     """True where this process sees part of the layer: its factors are DTensors, or the attention call
     received other head counts than the layer has while several processes run (tensor parallel).
@@ -90,8 +108,10 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
         if module is not None
         else None
     )
+    tokens = max(MAX_TOKENS, 8 * wq.shape[1] + 8)  # well above the fits' 2 dh + 2 unknowns, bounded memory
     if norms is None:
-        return check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen)
+        return _stochastic(module, check_layout(x.reshape(batch * length, -1), wq, wk, q_seen, k_seen,
+                                                max_tokens=tokens))
 
     def post(norm: nn.Module) -> Callable[[Tensor], Tensor]:
         return lambda t: norm(t.to(x.dtype))  # the module's own norm, per head (as Qwen3, OLMo's per-head)
@@ -105,6 +125,7 @@ def layout_result(layer: AttentionLayer, x: Tensor, query: Tensor, key: Tensor) 
             k_seen,
             q_post=post(norms[0]),
             k_post=post(norms[1]),
+            max_tokens=tokens,
         )
     except Exception as exc:  # noqa: BLE001 - a norm over all heads cannot be applied per head
         return unverified(

@@ -5,8 +5,8 @@ nanoGPT, timm, LitGPT, torchtitan (0.2) and torchtune compute attention with
 attention interface. :class:`~attn_probe.activations.statistics.AttentionCapture` measures those
 calls too: a watched layer whose module does not call the interface
 (:func:`measured_by_sdpa`) is an *sdpa layer*. While the capture is armed, a forward pre-hook
-and an always-called forward hook on each sdpa layer's module keep a stack of the sdpa layers
-running, and :class:`SdpaMode` (a :class:`torch.overrides.TorchFunctionMode`) sees every call
+and an always-called forward hook on each sdpa layer's module (registered for the capture's life,
+doing nothing unarmed) keep a stack of the sdpa layers running, and :class:`SdpaMode` (a :class:`torch.overrides.TorchFunctionMode`) sees every call
 of ``scaled_dot_product_attention`` made while the watched model's counted forward runs,
 however the function was imported (``F.``, ``torch.nn.functional.``, a local name): a call
 made while an sdpa layer is running (directly or in a child module, as torchtitan's
@@ -29,8 +29,10 @@ never during backward, the optimizer step, evaluation under ``no_grad`` or steps
 **torch.compile.** The mode stack is part of what the compiler guards on at the entry of a
 compiled frame (module hooks are not): a due step does not reuse code compiled without the
 probe, also code compiled before the probe attached (a model of the same class compiled earlier
-in the process); it compiles one more variant with the mode, the hooks and the statistics.
-Steps that are not due run the code compiled without the probe. Models measured through
+in the process); it compiles one more variant with the mode, the hooks and the statistics, once:
+the traced hooks are guarded by their ids (``hook_id in module._forward_hooks_always_called``),
+which stay the same from attach to close. Steps that are not due run the code compiled without
+the probe. Models measured through
 transformers' interface alone do not get the mode: with it, Llama under ``torch.compile``
 failed in torch 2.13 (the root hooks are traced there, and a graph break inside the interface
 wrapper under the mode left a corrupted state: ``Tensor.device`` read a ``Size``); for them code

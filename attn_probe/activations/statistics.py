@@ -63,11 +63,12 @@ that reentrant checkpointing runs under ``no_grad`` inside a training forward co
 :func:`combine` reduces a step over ranks (max for the logits and input norms, sum for the
 entropy sums and token counts), so combined values equal one process on the global batch.
 
-**Zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
+**Near zero cost otherwise, harmless to other models.** ``AttentionInterface.get_interface`` is
 wrapped while a capture exists: for a measured implementation name it returns the function
 transformers resolved (for ``eager`` the module's own default) behind a check of one tuple
-(the armed captures); an unwatched module gets exactly that function. Hooks exist only while
-armed; nothing is written into the model, its config or the registry. That glue lives in
+(the armed captures); an unwatched module gets exactly that function. The capture's hooks are
+registered once, at construction, and removed at :meth:`AttentionCapture.close`; unarmed each
+returns at its first check; nothing else is written into the model, its config or the registry. That glue lives in
 :mod:`attn_probe.activations.registry` (which also says which models can be read,
 :func:`unavailable_reason`); this module holds the statistics (pure tensor functions) and the
 capture, which uses the glue through its small interface (acquire/release, arm/disarm, and
@@ -77,9 +78,10 @@ this module's attribute at call time, so a test may replace ``attention_stats.lo
 **The reading, checked once** (``layout_check=True``): :mod:`attn_probe.activations.layout`.
 
 **torch.compile.** The decision is data the compiler guards on, not state it must trace: the
-armed tuple and the hooks are guarded, the accumulators are preallocated tensors updated in
-place, so a compiled forward has the graphs of a run without the probe when not armed and
-one more variant (compiled at the first armed call, then reused) when armed.
+armed tuple, the capture's armed flag and the hooks (the same objects, with the same ids, at every
+step) are guarded, the accumulators are preallocated tensors updated in place, so a compiled
+forward has the graphs of a run without the probe when not armed and one more variant (compiled
+at the first armed call, then reused, whatever the number of armed steps) when armed.
 """
 
 from __future__ import annotations
@@ -96,8 +98,8 @@ from ..extraction.base import AttentionLayer
 from ..hooks import ProbeHook
 from ..isolation import Failures, safe_warn
 from . import registry as registry
-from .flex import FlexCall, block_mask_reader, compiled_ops, flex_stats, take_failures
-from .flex import trace_failed as flex_trace_failed
+from .flex import block_mask_reader, compiled_ops, take_failures
+from .flex_capture import FlexCalls
 from .layout import LayoutWatch
 from .logits import DEFAULT_CHUNK_ELEMENTS, DEFAULT_ENTROPY_ROWS, autocast_off, logit_stats_impl
 from .masks import RowMask, row_mask
@@ -146,16 +148,17 @@ def logit_stats(
                                 chunk_elements=chunk_elements, entropy_rows=entropy_rows, entropy_seed=entropy_seed)
 
 
-class AttentionCapture:
+class AttentionCapture(FlexCalls):
     """Measures ``max_logit`` and ``entropy`` of ``layers`` (from :func:`find_attention`) while armed.
 
     Construction wraps, for the implementation names the layers use, what transformers'
     ``AttentionInterface.get_interface`` returns (shared and reference-counted across captures,
-    restored by the last :meth:`close`). :meth:`arm` starts a step (zeroes the accumulators,
-    adds a forward pre-hook and an always-called forward hook on the model, for the forward's
-    grad mode and 2D padding masks, and a pre-hook on each attention module for its input
-    norm; :class:`~attn_probe.hooks.ProbeHook` s, inert in a copy of the model), :meth:`disarm`
-    ends it and removes the hooks, :meth:`collect` returns the step's :class:`StepStats`. Raises
+    restored by the last :meth:`close`) and registers the hooks, once (a forward pre-hook and an
+    always-called forward hook on the model, for the forward's grad mode and 2D padding masks, and
+    a pre-hook on each attention module for its input norm; :class:`~attn_probe.hooks.ProbeHook` s,
+    inert in a copy of the model; :meth:`_install`). :meth:`arm` starts a step (zeroes the
+    accumulators, switches the hooks on), :meth:`disarm` ends it (the hooks stay, doing nothing),
+    :meth:`collect` returns the step's :class:`StepStats`, :meth:`close` removes the hooks. Raises
     ``ValueError`` with :func:`unavailable_reason`'s line when the model cannot be measured.
     ``entropy_rows`` (default :data:`~attn_probe.activations.logits.DEFAULT_ENTROPY_ROWS`; ``None``:
     every row) is :func:`logit_stats`'s, the layer index seeding the sample.
@@ -243,6 +246,7 @@ class AttentionCapture:
         self.failed_calls_total = 0
         if self._implementations:
             registry.acquire(self._implementations, self._interface_modules())
+        self._install()
 
     def _interface_names(self) -> list[str]:
         """The implementation names of the layers measured through transformers' interface."""
@@ -275,8 +279,30 @@ class AttentionCapture:
         scaling.fill_(math.nan)
         seen.zero_()
 
+    def _install(self) -> None:
+        """The hooks, registered once for the capture's life (removed by :meth:`close`): a forward
+        pre-hook and an always-called forward hook on the model (the forward's grad mode, its 2D
+        padding masks, the sdpa mode), a pre-hook on each attention module (its input norm; for an
+        sdpa layer, the running stack) and, for an sdpa layer, an always-called forward hook.
+
+        Registered once, not per armed step: ``torch.compile`` guards on a traced module's hook ids
+        (``hook_id in module._forward_hooks_always_called``), so hooks registered anew at every due
+        step failed that guard and recompiled every due step, up to dynamo's recompile limit. Kept,
+        they switch on :attr:`_armed` and :attr:`_frames`: a compiled frame has one variant
+        unarmed, one armed. Each is a :class:`~attn_probe.hooks.ProbeHook` (a copy of the model gets
+        a no-op in its place)."""
+        root = self.root
+        self._hooks.append(root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
+        self._hooks.append(root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True, always_call=True))
+        for i, layer in enumerate(self.layers):
+            enter, leave = running_hooks(self._running, i, self._layer_tensor) if self.sdpa[i] else (None, None)
+            self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._layer_hook(i, enter)),
+                                                                      with_kwargs=True))
+            if leave is not None:
+                self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
+
     def arm(self) -> None:
-        """Start a step: zero the accumulators, add the hooks, let the wrappers measure."""
+        """Start a step: zero the accumulators, switch the hooks on, let the wrappers measure."""
         if self._closed:
             raise RuntimeError("AttentionCapture is closed")
         if self._armed:
@@ -286,16 +312,6 @@ class AttentionCapture:
         self._frames = []
         self._failed_step = False
         self.failed_calls, self.failed_layers, self.first_failure = 0, [], None
-        self._hooks.append(self.root.register_forward_pre_hook(ProbeHook(self._enter), with_kwargs=True))
-        self._hooks.append(self.root.register_forward_hook(ProbeHook(self._exit), with_kwargs=True,
-                                                           always_call=True))
-        for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(self._input_hook(i)),
-                                                                      with_kwargs=True))
-            if self.sdpa[i]:
-                enter, leave = running_hooks(self._running, i, self._layer_tensor)
-                self._hooks.append(layer.module.register_forward_pre_hook(ProbeHook(enter)))
-                self._hooks.append(layer.module.register_forward_hook(ProbeHook(leave), always_call=True))
         registry.arm(self)
         self._armed = True
 
@@ -313,15 +329,14 @@ class AttentionCapture:
         self._implementations = now
 
     def disarm(self) -> None:
-        """End the step: the wrappers pass straight through again and the hooks are removed."""
+        """End the step: the wrappers pass straight through again and the hooks do nothing."""
         registry.disarm(self)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        self._frames = []
-        self._running.clear()
         self.layout.inputs.clear()  # a layer whose attention call was not reached: checked at a later step
         self._armed = False
+        # disarmed inside a forward of the model: nothing more counts, _exit still pops its mode
+        self._frames = [(False, masks, pushed) for _, masks, pushed in self._frames]
+        if not self._frames:
+            self._running.clear()
 
     @property
     def armed(self) -> bool:
@@ -356,6 +371,9 @@ class AttentionCapture:
         if self._closed:
             return
         self.disarm()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self._implementations:
             registry.release(self._implementations)
         self._closed = True
@@ -375,6 +393,8 @@ class AttentionCapture:
         return torch.device("cpu")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._armed:
+            return
         if not torch.compiler.is_compiling():  # a switch between arming and the forward (plain loops)
             try:
                 self._resolve()
@@ -407,8 +427,15 @@ class AttentionCapture:
             return None
         return mask[:, -q_len:].bool()
 
-    def _input_hook(self, i: int) -> Callable:
+    def _layer_hook(self, i: int, enter: Callable | None) -> Callable:
+        """Layer ``i``'s forward pre-hook: inside an armed forward of the model, push the layer on
+        the running stack (``enter``, sdpa layers) and, in a counted forward, take its input norm."""
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._frames:
+                return  # not armed, or outside a forward of the model (a checkpointed block re-run in backward)
+            if enter is not None:
+                enter(module, args)
             if not self._counted():
                 return
             x = args[0] if args else kwargs.get("hidden_states")
@@ -468,75 +495,6 @@ class AttentionCapture:
     def _check_layout(self, i: int, query: Tensor, key: Tensor) -> None:
         if not torch.compiler.is_compiling() and self._counted():  # no guard on the layout's sets
             self.layout.check(i, query, key, autocast_off)
-
-    def _layer_tensor(self) -> Tensor | None:
-        return self._layer if self.flex_compiled and self._buffers is not None else None
-
-    def observe_flex(self, args: tuple, kwargs: dict, traced: bool = False) -> None:
-        """One call of flex's operator inside a counted forward (from :class:`SdpaMode`;
-        :mod:`attn_probe.activations.flex`): the innermost sdpa layer running, if any, adds its
-        statistics; never raises. ``traced``: a compiler is tracing the call: only a counter goes
-        into its graph, or, with ``flex_compiled``, the statistics too; else (real tensors) the
-        call is measured here, unless a graph that measured it is the one running it."""
-        if not self._running or not self._counted():
-            return
-        if traced:
-            self.flex_in_graphs.add_(1)
-            if self.flex_compiled:
-                self._observe_flex_traced(args, kwargs)
-            return
-        i = self._running[-1]
-        try:
-            if self.flex_compiled and bool(self._pending):  # a CPU tensor: no wait on the device
-                self._pending.sub_(1)
-                return
-            call = FlexCall(args, kwargs, self.heads[i], blocks=False)  # flex's eager rule
-            self._accumulate(i, self._flex_stats(i, call), call.scale)
-        except Exception as exc:  # never take training down
-            self._fail(f"{self.names[i]} (flex_attention): {exc!r}", i)
-            return
-        self._check_layout(i, call.query, call.key)
-
-    def _observe_flex_traced(self, args: tuple, kwargs: dict) -> None:
-        """The statistics of one flex call, traced into the compiled graph (``flex_compiled``). With
-        equal layers the layer is data (``self._layer``, set by the layers' hooks): one graph
-        serves every layer. The arithmetic goes into opaque operators
-        (:func:`~attn_probe.activations.flex.compiled_ops`); an exception while tracing leaves the call untraced and is kept for :meth:`collect`
-        (the step's values dropped, warned once, counted)."""
-        same = len(set(self.heads)) == 1 and len({layer.group for layer in self.layers}) == 1
-        i = 0 if same else self._running[-1]
-        try:
-            call = FlexCall(args, kwargs, self.heads[i])
-            stats = self._flex_stats(i, call, owner=self._owner)
-            with torch.no_grad():
-                if same:
-                    self._accumulate_at(stats, call.scale)
-                else:
-                    self._accumulate(i, stats, call.scale)
-                self._pending.add_(1)
-        except Exception as exc:  # noqa: BLE001 - not traced: the step's values are dropped, warned once, counted
-            flex_trace_failed(self._owner, type(exc).__name__)
-
-    def _flex_stats(self, i: int, call: FlexCall, owner: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:func:`flex_stats` of one call of layer ``i`` (no gradients, autocast off; may raise);
-        ``owner``: traced into a compiled graph, the arithmetic in opaque operators."""
-        query = call.query
-        with torch.no_grad(), autocast_off(query.device.type):
-            return flex_stats(call, query_valid=self._query_mask(i, query.shape[0], query.shape[2]),
-                              chunk_elements=self.chunk_elements, entropy_rows=self.entropy_rows, entropy_seed=i,
-                              owner=owner)
-
-    def _accumulate_at(self, stats: tuple[Tensor, Tensor, Tensor, Tensor], scaling: float) -> None:
-        """:meth:`_accumulate` for the layer ``self._layer`` holds (layers of equal head counts)."""
-        mx, ent_sum, tokens, _, scale, seen, signed = self._buffers
-        layers, at = len(self.layers), self._layer.view(1)  # an index tensor: no read of its value
-        for buf, value, keep_max in ((mx, stats[0], True), (ent_sum, stats[1], False),
-                                     (tokens, stats[2], False), (signed, stats[3], True)):
-            rows = buf.view(layers, -1)
-            old = rows.index_select(0, at)  # (1, H)
-            rows.index_copy_(0, at, torch.maximum(old, value.to(old)) if keep_max else old + value.to(old))
-        scale.index_fill_(0, at, float(scaling))
-        seen.index_add_(0, at, torch.ones(1, dtype=seen.dtype, device=seen.device))
 
     def _measure(self, i: int, query: Tensor, key: Tensor, scaling: float, rows: Callable, *,
                  softcap: float | None = None, sinks: Tensor | None = None) -> None:

@@ -191,7 +191,6 @@ def header_shapes(run_dir: str | Path) -> dict[tuple[str, int], Any]:
     (its ``model.attention_layers``), empty when there is none (files written before run headers,
     or by ``attn-probe score --trajectory`` before it recorded them). Reads one line of at most
     the header's size limit."""
-    from ..baselines.random_range import LayerShape
     from ..formats.trajectory import HEADER_KEY, MAX_HEADER, TRAJECTORY_FILENAME, loads
 
     path = Path(run_dir)
@@ -202,7 +201,13 @@ def header_shapes(run_dir: str | Path) -> dict[tuple[str, int], Any]:
     except OSError:
         return {}
     rec = loads(line)
-    header = rec.get(HEADER_KEY) if isinstance(rec, dict) else None
+    return _model_shapes(rec.get(HEADER_KEY) if isinstance(rec, dict) else None)
+
+
+def _model_shapes(header: Any) -> dict[tuple[str, int], Any]:
+    """``{(group, layer): LayerShape}`` of one ``run_header`` object's ``model.attention_layers``."""
+    from ..baselines.random_range import LayerShape
+
     model = header.get("model") if isinstance(header, dict) else None
     layers = model.get("attention_layers") if isinstance(model, dict) else None
     shapes: dict[tuple[str, int], Any] = {}
@@ -217,8 +222,9 @@ def header_shapes(run_dir: str | Path) -> dict[tuple[str, int], Any]:
 
 def run_shapes(runs: Any) -> dict[str, dict[tuple[str, int], Any]]:
     """``{run name: header_shapes(its directory)}`` for the run directories among ``runs`` (named as
-    :func:`~attn_probe.analysis.loading.load_trajectory` names them; ``NAME#2``... of a file that
-    holds several runs get its first header's shapes). Best effort: empty where nothing is found."""
+    :func:`~attn_probe.analysis.loading.load_trajectory` names them): the shapes of each file's first
+    header, under the directory's name only (``NAME#2``... of a file that holds several runs have
+    their own headers: :func:`lazy_shapes` reads those). Best effort: empty where nothing is found."""
     from .runs import find_runs
     from .table import TrajectoryError
 
@@ -234,25 +240,59 @@ def run_shapes(runs: Any) -> dict[str, dict[tuple[str, int], Any]]:
     return out
 
 
+class _HeaderShapes:
+    """The callable :func:`lazy_shapes` returns: a run's shapes from its own run header, found by
+    its ``run_id`` label among the runs of the file it was loaded from (one walk of each file asked
+    about, :func:`attn_probe.formats.cutting.run_headers`); never another run's."""
+
+    def __init__(self, runs: Any) -> None:
+        self.runs = runs
+        self._dirs: list[tuple[str, Path]] | None = None
+        self._files: dict[Path, dict[str, dict]] = {}
+
+    def _candidates(self, run: str) -> list[Path]:
+        if self._dirs is None:
+            from .runs import find_runs
+            from .table import TrajectoryError
+
+            try:
+                self._dirs = find_runs(self.runs)
+            except (TrajectoryError, OSError, ValueError):
+                self._dirs = []
+        return [d for name, d in self._dirs
+                if run == name or (run.startswith(name + "#") and run[len(name) + 1:].isdigit())]
+
+    def __call__(self, run: str, run_id: str | None = None) -> Mapping[tuple[str, int], Any]:
+        if run_id is None:  # a run without a readable header: no shapes of its own to read
+            return {}
+        from ..formats.cutting import run_headers
+        from ..formats.trajectory import TRAJECTORY_FILENAME
+
+        found = []
+        for d in self._candidates(run):
+            if d not in self._files:
+                self._files[d] = run_headers(d / TRAJECTORY_FILENAME)
+            if run_id in self._files[d]:
+                found.append(_model_shapes(self._files[d][run_id]))
+        return found[0] if found and all(f == found[0] for f in found) else {}
+
+
 def lazy_shapes(runs: Any) -> Any:
-    """A callable ``run -> {(group, layer): LayerShape}`` for :func:`emergence`'s ``shapes=`` that
-    reads :func:`run_shapes` of ``runs`` on its first call only (only runs without a logged range
-    ask); ``None`` when ``runs`` is a DataFrame (no directories to read)."""
+    """A callable ``run -> {(group, layer): LayerShape}`` for :func:`emergence`'s ``shapes=``: each
+    run's shapes from its own run header, read when a run without a logged range asks (a file of
+    several runs is walked once, :func:`attn_probe.formats.cutting.run_headers`, and each run found
+    by its ``run_id``; a run without a readable header gets none: its emergence says it has no
+    range). ``None`` when ``runs`` is a DataFrame (no directories to read)."""
     if hasattr(runs, "columns"):
         return None
-    found: dict[str, dict] = {}
-
-    def shapes(run: str) -> Mapping[tuple[str, int], Any]:
-        if not found:
-            found.update(run_shapes(runs) or {"": {}})
-        return found.get(run) or found.get(run.rsplit("#", 1)[0], {})
-
-    return shapes
+    return _HeaderShapes(runs)
 
 
-def _ranges_from_shapes(shapes: Mapping[tuple[str, int], Any]) -> dict[tuple[str, int, str], tuple[float, float]]:
+def _ranges_from_shapes(shapes: Mapping[tuple[str, int], Any],
+                        only: Any = None) -> dict[tuple[str, int, str], tuple[float, float]]:
     """``{(group, layer, metric): (mean, sd)}`` computed as the live probe does (no time budget, its
-    bound on drawn numbers: the same seeded draws, the same values)."""
+    bound on drawn numbers: the same seeded draws, the same values), for the ``(group, layer)``
+    pairs ``only`` (``None``: every layer): only their shapes are drawn, whatever the header names."""
     from ..baselines.random_range import PROBE_ENTRIES, random_range_rows
 
     class _Layer:
@@ -263,7 +303,7 @@ def _ranges_from_shapes(shapes: Mapping[tuple[str, int], Any]) -> dict[tuple[str
 
     layers = [_Layer(g, lay, s) for (g, lay), s in shapes.items()]
     rows, _ = random_range_rows(layers, metrics=EMERGENCE_METRICS, per_head=False, budget=None,
-                                max_entries=PROBE_ENTRIES)
+                                max_entries=PROBE_ENTRIES, only=only)
     values = {(g, lay, m): v for g, lay, _, m, v in rows}
     out = {}
     for (g, lay) in shapes:
@@ -273,16 +313,19 @@ def _ranges_from_shapes(shapes: Mapping[tuple[str, int], Any]) -> dict[tuple[str
     return out
 
 
-def _shapes_for(shapes: Any, run: str) -> Mapping[tuple[str, int], Any]:
-    """``shapes`` is ``{(group, layer): shape}`` for every run, ``{run: {(group, layer): shape}}``
-    (``NAME#2`` falls back to ``NAME``'s), or a callable ``run -> {(group, layer): shape}``."""
+def _shapes_for(shapes: Any, run: str, run_id: str | None = None) -> Mapping[tuple[str, int], Any]:
+    """``shapes`` is ``{(group, layer): shape}`` for every run, ``{run: {(group, layer): shape}}``, or
+    a callable ``run -> {(group, layer): shape}`` (:func:`lazy_shapes`'s also takes the run's
+    ``run_id``). A run missing from a mapping has none: ``NAME#2`` never borrows ``NAME``'s."""
+    if isinstance(shapes, _HeaderShapes):
+        return shapes(run, run_id) or {}
     if callable(shapes):
         return shapes(run) or {}
     if not shapes:
         return {}
     if all(isinstance(key, tuple) for key in shapes):
         return shapes
-    return shapes.get(run) or shapes.get(run.rsplit("#", 1)[0], {})
+    return shapes.get(run) or {}
 
 
 def emergence(df_or_runs: Any, *, k: float = DEFAULT_SDS, hold: int = DEFAULT_HOLD, window: int = DEFAULT_WINDOW,
@@ -313,6 +356,17 @@ def emergence(df_or_runs: Any, *, k: float = DEFAULT_SDS, hold: int = DEFAULT_HO
                                    random["value"], strict=True)}
     rows: list[dict[str, Any]] = []
     computed: dict[str, dict] = {}
+    run_ids: dict[str, str] = {}  # run -> its run_id label (runs with a readable header)
+    if "run_id" in df.columns:
+        ids = df[["run", "run_id"]].dropna().drop_duplicates("run")
+        run_ids = dict(zip(ids["run"], ids["run_id"], strict=True))
+    unlogged: dict[str, set[tuple[str, int]]] = {}  # run -> the layers without a logged range: computed
+    distinct = df[["run", "group", "layer", "metric"]].dropna().drop_duplicates()
+    for run, group, layer, metric in zip(distinct["run"], distinct["group"], distinct["layer"], distinct["metric"],
+                                         strict=True):
+        if not all(math.isfinite(logged.get((run, group, int(layer), f"{RANDOM_PREFIX}{metric}{sd}"), math.nan))
+                   for sd in ("", "_sd")):
+            unlogged.setdefault(run, set()).add((group, int(layer)))
     order = {m: i for i, m in enumerate(metrics)}
     keys = list(dict.fromkeys(zip(df["run"], df["group"], df["metric"], strict=True)))
     runs_order = {r: i for i, r in enumerate(dict.fromkeys(df["run"]))}
@@ -325,10 +379,10 @@ def emergence(df_or_runs: Any, *, k: float = DEFAULT_SDS, hold: int = DEFAULT_HO
             mean = logged.get((run, group, layer, f"{RANDOM_PREFIX}{metric}"), math.nan)
             sd = logged.get((run, group, layer, f"{RANDOM_PREFIX}{metric}_sd"), math.nan)
             if not (math.isfinite(mean) and math.isfinite(sd)):
-                found = _shapes_for(shapes, run)
+                found = _shapes_for(shapes, run, run_ids.get(run))
                 if found:
                     if run not in computed:
-                        computed[run] = _ranges_from_shapes(found)
+                        computed[run] = _ranges_from_shapes(found, unlogged.get(run, set()))
                     mean, sd = computed[run].get((group, layer, metric), (math.nan, math.nan))
             per_layer[layer] = (mean, sd)
         for layer, lp in part.groupby("layer", sort=True):

@@ -100,7 +100,8 @@ def load_trajectory(runs: RunsLike, *, heads: bool = True) -> pd.DataFrame:
     (:class:`~attn_probe.formats.runs.RunSplitter`); a resumed run stays one run. A header that
     cannot be read (damaged, too long) or is missing (the steps go down) ends the run before
     it: the rows after it are a run without a ``run_id``; a header reusing an earlier run's id
-    starts a separate run whose ``run_id`` reads ``ID#2``; one :class:`TrajectoryWarning` per
+    starts a separate run whose ``run_id`` reads ``ID#2`` (the next free number where a run of the
+    file carries that id itself); one :class:`TrajectoryWarning` per
     file names those lines (:mod:`attn_probe.formats.runs`). Time and memory are linear in the
     files, whatever the number of runs. Corrupt or truncated trajectory lines are skipped with
     one :class:`TrajectoryWarning` per file; directories without probe data are skipped with a

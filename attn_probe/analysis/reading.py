@@ -16,7 +16,7 @@ from typing import Any
 
 from ..formats.events import has_event_files, is_event_file, scan_event_file
 from ..formats.lines import Unreadable
-from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label
+from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label, run_labels
 from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from ..formats.tags import parse_tag
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas
@@ -425,6 +425,8 @@ def _read_trajectory_file(path: Path, *, heads: bool = True) -> FileRuns:
             else:
                 reader.block(block)
     reader.tracker.end()
+    out = reader.out
+    out.ids = run_labels(list(reader.index), out.ids)  # ids that collide (a#2 twice) get distinct labels
     bad, tracker = reader.bad, reader.tracker
     if bad:
         warnings.warn(

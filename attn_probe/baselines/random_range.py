@@ -36,7 +36,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,7 +281,8 @@ RangeRow = tuple[str, int, "int | None", str, float]
 
 def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head: bool, num_std: float = 2.0,
                       budget: float | None = DEFAULT_BUDGET, draws: int = DEFAULT_DRAWS,
-                      seed: int = 0, max_entries: int | None = None) -> tuple[list[RangeRow], list[str]]:
+                      seed: int = 0, max_entries: int | None = None,
+                      only: Collection[tuple[str, int]] | None = None) -> tuple[list[RangeRow], list[str]]:
     """The range as trajectory rows for ``layers`` (objects with ``group``, ``layer``, ``hidden_size``,
     ``head_dim``, ``num_heads``, ``num_kv_heads``: :class:`attn_probe.extraction.AttentionLayer`).
 
@@ -293,6 +294,13 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
     together: the first shape gets the whole of both (at least one draw), the next ones what is
     left, in the order of ``layers`` (with ``budget=None`` the draws depend on the shapes alone).
     Returns the rows and the notes of shapes that got fewer draws or were skipped (no rows).
+
+    ``only``: the ``(group, layer)`` pairs to give rows for (``None``: every layer). Only their
+    shapes are drawn; a shape before them that no pair of ``only`` has is accounted for without
+    being drawn (the numbers it would draw are taken off ``max_entries``, which follows from the
+    shapes alone), so with ``budget=None`` the rows are the very numbers the whole list gives, at
+    the cost of ``only``'s shapes (a reader asking for 2 layers of a header naming 8,000 shapes
+    draws 2). With a time budget, the shapes left out leave their time to the others.
     """
     wanted = [m for m in _SCORED if m in metrics]
     rows: list[RangeRow] = []
@@ -302,8 +310,21 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
     deadline = None if budget is None else time.perf_counter() + budget
     entries_left = max_entries
     ranges: dict[LayerShape, RandomRange | None] = {}
+
+    def shape_of(lay: Any) -> LayerShape:
+        return LayerShape(int(lay.hidden_size), int(lay.head_dim), int(lay.num_heads), int(lay.num_kv_heads))
+
+    asked = None if only is None else {(str(g), int(la)) for g, la in only}
+    needed = None if asked is None else {shape_of(lay) for lay in layers if (str(lay.group), int(lay.layer)) in asked}
     for lay in layers:
-        shape = LayerShape(int(lay.hidden_size), int(lay.head_dim), int(lay.num_heads), int(lay.num_kv_heads))
+        shape = shape_of(lay)
+        if shape not in ranges and needed is not None and shape not in needed:
+            # accounted for as if drawn, not drawn: the later shapes get what it leaves (budget=None: exact)
+            if entries_left is not None and not (ranges and entries_left < shape.draw_entries) \
+                    and shape.draw_entries <= MAX_DRAW_ENTRIES:
+                entries_left = max(0, entries_left - min(draws, max(1, entries_left // shape.draw_entries))
+                                   * shape.draw_entries)
+            ranges[shape] = None
         if shape not in ranges:
             # the first shape gets the whole budget (at least one draw); the others what is left
             left = None if deadline is None else budget if not ranges else deadline - time.perf_counter()
@@ -324,7 +345,7 @@ def random_range_rows(layers: Sequence[Any], *, metrics: Sequence[str], per_head
                 notes.append(found.note)
             ranges[shape] = found if found.draws > 0 else None
         found = ranges[shape]
-        if found is None:
+        if found is None or (asked is not None and (str(lay.group), int(lay.layer)) not in asked):
             continue
         for head in [None, *(range(shape.num_heads) if per_head else ())]:
             values = found.values(head=head is not None)

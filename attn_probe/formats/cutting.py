@@ -28,9 +28,9 @@ from .lines import (
     loads,
     parse_header,
 )
-from .runs import HEADER_SIGNS, MAX_HEADER, Event, RunKey, RunTracker, looks_like_header
+from .runs import HEADER_SIGNS, MAX_HEADER, Event, RunKey, RunTracker, looks_like_header, run_labels
 
-__all__ = ["Cut", "Piece", "cut_run", "cut_trajectory", "pieces"]
+__all__ = ["Cut", "Piece", "cut_run", "cut_trajectory", "pieces", "run_headers"]
 
 #: a row as the sink writes it, with what tells its value apart: step, group, layer, head, metric
 _ROW = re.compile(rb'^\{"step": (-?\d{1,19}), "wall_time": [^,\n]*, "group": "([A-Za-z0-9_]{1,128})", '
@@ -447,3 +447,32 @@ def cut_trajectory(path: str | os.PathLike, resume_step: int, *, chunk_size: int
                    max_line: int = MAX_LINE) -> int:
     """:func:`cut_run` of the file's last run; returns the number of lines dropped."""
     return cut_run(path, resume_step, chunk_size=chunk_size, max_line=max_line).dropped
+
+
+def run_headers(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
+                max_line: int = MAX_LINE) -> dict[str, dict[str, Any]]:
+    """``{run label: run_header object}`` of every run of a trajectory file with a readable header:
+    its first header's, keyed by the label the readers show in ``run_id``
+    (:func:`attn_probe.formats.runs.run_labels`). The file is walked as the readers and the resume
+    cut walk it (:class:`~attn_probe.formats.runs.RunTracker`), in constant memory: a run's
+    header is never given to another run. ``{}`` for a missing file."""
+    path = os.fspath(path)
+    keys: list[RunKey] = []
+    ids: list[str | None] = []
+    first: dict[RunKey, dict[str, Any]] = {}
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return {}
+    with fh:
+        for _offset, data, key, _lines, _low, _high, is_header in pieces(fh, chunk_size, max_line, RunTracker()):
+            if not is_header or key is None or key in first or not isinstance(data, bytes):
+                continue
+            rec = loads(data)
+            header = rec.get(HEADER_KEY) if isinstance(rec, dict) else None
+            if not isinstance(header, dict):  # pragma: no cover - a valid header has it
+                continue
+            first[key] = header
+            keys.append(key)
+            ids.append(key[1] if key[0] == "run" else str(header.get("run_id")))
+    return {label: first[key] for key, label in zip(keys, run_labels(keys, ids), strict=True) if label is not None}

@@ -12,6 +12,10 @@ When the lock file disappears while held (the whole directory deleted by a clean
 by a sink that noticed), :func:`restore_lock` locks a new lock file at the same path, so a second
 writer is still refused.
 
+The lock file can also go while its directory stays (a temp-file reaper deleting old dot files):
+its lock then guards nothing. The trajectory file's own lock (:mod:`attn_probe.formats.writer_lock`,
+held by its writer for its life) still refuses a second writer then.
+
 Where the directory was chosen by default rather than given by the user,
 :func:`acquire_default` picks a unique name (``base``, ``base_1``, ``base_2``, ...) instead of
 failing. Only the standard library is imported here.
@@ -40,6 +44,7 @@ __all__ = [
     "LogDirError",
     "LogDirInUseError",
     "LogDirLock",
+    "NO_LOCKING",
     "acquire_default",
     "check_log_dir",
     "default_log_dir",
@@ -57,7 +62,7 @@ _WRITE_TEST_PREFIX = ".attn_probe_write_test."
 #: how many suffixed names (``_1``, ``_2``, ...) :func:`unique_log_dir` tries before giving up
 _MAX_SUFFIX = 10_000
 #: errno values that mean "this filesystem does not do POSIX locks"
-_NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class LogDirError(OSError):
@@ -353,7 +358,7 @@ class LogDirLock:
                         time.sleep(0.05)
                         holder = _read_holder(self.path)
                     return holder
-                if exc.errno in _NO_LOCKING:
+                if exc.errno in NO_LOCKING:
                     # keep the descriptor-free registry lock only; nothing to hold open
                     self._fd, self.os_locked = None, False
                     return None

@@ -9,7 +9,8 @@ rules (also stated in ``docs/post-hoc.md``, "Runs in one file"):
   the header resumes it (``resumed`` and a start step past that run's last row); a run of its
   own otherwise. A header that opens an id already used by an earlier run (a fresh header, or
   a resumption that would overlap that run's steps: two files concatenated) starts a separate
-  run, numbered ``<id>#2``, ``<id>#3``... and reported;
+  run, numbered ``<id>#2``, ``<id>#3``... (:func:`run_labels`: a number that is itself an id
+  in the file is skipped) and reported;
 * a resumed header of an id not seen yet, right after rows written before run headers,
   continues those rows (a run resumed from a checkpoint written before run ids);
 * a line that is a run header but cannot be read (damaged, truncated, edited, or longer than
@@ -27,13 +28,14 @@ Only the standard library is imported here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .lines import Unreadable  # noqa: F401  (part of what the rules are about; re-exported)
 
 __all__ = ["HEADER_SIGNS", "MAX_HEADER", "Event", "RunSplitter", "RunTracker", "Unreadable", "describe_events",
-           "looks_like_header", "run_label"]
+           "looks_like_header", "run_label", "run_labels"]
 
 #: a header line longer than this is not read (its run is kept as a run without an id); the
 #: writer refuses an ``extra_config`` that would make one (:mod:`attn_probe.live.config`)
@@ -224,6 +226,33 @@ def run_label(key: RunKey) -> str | None:
     if key[0] != "run":
         return None
     return key[1] if key[2] == 1 else f"{key[1]}#{key[2]}"
+
+
+def run_labels(keys: Sequence[RunKey], ids: Sequence[str | None]) -> list[str | None]:
+    """The run ids a reader shows for a file's runs ``keys`` (in file order), all distinct.
+
+    ``ids[i]`` is the id run ``i`` carries itself (``None``: none; for a later run of an id, that
+    id). The first run of each id shows it as it is (a branch's ``parent_run`` names it so); a
+    later run of an id shows ``id#2``, ``id#3``... in order, skipping every label the file's runs
+    show already: a file holding the ids ``a``, ``a`` and a literal ``a#2`` shows ``a``, ``a#3``,
+    ``a#2``. The labels depend on the file alone, so a file read twice shows the same ones.
+    """
+    later = [key[0] == "run" and key[2] > 1 for key in keys]
+    taken = {run_id for run_id, again in zip(ids, later, strict=True) if run_id is not None and not again}
+    following: dict[str, int] = {}
+    out: list[str | None] = []
+    for key, run_id, again in zip(keys, ids, later, strict=True):
+        if not again:
+            out.append(run_id)
+            continue
+        n = max(key[2], following.get(key[1], 2))
+        while f"{key[1]}#{n}" in taken:
+            n += 1
+        label = f"{key[1]}#{n}"
+        taken.add(label)
+        following[key[1]] = n + 1
+        out.append(label)
+    return out
 
 
 def describe_events(events: list[Event], counts: dict[str, int] | None = None) -> str:

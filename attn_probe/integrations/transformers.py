@@ -240,6 +240,17 @@ class AttnProbeCallback(TrainerCallback, ExportableState):
                 "attributes": {"run_log_dir": self.run_log_dir, "run_log_dir_relative": self.run_log_dir_relative,
                                "run_output_dir": self.run_output_dir, "run_id": self.run_id}}
 
+    # -- copies and pickles ------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle or a copy of the callback carries: its options and the run's identity.
+
+        Not the Trainer's :attr:`handler`, which :func:`attach` sets (through it the Trainer's model,
+        optimizer, scheduler and data loaders: weak references that do not pickle, and objects a
+        copy of the callback must not hold), nor the live :attr:`probe` (threads and open files;
+        ``None`` after ``train()``). A copy gets a handler again from :func:`attach`, or finds its
+        Trainer's on the call stack as a callback passed in ``callbacks=[...]`` does."""
+        return {**self.__dict__, "handler": None, "probe": None}
+
     @entry_point("AttnProbeCallback")  # the outermost mark wins: attach() marks itself first
     def _check_model(self, model: Any) -> None:
         find_attention(model, groups=self.config.groups, layers=self.config.layers, **self.config.find_kwargs)

@@ -283,9 +283,8 @@ class Probe:
                 for quantity, value in taken:  # the combined values: the same on every rank
                     try:  # local: must not keep this rank out of the walk's collectives below
                         rows = quantity.alert_rows(value)
-                        if rows is not None:
-                            rows = [r for r in rows if (r["group"], r["layer"]) not in refused]
-                            self.alerting.check_attention(step, rows)
+                        if rows is not None:  # refused layers too: measured from the forward's own q/k,
+                            self.alerting.check_attention(step, rows)  # identical on every rank (no local filter)
                     except Exception as exc:  # noqa: BLE001
                         self.failure_log.report("the alert rules", exc)
             if weights:
@@ -320,7 +319,7 @@ class Probe:
         if stage is None:
             return frozenset()
         try:
-            for layer, result in stage.layout_news():
+            for layer, result in stage.layout_news(warn=self.is_main_process):
                 value = LAYOUT_VALUES.get(result.verdict, math.nan)
                 self._layout_rows.append(Record(layer.group, layer.layer, None, LAYOUT_METRIC, value,
                                                 f"{result.verdict}: {result.line}"))

@@ -123,7 +123,8 @@ class AttentionStatistics(Quantity):
     def alert_rows(self, taken: Any) -> list[dict[str, Any]] | None:
         if taken is None:
             return None
-        return attention_rows(self.stage.layers, taken.tables, per_head=self.per_head, counted=taken.counted)
+        return attention_rows(self.stage.layers, taken.tables, per_head=self.per_head, counted=taken.counted,
+                              signed=taken.signed, tau=self.stage.tau)
 
     def rows(self, measured: Measured, taken: Any) -> Rows:
         return Rows(self.stage.extra_tables(measured.tables, taken), {})

@@ -6,6 +6,12 @@ write and one fsync (:meth:`TrajectorySink.log_batch`), so a crash loses at most
 snapshots being written. It is a ``lossless`` sink: when its lane is full the training thread
 waits (bounded) for room instead of dropping a snapshot (:mod:`attn_probe.sinks.dispatch`).
 
+One writer only: the sink holds an exclusive ``flock`` on the file for its life
+(:func:`attn_probe.formats.writer_lock.lock_writer`; :meth:`TrajectorySink.claim`, taken before the
+resume cut and, by the probe, before any sink of the directory starts), so a second writer is
+refused with :class:`~attn_probe.formats.logdir.LogDirInUseError` even when the directory's lock
+file was deleted (a temp-file reaper).
+
 The file only ever holds complete lines:
 
 * a write that fails (a full disk) is rolled back: the file is truncated to its size before
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any
 
 from ..formats.runs import describe_events
@@ -79,6 +86,28 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+#: the sinks holding their file's lock in this process (see :func:`_let_go_in_child`)
+_HOLDERS: weakref.WeakSet[TrajectorySink] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    """In a forked child (a DataLoader worker): close the inherited descriptors of the files this
+    process writes. A ``flock`` belongs to the open file, which a fork shares: a child keeping it
+    would hold the writer's lock after its parent let it go (a new probe in the same directory
+    refused while persistent workers live). Closing the child's copy leaves the parent's lock held."""
+    for sink in list(_HOLDERS):
+        fd, sink._fd = sink._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_let_go_in_child)
+
+
 class TrajectorySink(Sink):
     """Append one JSON line per value to ``<log_dir>/attn_probe.jsonl``."""
 
@@ -105,8 +134,26 @@ class TrajectorySink(Sink):
     def directory(self) -> str:
         return os.path.dirname(self.path) or "."
 
+    def claim(self) -> None:
+        """Hold the file against a second writer from now on (:func:`~attn_probe.formats.writer_lock.lock_writer`):
+        raises :class:`~attn_probe.formats.logdir.LogDirInUseError` while another writer holds it.
+        :meth:`start` claims it where this was not called; :meth:`finish` lets it go."""
+        from ..formats.writer_lock import lock_writer
+
+        if self._fd is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._fd = lock_writer(self.path)
+            _HOLDERS.add(self)
+
     def start(self, run: RunInfo) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.claim()
+        try:
+            self._start(run)
+        except BaseException:
+            self._close_fd()
+            raise
+
+    def _start(self, run: RunInfo) -> None:
         config = dict(run.config or {})
         given = config.get("run_id") if isinstance(config.get("run_id"), str) and config.get("run_id") else None
         resumed = run.resume_step is not None
@@ -165,20 +212,29 @@ class TrajectorySink(Sink):
         return encode_header(self.run_id, step, wall_time=time.time(), **fields)
 
     def _open(self) -> None:
-        """Open for appending and cut a torn last line, so the next row starts on a line of its own."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        """Open for appending (the descriptor claimed, where it still is the file at the path) under
+        the writer's lock, and cut a torn last line, so the next row starts on a line of its own."""
+        from ..formats.writer_lock import lock_writer
+
+        held, self._fd = self._fd, None
         try:
-            reader = os.open(self.path, os.O_RDONLY)
-            try:
-                good = last_complete_line_end(reader)
-                if good < os.fstat(reader).st_size:
-                    os.ftruncate(fd, good)
-            finally:
-                os.close(reader)
+            fd = lock_writer(self.path, held)
+        except BaseException:
+            if held is not None:
+                try:
+                    os.close(held)
+                except OSError:
+                    pass
+            raise
+        try:  # read through the locked descriptor: closing another one could drop an NFS lock
+            good = last_complete_line_end(fd)
+            if good < os.fstat(fd).st_size:
+                os.ftruncate(fd, good)
         except BaseException:
             os.close(fd)
             raise
         self._fd, self._size = fd, good
+        _HOLDERS.add(self)
         self._inherited, self._written = good > 0, None
         self._dir_id = _identity(os.path.dirname(self.path) or ".")
 

@@ -254,13 +254,13 @@ def test_users_compile_by_default_traces_nothing_of_the_probe(monkeypatch, tmp_p
     the compiler cannot trace (a graph break inside flex's operator, which fails the compile) leaves
     the user's compiled forward running and untouched; the due step warns that flex ran inside a
     compiled graph and names the option."""
-    from attn_probe.activations import statistics
+    from attn_probe.activations import flex_capture
 
     def untraceable(*args, **kwargs):
         torch._dynamo.graph_break()
         raise AssertionError("the statistics of a flex call inside a compiled graph ran by default")
 
-    monkeypatch.setattr(statistics, "flex_stats", untraceable)
+    monkeypatch.setattr(flex_capture, "flex_stats", untraceable)
     net, twin = _net("causal"), _net("causal")
     torch._dynamo.reset()
     sink, outs, messages = _train(net, tmp_path, run=torch.compile(net, backend="inductor"))
@@ -469,7 +469,7 @@ def test_real_torchtitan_03_llama3_opt_in_never_raises(fault, monkeypatch, tmp_p
     graph or cannot be traced into it (both forced here), the steps still run, their values are
     dropped, one warning is given and every failing step is counted."""
     from attn_probe.activations import flex as flex_module
-    from attn_probe.activations import statistics
+    from attn_probe.activations import flex_capture
 
     model = _titan_llama3()
     if fault == "statistics raise in the graph":
@@ -481,7 +481,7 @@ def test_real_torchtitan_03_llama3_opt_in_never_raises(fault, monkeypatch, tmp_p
         def untraceable(*args, **kwargs):
             raise ValueError("injected failure while tracing the flex statistics")
 
-        monkeypatch.setattr(statistics, "flex_stats", untraceable)
+        monkeypatch.setattr(flex_capture, "flex_stats", untraceable)
     calls: list = [[], []]
     for n, block in enumerate(model.layers.values()):
         block.attention.rope.register_forward_hook(

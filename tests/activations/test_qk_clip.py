@@ -76,13 +76,65 @@ def test_signed_max_scale_and_count_match_explicit_logits():
 
 
 def test_not_measured_heads_are_nan_and_never_counted():
-    nan = math.nan
-    column = torch.tensor([nan, nan, 250.0, -3.0]).numpy()
+    """A head where nothing was counted (``-inf`` in the accumulators) is NaN and left out of the layer."""
+    inf = math.inf
+    column = torch.tensor([250.0, -inf, 250.0, -3.0]).numpy()
     (_, table), (_, over) = clip_tables(column, TAU, per_head=True)
-    assert math.isnan(table[1, 1]) and table[1, 2] == pytest.approx(0.4) and table[1, 3] == 1.0
+    assert math.isnan(table[0, 1]) and math.isnan(table[1, 1])
+    assert table[1, 2] == pytest.approx(0.4) and table[1, 3] == 1.0 and table[1, 0] == pytest.approx(0.4)
     assert over[0, 0] == 1
-    (_, table), (_, over) = clip_tables(torch.tensor([nan, nan, nan]).numpy(), TAU, per_head=True)
-    assert math.isnan(table[1, 0]) and math.isnan(over[0, 0])
+    (_, table), (_, over) = clip_tables(torch.tensor([-inf, -inf, -inf]).numpy(), TAU, per_head=True)
+    assert math.isnan(table[0, 0]) and math.isnan(table[1, 0]) and math.isnan(over[0, 0])
+
+
+def test_a_nan_head_makes_its_layer_nan():
+    """Issue 44, finding 12: a NaN logit in one head is not "nothing counted". The layer's signed max
+    (max over heads), its scale (min) and its count are NaN, never the other heads' values."""
+    from attn_probe.live.stages.qk_clip import signed_columns
+
+    (column,) = signed_columns(torch.tensor([250.0, math.nan, -3.0]).numpy(), [3])
+    assert math.isnan(column[0]) and column[1] == 250.0
+    (_, table), (_, over) = clip_tables(column, TAU, per_head=True)
+    assert math.isnan(table[0, 0]) and math.isnan(table[1, 0]) and math.isnan(over[0, 0])
+    assert table[1, 1] == pytest.approx(0.4) and math.isnan(table[1, 2]) and table[1, 3] == 1.0
+
+
+def test_a_nan_in_one_head_fires_the_dry_run_rules_and_is_logged_as_nan(tmp_path):
+    """Issue 44, finding 12: a model whose attention gives NaN logits in one head (head 1 of layer 0:
+    its query rows of ``q_proj`` are NaN). ``max_logit`` fired, but the rules on ``max_logit_signed``,
+    ``qk_clip_scale`` and ``heads_over_tau`` never did, and layer 0's rows of those metrics held the
+    other heads' values. Now each rule fires on layer 0 and the trajectory file's layer rows are null
+    (NaN as the format writes it); the other heads of layer 0 keep their finite values."""
+    import json
+
+    from attn_probe.formats.trajectory import TRAJECTORY_FILENAME
+
+    model = tiny_model("llama", impl="sdpa", vocab_size=99, max_position_embeddings=64).double()
+    attn = find_attention(model)[0]
+    head_dim = attn.head_dim
+    with torch.no_grad():
+        attn.module.q_proj.weight[head_dim:2 * head_dim] = math.nan  # query head 1 of layer 0
+    ids = torch.randint(1, 99, (2, 9), generator=torch.Generator().manual_seed(1))
+    metrics = ("max_logit", "max_logit_signed", "qk_clip_scale", "heads_over_tau")
+    alerts = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    probe = watch(model, optimizer=opt, every=1, attention_stats=True, per_head=True, log_dir=str(tmp_path / "run"),
+                  alerts=[AlertRule(m, above=1e300, layers=[attn.layer]) for m in metrics],
+                  alert_callback=alerts.append, random_range=False, background=False)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    probe.close()
+    fired = {(a.metric, a.head) for a in alerts if a.layer == attn.layer}
+    assert fired == {(m, None) for m in metrics}
+    assert all(math.isnan(a.value) for a in alerts)
+    rows = [json.loads(line) for line in (tmp_path / "run" / TRAJECTORY_FILENAME).read_text().splitlines()]
+    got = {(r["head"], r["metric"]): r["value"] for r in rows
+           if r["step"] == 1 and r["layer"] == attn.layer and r["metric"] in metrics}
+    for m in metrics:
+        assert got[(None, m)] is None, m  # NaN, written as null
+    for m in ("max_logit_signed", "qk_clip_scale"):
+        assert got[(1, m)] is None
+        assert all(isinstance(got[(h, m)], float) for h in (0, 2, 3))
 
 
 def signed_reference(model, ids) -> dict[int, list[float]]:

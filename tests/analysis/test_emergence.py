@@ -318,3 +318,71 @@ def test_a_run_without_any_range_gets_no_emergence_lines():
                                 table({0: step_curve(300)}, run="ranged")]))
     text = format_emergence(both)
     assert "run ranged" in text and "run bare" not in text
+
+
+def test_a_header_naming_thousands_of_shapes_reads_in_seconds(tmp_path, capsys):
+    """Issue 44, finding 12: a run header naming 8,000 distinct layer shapes (about 1 MiB) made
+    `summary` take 335 s: the range was drawn for every shape the header names, though the run has
+    rows of 2 layers. Now only those 2 shapes are drawn (the random range cache holds each shape
+    computed: the work done, counted), with the numbers the whole header would give them."""
+    import time
+
+    from attn_probe.baselines import random_range as rr
+    from attn_probe.cli import main
+
+    layers = [{"name": f"l{i}", "group": "self", "layer": i, "num_heads": 2, "num_kv_heads": 2,
+               "head_dim": 1 + i % 7, "hidden_size": 16 + i} for i in range(8000)]
+    head = _header(0, False)
+    head["run_header"]["model"]["attention_layers"] = layers
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [head] + [_row(s, layer, 0.3 if s >= 500 else MEAN) for s in STEPS for layer in range(2)]
+    (run / "attn_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert 900_000 < len(json.dumps(head)) < 1 << 20  # about 1 MiB, under the header limit
+    rr.clear_cache()
+    start = time.perf_counter()
+    assert main(["summary", str(run)]) == 0
+    seconds = time.perf_counter() - start
+    assert len(rr._CACHE) == 2  # the shapes of layers 0 and 1, not 8,000
+    assert "median layer" in capsys.readouterr().out
+    assert seconds < 60  # generous: 335 s before; docs/performance.md has the measured time
+    from attn_probe.analysis.emergence import _ranges_from_shapes
+
+    shapes = header_shapes(run)
+    want = _ranges_from_shapes(dict(list(shapes.items())[:2]))  # the first two shapes come first in the header
+    got = _ranges_from_shapes(shapes, {("self", 0), ("self", 1)})
+    assert got == want
+
+
+def test_each_run_of_a_file_is_judged_by_its_own_range(tmp_path):
+    """Issue 44, finding 12: a d=512 run sharing a file with a d=32 run, neither with logged range rows.
+    The d=512 run (``run#2``) was judged by the d=32 range of the file's first header: "not emerged",
+    where its own range puts it 6 sd out. Each run now gets the range of its own header's shapes; a
+    run without a readable header gets none (it has no range), never its neighbour's."""
+    from attn_probe.analysis.emergence import lazy_shapes
+    from attn_probe.baselines.random_range import PROBE_ENTRIES, LayerShape, random_range
+
+    def head(run_id, d, head_dim):
+        h = _header(0, False, run_id)
+        h["run_header"]["model"]["attention_layers"] = [
+            {"name": f"l{i}", "group": "self", "layer": i, "num_heads": 2, "num_kv_heads": 2, "head_dim": head_dim,
+             "hidden_size": d} for i in range(2)]
+        return h
+
+    small = random_range(LayerShape(32, 8, 2, 2), budget=None, max_entries=PROBE_ENTRIES)
+    wide = random_range(LayerShape(512, 16, 2, 2), budget=None, max_entries=PROBE_ENTRIES)
+    out = wide.symmetry + 6 * wide.symmetry_sd  # 6 sd out of d=512's range, inside d=32's
+    assert abs(out - small.symmetry) < 3 * small.symmetry_sd
+    lines = [head("a" * 32, 32, 8), *(_row(s, la, small.symmetry) for s in STEPS for la in range(2)),
+             head("b" * 32, 512, 16), *(_row(s, la, out) for s in STEPS for la in range(2)),
+             {**head("c" * 32, 512, 16), "run_header": "damaged"},  # a header that cannot be read
+             *(_row(s, la, out) for s in STEPS for la in range(2))]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "attn_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.warns(Warning):
+        t = emergence(run, shapes=lazy_shapes(run))
+    med = t[t["layer"].isna() & (t["metric"] == "symmetry")].set_index("run")
+    assert med.loc["run#2", "mean"] == pytest.approx(wide.symmetry) and med.loc["run#2", "status"] == EMERGED
+    assert med.loc["run", "mean"] == pytest.approx(small.symmetry) and med.loc["run", "status"] == NOT_EMERGED
+    assert med.loc["run#3", "status"] == NO_RANGE

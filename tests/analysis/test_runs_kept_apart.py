@@ -137,3 +137,23 @@ def test_a_resumed_run_with_another_run_between_stays_one_run(tmp_path):
     df, msgs = load(run)
     assert per_run(df) == {"run": (64, [0.25]), "run#2": (48, [0.75])}
     assert not any("reusing" in m or "cannot be read" in m for m in msgs)
+
+
+@pytest.mark.parametrize("order", ["literal_last", "literal_first"])
+def test_ids_that_collide_with_a_numbered_label_get_distinct_labels(tmp_path, order):
+    """Issue 44, finding 12: the ids ``a``, ``a`` and a literal ``a#2`` in one file. The second run of
+    ``a`` was labelled ``a#2``, as the literal one is: two runs showed one run_id. Each run now shows
+    its own label, the literal id as it is, and a second reading gives the same labels."""
+    run = tmp_path / "run"
+    run.mkdir()
+    parts = [header("a"), *rows(range(0, 20, 5), 0.25), header("a"), *rows(range(0, 20, 5), 0.75)]
+    literal = [header("a#2"), *rows(range(0, 20, 5), 0.5)]
+    parts = parts + literal if order == "literal_last" else literal + parts
+    (run / TRAJECTORY_FILENAME).write_bytes(b"".join(parts))
+    df, _ = load(run)
+    labels = df.groupby("run")["run_id"].agg(lambda s: sorted(set(s)))
+    assert all(len(v) == 1 for v in labels)  # one label a run
+    by_value = {sorted(set(g["value"]))[0]: g["run_id"].iloc[0] for _, g in df.groupby("run")}
+    assert by_value == {0.25: "a", 0.75: "a#3", 0.5: "a#2"}  # distinct; the literal id kept as written
+    again, _ = load(run)
+    assert again[["run", "run_id"]].equals(df[["run", "run_id"]])  # stable

@@ -262,3 +262,32 @@ def test_a_freshly_built_model_scores_inside_its_random_range(arch):
             assert sum(inside) >= 0.8 * len(values), (metric, head, mean, sd, values)
     # and the range is tight enough to tell: a matrix with W_q = W_k is far outside it
     assert got.sigmas(1.0) > 50 and layer["symmetry"] < got.symmetry + 3 * got.symmetry_sd
+
+
+def test_rows_of_some_layers_are_the_whole_lists_numbers_at_the_cost_of_their_shapes():
+    """Issue 44, finding 12: a reader needing the range of 2 layers of a header naming thousands of
+    shapes drew every shape. ``only=`` draws only the shapes asked for; the shapes before them are
+    accounted for (the drawn-number bound they would use), so the values equal the whole list's:
+    here the third shape gets 1 draw after the first two take 32 and 4 of the 83,420 numbers."""
+    from types import SimpleNamespace
+
+    from attn_probe.baselines import random_range as rr
+
+    def layer(i, d, head_dim):
+        return SimpleNamespace(group="self", layer=i, hidden_size=d, head_dim=head_dim, num_heads=2, num_kv_heads=2)
+
+    layers = [layer(0, 64, 8), layer(1, 128, 8), layer(2, 64, 4), layer(3, 64, 8)]
+    rr.clear_cache()
+    full, notes = rr.random_range_rows(layers, metrics=["symmetry", "directionality"], per_head=False,
+                                       budget=None, max_entries=83_420)
+    assert any("1 of 32 random draws" in n for n in notes)  # the bound shapes the third one's draws
+    rr.clear_cache()
+    some, _ = rr.random_range_rows(layers, metrics=["symmetry", "directionality"], per_head=False,
+                                   budget=None, max_entries=83_420, only=[("self", 2)])
+    assert some == [r for r in full if r[1] == 2] and some
+    assert len(rr._CACHE) == 1  # one shape drawn (the cache holds each range computed)
+    rr.clear_cache()
+    some, _ = rr.random_range_rows(layers, metrics=["symmetry"], per_head=False, budget=None,
+                                   max_entries=83_420, only=[("self", 3)])  # layer 0's shape, met first there
+    assert some == [r for r in full if r[1] == 3 and "directionality" not in r[3]]
+    assert len(rr._CACHE) == 1

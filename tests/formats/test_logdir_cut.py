@@ -198,7 +198,8 @@ def test_the_trajectory_sink_resumes_through_the_streaming_cut(tmp_path):
     sink = TrajectorySink(str(tmp_path))
     info = RunInfo({}, {}, ["self"], ["symmetry"], False)
     info.resume_step = 10
-    with pytest.raises(LogDirError, match="cannot cut its trajectory file"):
+    # refused when the sink takes the file's lock, before the cut (issue 44: one writer a file)
+    with pytest.raises(LogDirError, match="cannot write its trajectory file .*Is a directory"):
         sink.start(info)
 
 

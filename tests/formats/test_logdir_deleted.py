@@ -176,3 +176,108 @@ def test_event_file_deleted_alone_is_replaced_with_its_layout_and_a_warning(tmp_
     assert {"custom_scalars__config__", "attn_probe/config/text_summary"} <= set(ea.Tags()["tensors"])
     assert [e.step for e in ea.Scalars("attn_probe/self/symmetry/layer_00")] == [4, 5, 6]
     assert layer0_steps(run / TRAJECTORY_FILENAME) == [0, 1, 2, 3, 4, 5, 6]  # the trajectory is untouched
+
+
+#: a writer in a process of its own: a plain loop with ``watch``; one update, "ready", then it waits
+#: for a line on stdin, takes one more update and closes
+WRITER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from helpers import RandomTokens, tiny_bert
+import attn_probe
+model = tiny_bert()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+data = RandomTokens()
+probe = attn_probe.watch(model, optimizer=opt, log_dir=sys.argv[1], every=1)
+def update(i):
+    batch = data[i]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+update(0)
+assert probe.flush()
+print("ready", flush=True)
+sys.stdin.readline()
+update(1)
+probe.close()
+print("done", flush=True)
+"""
+
+
+def test_a_second_writer_is_refused_after_the_lock_file_was_deleted(tmp_path):
+    """Issue 44, finding 12: two processes appending to one ``attn_probe.jsonl`` after the directory's
+    lock file was deleted (as a temp-file reaper would). The second writer was accepted and the rows
+    interleaved. Now the first writer holds the trajectory file's own lock for its life: the second
+    (this process) is refused before any of its sinks writes into the directory, and the file holds
+    the first writer's run alone."""
+    run = tmp_path / "run"
+    tests_dir = os.path.dirname(os.path.abspath(__file__)) + "/.."
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(run), tests_dir], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        os.remove(run / LOCK_FILENAME)  # the reaper
+        before = sorted(os.listdir(run))
+        model = tiny_bert()
+        with pytest.raises(LogDirInUseError, match="is being written by another writer"):
+            attn_probe.watch(model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2), log_dir=str(run),
+                             every=1)
+        assert sorted(os.listdir(run)) == before  # no event file, no lock file of the refused writer
+        out, err = child.communicate("go\n", timeout=120)
+        assert child.returncode == 0 and out.strip().endswith("done"), err
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    df = attn_probe.load_trajectory(str(run))
+    assert df["run_id"].nunique() == 1 and sorted(set(df["step"])) == [0, 1, 2]
+    # the writer's lock went with it: the file can be written again
+    sink = TrajectorySink(str(run))
+    sink.claim()
+    sink.finish()
+
+
+def test_a_second_trajectory_sink_on_one_file_is_refused_in_one_process(tmp_path):
+    """``flock`` belongs to the open file: a second writer of the same file in this process is refused
+    too, and the first goes on writing (its lock is not dropped by the refusal)."""
+    first = TrajectorySink(str(tmp_path))
+    first.start(attn_probe.sinks.RunInfo({}, {}, ["self"], ["symmetry"], False))
+    with pytest.raises(LogDirInUseError):
+        TrajectorySink(str(tmp_path)).start(attn_probe.sinks.RunInfo({}, {}, ["self"], ["symmetry"], False))
+    first.log(Snapshot(1, 1.0, [Record("self", 0, None, "symmetry", 0.5)]))
+    with pytest.raises(LogDirInUseError):
+        TrajectorySink(str(tmp_path)).claim()
+    first.finish()
+    again = TrajectorySink(str(tmp_path))
+    again.claim()  # free once the first finished
+    again.finish()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_child_does_not_keep_the_writers_lock(tmp_path):
+    """A ``flock`` belongs to the open file, which a fork shares (a DataLoader worker forked while the
+    probe writes). The child lets its copy go: once the parent finished, the file is free, while the
+    child still lives."""
+    first = TrajectorySink(str(tmp_path))
+    first.claim()
+    read_end, write_end = os.pipe()
+    up_read, up_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its at-fork handlers ran before fork() returned here): say so, wait until told
+        os.close(write_end)
+        os.write(up_write, b"u")
+        os.read(read_end, 1)
+        os._exit(0)
+    try:
+        os.close(read_end)
+        assert os.read(up_read, 1) == b"u"
+        first.finish()
+        again = TrajectorySink(str(tmp_path))
+        again.claim()  # refused before: the child's copy held the lock
+        again.finish()
+    finally:
+        os.write(write_end, b"x")
+        for fd in (write_end, up_read, up_write):
+            os.close(fd)
+        os.waitpid(pid, 0)

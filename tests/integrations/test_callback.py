@@ -6,6 +6,7 @@ import glob
 import json
 import math
 import os
+import pickle
 import warnings
 
 import pytest
@@ -135,3 +136,18 @@ def test_attach_after_train_warns_and_attach_before_does_not(tmp_path):
     later.train()
     with pytest.warns(RuntimeWarning, match=r"already trained \(1 steps\).*trainer.train\(\) runs again"):
         attn_probe.attach(later, every=1, log_dir=str(tmp_path / "b" / "tb"))
+
+
+def test_the_callback_pickles_and_copies_after_train(tmp_path):
+    """Issue 44, finding 7: the callback of ``attach(trainer)`` pickles after ``train()`` (it held the
+    Trainer's callback handler, whose scheduler holds weak references: ``TypeError: cannot pickle
+    'weakref.ReferenceType'``); the copy keeps the options and the run's identity, not the Trainer."""
+    trainer = Trainer(model=tiny_bert(), args=make_args(tmp_path / "out", 2), train_dataset=RandomTokens())
+    cb = attn_probe.attach(trainer, every=1, attention_stats=True, random_range=False, announce=False)
+    trainer.train()
+    assert cb.handler is trainer.callback_handler and cb.run_id is not None
+    for back in (pickle.loads(pickle.dumps(cb)), copy.deepcopy(cb)):
+        assert type(back) is type(cb) and back is not cb
+        assert back.state() == cb.state() and back.run_id == cb.run_id and back.config == cb.config
+        assert back.handler is None and back.probe is None
+    assert cb.handler is trainer.callback_handler  # the original keeps its Trainer

@@ -162,3 +162,23 @@ def test_a_compiled_forward_is_not_checked_inside_its_graph(tmp_path):
     assert all(check.verdict == "ok" for check in probe.attention.layout.values())
     assert probe.attention.refused == {}
     assert {snap.step for snap in sink.snapshots for r in snap.records if r.metric == "max_logit"} == {1, 2}
+
+
+def test_peft_lora_dropout_is_not_read_as_a_wrong_reading(tmp_path):
+    """A PEFT LoRA whose ``lora_dropout`` is active (and ``B != 0``): the forward's q/k are not a function
+    of ``x`` and the merged weights alone, so the check cannot contradict the (right) reading. The layers
+    are recorded ``unverified`` (the note names the dropout), not refused, and their values are written.
+    Without the dropout guard the check's verdict is ``mismatch`` and both layers are refused."""
+    peft = pytest.importorskip("peft")
+    model = _llama()
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "k_proj"],
+                             init_lora_weights=False)  # B random: the adapter changes q and k
+    model = peft.get_peft_model(model, config)
+    probe, sink, messages, _, _ = _train(model, tmp_path)
+    assert not [m for m in messages if "does not reproduce" in m]
+    assert probe.attention.refused == {}
+    verdicts = {check.verdict for check in probe.attention.layout.values()}
+    assert verdicts == {"unverified"}, probe.attention.layout
+    assert all("dropout is active" in check.line for check in probe.attention.layout.values())
+    steps = {snap.step for snap in sink.snapshots for r in snap.records if r.metric == "max_logit"}
+    assert steps == {1, 2, 3}

@@ -24,8 +24,8 @@ from helpers import REPO, tiny_llama
 
 import attn_probe
 from attn_probe.live.config import ProbeConfig
-from attn_probe.scoring.pairs import OVPair, QKPair
 from attn_probe.live.schedules import any_of, as_schedule, every, is_deterministic, log_spaced
+from attn_probe.scoring.pairs import OVPair, QKPair
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -162,6 +162,52 @@ def test_model_saved_whole_while_watched_loads_where_attn_probe_cannot_be_import
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "loaded False"
+
+
+def test_copies_of_a_watched_model_compile_with_fullgraph(tmp_path) -> None:
+    """Issue 44, finding 7: copies of a watched model (hooks of the counter, the attention capture's
+    pre-, post- and always-called hooks) taken inside a due step's forward, after a due step and by
+    pickling compile with ``torch.compile(fullgraph=True)``: no graph break, one graph, the outputs of
+    an unwatched twin. (The inert hook was ``functools.partial(sys.audit, ...)``, which dynamo refuses
+    to trace: "Attempted to call function marked as skipped".)"""
+    from torch._dynamo.utils import counters
+
+    from attn_probe.hooks import INERT
+    from tests.activations.sdpa_stacks import Net
+
+    torch.manual_seed(0)
+    net = Net("nanogpt")
+    twin = copy.deepcopy(net)  # never watched
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the weights stay the twin's
+    probe = attn_probe.watch(net, optimizer=opt, every=1, attention_stats=True, random_range=False,
+                             log_dir=str(tmp_path / "run"))
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(1))
+    copies = {}
+
+    def take_inside(module, args, output) -> None:  # a global hook: the copies do not carry it
+        if module is net.blocks[0]:
+            copies.setdefault("inside", copy.deepcopy(net))
+
+    taking = torch.nn.modules.module.register_module_forward_hook(take_inside)
+    net(x).sum().backward()  # step 1, due: the copy is taken inside its forward (an EMA update's place)
+    taking.remove()
+    opt.step()
+    opt.zero_grad()
+    copies["after"] = copy.deepcopy(net)  # armed for step 2
+    copies["pickled"] = pickle.loads(pickle.dumps(net))
+    want = twin(x)
+    for name, model in copies.items():
+        hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values(),
+                 *model.blocks[0].attn._forward_pre_hooks.values(), *model.blocks[0].attn._forward_hooks.values()]
+        assert hooks and all(hook is INERT for hook in hooks), (name, hooks)
+        torch._dynamo.reset()
+        counters.clear()
+        out = torch.compile(model, backend="eager", fullgraph=True)(x)
+        assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1, name
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    assert probe.step == 1
+    probe.close()
 
 
 def test_a_spawn_child_gets_the_watched_model(tmp_path) -> None:

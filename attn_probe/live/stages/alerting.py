@@ -2,11 +2,12 @@
 
 Where each rule is evaluated, so that every rank takes the same stop decision at the same step:
 
-- rules on ``max_logit`` and ``entropy`` (:data:`EVERY_RANK`): on every rank, from the values
-  combined over ranks (identical everywhere), on the training thread when they are taken
-  (:meth:`Alerting.check_attention`), even in the asynchronous mode;
-- rules on the weight metrics, ``logit_bound_ratio`` and the QK-clip dry run (``max_logit_signed``,
-  ``qk_clip_scale``, ``heads_over_tau``, :mod:`attn_probe.live.stages.qk_clip`): on the main process, which alone scores
+- rules on ``max_logit``, ``entropy`` and the QK-clip dry run (``max_logit_signed``,
+  ``qk_clip_scale``, ``heads_over_tau``, :mod:`attn_probe.live.stages.qk_clip`) (:data:`EVERY_RANK`):
+  on every rank, from the values combined over ranks (identical everywhere), on the training
+  thread when they are taken (:meth:`Alerting.check_attention`), even in the asynchronous mode;
+  only the columns where something was counted give a value, so a NaN there (a NaN logit) fires;
+- rules on the weight metrics and ``logit_bound_ratio``: on the main process, which alone scores
   the weights, when its snapshot is published (:meth:`Alerting.check`). With ``stop_on_alert`` on
   several ranks their stop is shared: :meth:`Alerting.agree`, one MIN all-reduce of three
   integers on the probe's gloo group at every snapshot on every rank (bounded by
@@ -31,15 +32,17 @@ from ..config import ProbeConfig
 from ...distributed import Agreement, AgreementError
 from ...isolation import Failures, print_line
 from ...sinks import Snapshot
-from .qk_clip import CLIP_METRICS, OVER_METRIC
+from .qk_clip import CLIP_METRICS, OVER_METRIC, SCALE_METRIC, SIGNED_METRIC, clip_tables
 
 __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]
 
+#: the rows of a layer's combined attention table
+ATTENTION = ("max_logit", "entropy")
 #: metrics whose values are combined over ranks before they are logged: identical on every rank
-EVERY_RANK = ("max_logit", "entropy")
+EVERY_RANK = (*ATTENTION, *CLIP_METRICS)
 #: metrics computed from others: NaN when an input is missing (a layer not measured, a zero bound);
-#: NaN logits fire the rules on ``max_logit``
-DERIVED = ("logit_bound_ratio", *CLIP_METRICS)
+#: NaN logits fire the rules on ``max_logit`` and the QK-clip dry run
+DERIVED = ("logit_bound_ratio",)
 
 
 class Alerting:
@@ -75,7 +78,7 @@ class Alerting:
         return self.stop_on_alert and self.main is not None and self.ranks is not None
 
     def check_attention(self, step: int, rows: Iterable[dict[str, Any]]) -> list[Alert]:
-        """The rules on ``max_logit``/``entropy`` on ``step``'s combined values (every rank)."""
+        """The rules on :data:`EVERY_RANK` on ``step``'s combined values (every rank)."""
         if self.every_rank is None:
             return []
         fired = self.every_rank.evaluate(step, rows)
@@ -242,18 +245,32 @@ def agree_stop(alerting: Alerting | None, step: int, disable: Callable[[str], No
 
 
 def attention_rows(layers: Sequence[Any], tables: Sequence[Any], *, per_head: bool,
-                   counted: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+                   counted: Sequence[Any] | None = None, signed: Sequence[Any] | None = None,
+                   tau: float | None = None) -> list[dict[str, Any]]:
     """Rows ``{group, layer, head, max_logit, entropy}`` of the combined attention ``tables`` (per
-    layer a ``(2, 1 + H)`` table, rows :data:`EVERY_RANK`, column 0 the layer), heads with ``per_head``.
+    layer a ``(2, 1 + H)`` table, rows :data:`ATTENTION`, column 0 the layer), heads with ``per_head``;
+    with ``signed`` (per layer the :func:`~attn_probe.live.stages.qk_clip.signed_columns` entry) and
+    ``tau``, also the QK-clip dry run (``heads_over_tau`` on the layer row only).
     ``counted`` (per layer, per column): columns where nothing was measured (no forward reached the
-    layer, or its measurement failed) give no row, so their NaN never fires a rule."""
+    layer, or its measurement failed) give no row, so their NaN never fires a rule; a NaN in a
+    counted column (a NaN logit) does."""
     rows = []
     for i, (layer, table) in enumerate(zip(layers, tables, strict=True)):
+        clip = None
+        if signed is not None and tau is not None:
+            (_, scale_table), (_, over) = clip_tables(signed[i], tau, per_head=True)
+            clip = (scale_table, float(over[0, 0]))
         for col in range(table.shape[1] if per_head else 1):
             if counted is not None and not counted[i][col]:
                 continue
-            rows.append({"group": layer.group, "layer": layer.layer, "head": None if col == 0 else col - 1,
-                         **{name: float(table[k, col]) for k, name in enumerate(EVERY_RANK)}})
+            row = {"group": layer.group, "layer": layer.layer, "head": None if col == 0 else col - 1,
+                   **{name: float(table[k, col]) for k, name in enumerate(ATTENTION)}}
+            if clip is not None and col < clip[0].shape[1]:
+                row[SIGNED_METRIC] = float(clip[0][0, col])
+                row[SCALE_METRIC] = float(clip[0][1, col])
+                if col == 0:
+                    row[OVER_METRIC] = clip[1]
+            rows.append(row)
     return rows
 
 

@@ -191,7 +191,7 @@ class AttentionStage:
         self.forward_counted = True
         self.cancel()
 
-    def layout_news(self) -> list[tuple[AttentionLayer, LayoutCheck]]:
+    def layout_news(self, warn: bool = True) -> list[tuple[AttentionLayer, LayoutCheck]]:
         """The layout checks finished since the last call (local, off the forward: at a snapshot), each
         layer once. A check that contradicts the reading (``tiled``, ``mismatch``) refuses the layer from
         now on, warned once with the line and the fix. Never raises."""
@@ -207,10 +207,11 @@ class AttentionStage:
                 news.append((layer, result))
                 if result.verdict in REFUSED_VERDICTS:
                     self.refused[(layer.group, layer.layer)] = result.line
-                    safe_warn(f"attn_probe: {layer.name}: the probe's W_q/W_k reading does not reproduce the q/k "
-                              f"its forward hands to attention ({result.verdict}: {result.line}). Its weight scores "
-                              "and attention statistics are no longer written (the trajectory's layout_check row "
-                              f"says why). {LAYOUT_FIX}")
+                    if warn:  # the main process's line: only its writes use the refusal
+                        safe_warn(f"attn_probe: {layer.name}: the probe's W_q/W_k reading does not reproduce the q/k "
+                                  f"its forward hands to attention ({result.verdict}: {result.line}). Its weight "
+                                  "scores and attention statistics are no longer written (the trajectory's "
+                                  f"layout_check row says why). {LAYOUT_FIX}")
         except Exception as exc:  # noqa: BLE001 - bookkeeping never stops the snapshot
             self.failures.report("recording the layout check", exc)
         return news

@@ -73,7 +73,9 @@ class Outputs:
 
     Built from ``config.log_dir``, ``writer``, ``sinks``, ``purge_stale`` and the lanes'
     options. The directory is locked (:class:`~attn_probe.formats.logdir.LogDirLock`) until
-    :meth:`close`: a second writer gets :class:`~attn_probe.formats.logdir.LogDirInUseError` here. A
+    :meth:`close`, and the trajectory file too (:meth:`~attn_probe.sinks.trajectory.TrajectorySink.claim`,
+    before any sink starts): a second writer gets :class:`~attn_probe.formats.logdir.LogDirInUseError`
+    here, even where the directory's lock file was deleted. A
     directory the user did not name gets a unique name (``..._1``, ...). Anything that fails
     here raises (a log-directory problem as :class:`~attn_probe.formats.logdir.LogDirError`),
     releasing the lock. After that, nothing raises.
@@ -85,6 +87,7 @@ class Outputs:
 
         log_dir, writer, sinks = config.log_dir, config.writer, config.sinks
         lock: LogDirLock | None = None
+        trajectory: TrajectorySink | None = None
         try:
             if writer is not None and log_dir is None:
                 log_dir = writer_log_dir(writer)
@@ -97,9 +100,10 @@ class Outputs:
                     log_dir = os.path.expanduser(log_dir)
                     check_log_dir(log_dir)
                     lock = LogDirLock(log_dir).acquire()
+                trajectory = TrajectorySink(log_dir)
+                trajectory.claim()  # the file's own lock, before any sink writes into the directory
                 tb = (TensorBoardSink(writer=writer, purge_stale=config.purge_stale) if writer is not None
                       else TensorBoardSink(log_dir, purge_stale=config.purge_stale))
-                trajectory = TrajectorySink(log_dir)
                 trajectory.watch = watch  # the alert replay reads the resume cut's walk
                 own = [tb, trajectory]
             built = own + list(sinks or [])
@@ -113,6 +117,8 @@ class Outputs:
                     raise
                 raise _start_error(log_dir, exc) from exc
         except BaseException:
+            if trajectory is not None:
+                trajectory.finish()  # lets the file's lock go (a no-op when the dispatcher finished it)
             if lock is not None:
                 lock.release()
             raise

@@ -19,8 +19,10 @@ per layer, the heads with ``S_max > tau``, i.e. those MuonClip would clip.
 
 Per layer: ``max_logit_signed`` is the max over heads, ``qk_clip_scale`` the min over heads
 (the strictest clip), ``heads_over_tau`` the count (a layer-only value, no per-head series).
-Every value is NaN where nothing was counted, so an alert never fires on a head or layer that
-was not measured (:data:`attn_probe.live.stages.alerting.DERIVED`).
+Every value is NaN where nothing was counted; the rules see no value there (they run on every
+rank with ``max_logit``'s, on the counted columns only: :func:`attn_probe.live.stages.alerting.attention_rows`).
+A NaN logit is not "nothing counted": the head's values are NaN, and so are its layer's three
+values (a NaN head is never left out of the max, the min or the count), so the rules fire on it.
 """
 
 from __future__ import annotations
@@ -61,22 +63,25 @@ def clip_scale(s_max: np.ndarray, tau: float) -> np.ndarray:
 
 
 def heads_over_tau(s_max: np.ndarray, tau: float) -> float:
-    """How many of the heads' ``S_max`` exceed ``tau`` (NaN heads left out; NaN if every one is)."""
+    """How many of the heads' ``S_max`` exceed ``tau``: heads where nothing was counted (``-inf``)
+    are left out; NaN when a counted head is NaN (a NaN logit) or when no head was counted."""
     s = np.asarray(s_max, dtype=np.float64)
-    finite = ~np.isnan(s)
-    return float(np.count_nonzero(s[finite] > tau)) if finite.any() else math.nan
+    counted = s != -math.inf
+    if not counted.any() or np.isnan(s).any():
+        return math.nan
+    return float(np.count_nonzero(s[counted] > tau))
 
 
 def signed_columns(signed_max: np.ndarray, heads: Sequence[int]) -> list[np.ndarray]:
-    """Per layer ``(1 + H,)``: column 0 the max over heads, then each head's signed max; NaN
-    where nothing was counted (``-inf`` in the accumulators)."""
+    """Per layer ``(1 + H,)``: column 0 the max over heads, then each head's signed max, as the
+    accumulators hold them: ``-inf`` where nothing was counted, NaN where a logit was NaN (the
+    layer too: a NaN head is never left out of its max). :func:`clip_tables` writes ``-inf`` as NaN."""
     flat = np.asarray(signed_max, dtype=np.float64)
-    flat = np.where(flat == -math.inf, math.nan, flat)
     out, start = [], 0
     for h in heads:
         cols = flat[start:start + h]
         start += h
-        layer = np.nanmax(cols) if (~np.isnan(cols)).any() else math.nan
+        layer = math.nan if np.isnan(cols).any() else float(cols.max()) if h else -math.inf
         out.append(np.concatenate([[layer], cols]))
     return out
 
@@ -84,10 +89,17 @@ def signed_columns(signed_max: np.ndarray, heads: Sequence[int]) -> list[np.ndar
 def clip_tables(column: np.ndarray, tau: float, per_head: bool) -> list[tuple[tuple[str, ...], np.ndarray]]:
     """The dry run of one layer from its :func:`signed_columns` entry, as ``(metric names, table)``
     for the assembly: ``max_logit_signed`` and ``qk_clip_scale`` (``(2, 1 + H)``, or ``(2, 1)``
-    without ``per_head``), then ``heads_over_tau`` (``(1, 1)``, counted over all heads)."""
+    without ``per_head``), then ``heads_over_tau`` (``(1, 1)``, counted over all heads). NaN where
+    nothing was counted (``-inf`` in ``column``); a NaN head makes its layer's values NaN."""
+    column = np.asarray(column, dtype=np.float64)
     heads = column[1:]
-    scales = clip_scale(heads, tau)
-    layer_scale = np.nanmin(scales) if (~np.isnan(scales)).any() else math.nan
-    table = np.stack([column, np.concatenate([[layer_scale], scales])])
+    counted = heads != -math.inf
+    shown = np.where(column == -math.inf, math.nan, column)
+    scales = np.where(counted, clip_scale(np.where(counted, heads, math.nan), tau), math.nan)
+    if not counted.any() or np.isnan(heads).any():
+        layer_scale = math.nan
+    else:
+        layer_scale = float(scales[counted].min())
+    table = np.stack([shown, np.concatenate([[layer_scale], scales])])
     return [((SIGNED_METRIC, SCALE_METRIC), table if per_head else table[:, :1]),
             ((OVER_METRIC,), np.array([[heads_over_tau(heads, tau)]]))]
