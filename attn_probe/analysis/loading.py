@@ -81,7 +81,7 @@ def _short(name: str) -> str:
     return text if len(text) <= _NAME_IN_WARNING else text[:_NAME_IN_WARNING - 3] + "..."
 
 
-def load_trajectory(runs: RunsLike) -> pd.DataFrame:
+def load_trajectory(runs: RunsLike, *, heads: bool = True) -> pd.DataFrame:
     """Load one or more runs as a long table ``run, group, step, layer, head, metric, value``
     (and ``run_id, parent_run, parent_step`` when a run carries a run header).
 
@@ -107,6 +107,10 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     one :class:`TrajectoryWarning` per file; directories without probe data are skipped with a
     warning, and :class:`TrajectoryError` is raised when nothing usable is left.
 
+    ``heads=False`` loads only the layer-level rows (``head`` ``<NA>``), dropped as the files are
+    read: memory then grows with those rows alone, not with the per-head ones (``summary`` reads
+    this way). Runs are found and named as with every row.
+
     Example:
         >>> df = load_trajectory("runs/encoder")                      # doctest: +SKIP
         >>> df[df["head"].isna()].groupby(["metric", "step"])["value"].median()  # doctest: +SKIP
@@ -121,7 +125,7 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
     several: list[str] = []  # one text per file holding several runs (the first few only)
     files_several = runs_several = 0
     for name, run_dir in found:
-        got = read_run(run_dir)
+        got = read_run(run_dir, heads=heads)
         live = got.counts().nonzero()[0].tolist()  # runs with rows
         if not live:
             empty.append(str(run_dir))
@@ -166,6 +170,8 @@ def load_trajectory(runs: RunsLike) -> pd.DataFrame:
                       TrajectoryWarning, stacklevel=2)
     if not lineage:
         frames = [f.drop(columns=[c for c in LINEAGE if c in f.columns]) for f in frames]
+    if not heads:
+        frames = [f[f["head"].isna()] if i < len(tables) else f for i, f in enumerate(frames)]
     if not tables:  # rows validated while read: only the dtypes, the renames, duplicates and order
         df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
         del frames
@@ -211,12 +217,13 @@ def _split_tables(runs: RunsLike) -> tuple[list[Path], RunsLike]:
     return tables, rest
 
 
-def as_frame(df_or_runs: Any) -> pd.DataFrame:
-    """A long table from a DataFrame (validated) or from run directories (loaded)."""
+def as_frame(df_or_runs: Any, *, heads: bool = True) -> pd.DataFrame:
+    """A long table from a DataFrame (validated) or from run directories (loaded; ``heads=False``:
+    the layer-level rows only, :func:`load_trajectory`)."""
     pd = require_pandas()
     if isinstance(df_or_runs, pd.DataFrame):
         return normalize(df_or_runs)
-    return load_trajectory(df_or_runs)
+    return load_trajectory(df_or_runs, heads=heads)
 
 
 def read_table(path: PathLike, format: str | None = None) -> pd.DataFrame:

@@ -109,9 +109,15 @@ class FileRuns:
     ``parent_steps[i]``. Rows are kept in numpy arrays per block (8 bytes a value; group and
     metric names as codes into :attr:`names`): one table for the whole file, whatever the
     number of runs, so memory and time are linear in the file with small constants.
+
+    ``heads=False`` keeps only the layer-level rows (``head`` missing): memory then grows with
+    those alone (what ``summary`` and the emergence read). Every row still counts in
+    :meth:`counts` and :meth:`step_range`, so runs are found and named as when every row is kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, heads: bool = True) -> None:
+        self.heads = heads
+        self._runs: dict[int, list[int]] = {}  # heads=False: run -> [rows, first step, last step] of every row
         self.ids: list[str | None] = []
         self.parents: list[str | None] = []
         self.parent_steps: list[int | None] = []
@@ -128,9 +134,22 @@ class FileRuns:
     def code(self, name: str) -> int:
         return self.names.setdefault(name, len(self.names))
 
+    def _count(self, run: int, rows: int, low: int, high: int) -> None:
+        held = self._runs.get(run)
+        if held is None:
+            self._runs[run] = [rows, low, high]
+        else:
+            held[0] += rows
+            held[1] = min(held[1], low)
+            held[2] = max(held[2], high)
+
     def add(self, run: int, row: tuple) -> None:
         """One row ``(group, step, layer, head, metric, value)`` (kept until :meth:`flush`)."""
         group, step, layer, head, metric, value = row
+        if not self.heads:
+            self._count(run, 1, step, step)
+            if head is not None:
+                return
         for column, v in zip(self._pending, (run, self.code(group), step, layer, 0 if head is None else head,
                                              head is None, self.code(metric), value), strict=True):
             column.append(v)
@@ -138,6 +157,15 @@ class FileRuns:
     def add_block(self, *columns: Any) -> None:
         """Rows as arrays ``(run, group code, step, layer, head, head missing, metric code, value)``."""
         self.flush()
+        if not self.heads:
+            import numpy as np
+
+            runs, steps, missing = columns[0], columns[2], columns[5]
+            for run in np.unique(runs).tolist():
+                mine = steps[runs == run]
+                self._count(run, len(mine), int(mine.min()), int(mine.max()))
+            if not missing.all():
+                columns = tuple(c[missing] for c in columns)
         self._blocks.append(columns)
 
     def flush(self) -> None:
@@ -166,13 +194,21 @@ class FileRuns:
         return any(r is not None for r in self.ids)
 
     def counts(self) -> Any:
-        """Rows per run (a numpy array)."""
+        """Rows per run (a numpy array), every row counted (``heads=False`` too)."""
         import numpy as np
 
+        if not self.heads:
+            counts = np.zeros(len(self.ids), dtype=np.int64)
+            for run, (rows, _low, _high) in self._runs.items():
+                counts[run] = rows
+            return counts
         return np.bincount(self.columns()[0], minlength=len(self.ids))
 
     def step_range(self, run: int) -> tuple[int, int]:
         """First and last step of run ``run`` (which has rows)."""
+        if not self.heads:
+            _rows, low, high = self._runs[run]
+            return low, high
         cols = self.columns()
         steps = cols[2][cols[0] == run]
         return int(steps.min()), int(steps.max())
@@ -234,8 +270,8 @@ class _FileReader:
     parsed at once (a regular expression and numpy); other lines one by one.
     """
 
-    def __init__(self) -> None:
-        self.out = FileRuns()
+    def __init__(self, *, heads: bool = True) -> None:
+        self.out = FileRuns(heads=heads)
         self.tracker = RunTracker()
         self.index: dict[tuple, int] = {}  # run key -> run index in ``out``
         self.line = 0  # lines read before the current block
@@ -377,10 +413,11 @@ class _FileReader:
             self.bad += 1
 
 
-def _read_trajectory_file(path: Path) -> FileRuns:
+def _read_trajectory_file(path: Path, *, heads: bool = True) -> FileRuns:
     """The valid rows of a trajectory file, tagged by run (:class:`_FileReader`); one warning for
-    the lines skipped, one naming the lines that started a run without its header."""
-    reader = _FileReader()
+    the lines skipped, one naming the lines that started a run without its header. ``heads=False``:
+    the layer-level rows only (:class:`FileRuns`)."""
+    reader = _FileReader(heads=heads)
     with open(path, "rb") as fh:
         for block in _text_blocks(fh):
             if isinstance(block, Unreadable):
@@ -486,17 +523,17 @@ def _read_event_files(run_dir: Path) -> list[tuple]:
     return rows
 
 
-def read_run(run_dir: Path) -> FileRuns:
+def read_run(run_dir: Path, *, heads: bool = True) -> FileRuns:
     """The rows of the run(s) in ``run_dir``: those of its trajectory file, or one run from its
-    event files (no runs when there is nothing)."""
+    event files (no runs when there is nothing). ``heads=False``: the layer-level rows only."""
     traj = run_dir / TRAJECTORY_FILENAME
     if traj.is_file():
-        found = _read_trajectory_file(traj)
+        found = _read_trajectory_file(traj, heads=heads)
         if found.ids or not has_event_files(str(run_dir)):
             return found
         warnings.warn(f"{traj} holds no valid line; reading the event files instead",
                       TrajectoryWarning, stacklevel=3)
-    out = FileRuns()
+    out = FileRuns(heads=heads)
     rows = _read_event_files(run_dir)
     if rows:
         run = out.new_run()

@@ -32,7 +32,7 @@ def layer_quantiles(df_or_runs: Any) -> pd.DataFrame:
     median, q25, q75, layers`` (``layers`` = number of finite layer values at that step).
     """
     pd = require_pandas()
-    df = as_frame(df_or_runs)
+    df = as_frame(df_or_runs, heads=False)
     layer_rows = df[df["head"].isna() & df["value"].notna()]
     keys = ["run", "group", "metric", "step"]
     if layer_rows.empty:
@@ -80,7 +80,7 @@ def summarize(df_or_runs: Any) -> pd.DataFrame:
     finite layer-level value.
     """
     pd = require_pandas()
-    df = as_frame(df_or_runs)
+    df = as_frame(df_or_runs, heads=False)  # run directories: only their layer-level rows are read
     layer_rows = df[df["head"].isna()]
     random = layer_rows[layer_rows["metric"].str.startswith(RANDOM_PREFIX)]
     layer_rows = layer_rows[~layer_rows["metric"].str.startswith(RANDOM_PREFIX)]

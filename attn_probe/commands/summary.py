@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from ..analysis.trajectory import load_trajectory
 
     with cli_errors("summary"):
-        df = load_trajectory(args.runs)
+        df = load_trajectory(args.runs, heads=False)  # the layer-level rows: all that the summary reads
         table = summarize(df)
         events = _emergence(df, args)
     if args.format == "csv":

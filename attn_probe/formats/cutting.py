@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,61 @@ def _scan(fh: Any, resume_step: int, target: RunKey | None, chunk_size: int,
                 at = nl
 
 
+class _Drops:
+    """What :func:`_scan` would drop for each run of the file were it the one cut, gathered on the
+    first walk: the first line dropped, the lines dropped, the end of its last line kept, and the end
+    of each run's last line (kept when another run is cut). A file whose lines after the first
+    dropped one are all dropped too is then cut in place without a second walk."""
+
+    def __init__(self, resume_step: int) -> None:
+        self.resume_step = resume_step
+        self.first: dict[RunKey, int] = {}  # first offset dropped, were the run cut
+        self.lines: dict[RunKey, int] = {}  # lines dropped, were the run cut
+        self.kept_end: dict[RunKey, int] = {}  # end of its last line kept, were the run cut
+        self.end: dict[RunKey | None, int] = {}  # end of its last line (kept when another run is cut)
+        self.torn: int | None = None  # offset of a torn last line (dropped whichever run is cut)
+
+    def _drop(self, key: RunKey, offset: int, lines: int) -> None:
+        self.first.setdefault(key, offset)
+        self.lines[key] = self.lines.get(key, 0) + lines
+
+    def add(self, piece: Piece) -> None:
+        offset, data, key, lines, low, high, _header = piece
+        if isinstance(data, Unreadable) and data.torn:
+            self.torn = offset
+            return
+        end = offset + (data.size if isinstance(data, Unreadable) else len(data))
+        self.end[key] = end
+        if key is None:
+            return
+        if isinstance(data, Unreadable) or low is None or high is None or low >= self.resume_step:
+            self._drop(key, offset, lines)
+        elif high < self.resume_step:
+            self.kept_end[key] = end
+        else:  # rows on both sides of the resume step: line by line, as _scan
+            at = 0
+            while at < len(data):
+                nl = data.index(b"\n", at) + 1
+                step = line_step(data[at:nl])
+                if step is not None and step < self.resume_step:
+                    self.kept_end[key] = offset + nl
+                else:
+                    self._drop(key, offset + at, 1)
+                at = nl
+
+    def plan(self, target: RunKey) -> tuple[int | None, int, bool]:
+        """``(offset of the first line dropped, lines dropped, whether a kept line follows it)`` when
+        ``target`` is cut (``None``: nothing dropped)."""
+        starts = [at for at in (self.first.get(target), self.torn) if at is not None]
+        if not starts:
+            return None, 0, False
+        cut = min(starts)
+        dropped = self.lines.get(target, 0) + (self.torn is not None)
+        later = self.kept_end.get(target, 0) > cut or any(
+            end > cut for key, end in self.end.items() if key != target)
+        return cut, dropped, later
+
+
 @dataclass(frozen=True)
 class Cut:
     """What :func:`cut_run` did: lines dropped, the id of the run cut (``None``: a run without
@@ -253,6 +308,10 @@ class Cut:
     events: tuple[Event, ...] = ()
     unidentified: int = 0
     last_unreadable: bool = False
+    #: the run cut, as the file's walk keys it (``None``: none cut), and whether the file was rewritten
+    #: (kept lines after dropped ones) rather than cut in place or left as it was
+    target: RunKey | None = None
+    rewritten: bool = False
 
 
 def _copy(src: int, dst: int, offset: int, size: int) -> None:
@@ -269,7 +328,8 @@ def _copy(src: int, dst: int, offset: int, size: int) -> None:
 
 
 def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None, *,
-            otherwise: str = "last", chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE) -> Cut:
+            otherwise: str = "last", chunk_size: int = SCAN_CHUNK, max_line: int = MAX_LINE,
+            watch: Callable[[Piece], Any] | None = None) -> Cut:
     """Drop one run's lines at ``step >= resume_step`` from a trajectory file, in constant memory.
 
     The run cut is the latest run of ``run_id`` when the file holds a header of it; else, by
@@ -286,6 +346,11 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
     missing file cuts nothing. Every failure is a :class:`~attn_probe.formats.logdir.LogDirError` naming
     the file and the cause. ``chunk_size`` (bytes read at once) and ``max_line`` bound the memory
     used, as in :func:`~attn_probe.formats.trajectory.file_runs`.
+
+    The file is walked once to find the run and what to drop, and cut in place from what that walk
+    found; only a file that must be rewritten is walked again. ``watch`` is called with each
+    :data:`Piece` of that first walk, in order (the resume's alert replay reads its rows there:
+    :mod:`attn_probe.formats.run_rows`); ``Cut.target`` then names the run cut as the walk keyed it.
     """
     from .logdir import LogDirError, check_log_dir, log_dir_error, os_error_reason
 
@@ -306,9 +371,12 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
         if not os.path.lexists(path):
             return Cut(0, run_id, False, 0)
         tracker = RunTracker()
+        drops = _Drops(resume_step)
         with open(path, "rb") as fh:
-            for _ in pieces(fh, chunk_size, max_line, tracker):
-                pass
+            for piece in pieces(fh, chunk_size, max_line, tracker):
+                drops.add(piece)
+                if watch is not None:
+                    watch(piece)
         latest = tracker.latest(run_id) if run_id is not None else None
         found = latest is not None
         last_unreadable = tracker.key is not None and tracker.key[0] == "unknown"
@@ -323,25 +391,15 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
             target = None
         name = run_id if found else target[1] if target is not None and target[0] == "run" else None
 
-        def result(dropped: int) -> Cut:
+        def result(dropped: int, rewritten: bool = False) -> Cut:
             return Cut(dropped, name, found,
                        tracker.runs - (1 if target is not None else 0), tuple(tracker.events),
-                       tracker.last_legacy[1] if tracker.last_legacy else 0, last_unreadable)
+                       tracker.last_legacy[1] if tracker.last_legacy else 0, last_unreadable,
+                       target, rewritten)
 
         if target is None:
             return result(0)
-        cut: int | None = None
-        dropped = 0
-        rewrite = False
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            for offset, _data, keep, lines in _scan(fh, resume_step, target, chunk_size, max_line):
-                if not keep:
-                    cut = offset if cut is None else cut
-                    dropped += lines
-                elif cut is not None:
-                    rewrite = True
-                    break
+        cut, dropped, rewrite = drops.plan(target)
         if cut is None:
             return result(0)
         if not rewrite:
@@ -352,7 +410,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
             finally:
                 os.close(fd)
             return result(dropped)
-        check_log_dir(os.path.dirname(path) or ".", need_bytes=size)
+        check_log_dir(os.path.dirname(path) or ".", need_bytes=os.path.getsize(path))
         tmp = f"{path}.tmp{os.getpid()}"
         dropped = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -372,7 +430,7 @@ def cut_run(path: str | os.PathLike, resume_step: int, run_id: str | None = None
             os.close(fd)
         os.replace(tmp, path)
         tmp = None
-        return result(dropped)
+        return result(dropped, rewritten=True)
     except LogDirError:
         raise
     except (OSError, MemoryError) as exc:
@@ -407,7 +465,7 @@ def run_headers(path: str | os.PathLike, *, chunk_size: int = SCAN_CHUNK,
     except FileNotFoundError:
         return {}
     with fh:
-        for _offset, data, key, _lines, _low, _high, is_header in _pieces(fh, chunk_size, max_line, RunTracker()):
+        for _offset, data, key, _lines, _low, _high, is_header in pieces(fh, chunk_size, max_line, RunTracker()):
             if not is_header or key is None or key in first or not isinstance(data, bytes):
                 continue
             rec = loads(data)

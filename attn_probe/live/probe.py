@@ -178,7 +178,9 @@ class Probe:
         self._warned_closed = False
         run = run_info(cfg, model, layers, self.metrics,
                        resume_step=self.step if self.step > 0 or cfg.restart else None)
-        self.outputs: Outputs | None = Outputs(cfg, run) if self.is_main_process else None
+        watch = self.alerting.resume_watch(self.step, every_rank=not (cfg.stop_on_alert and world_info().distributed)) \
+            if self.alerting is not None and self.step > 0 and self.is_main_process else None
+        self.outputs: Outputs | None = Outputs(cfg, run, watch=watch) if self.is_main_process else None
         if self.outputs is None:
             self._random_rows = []  # computed to keep the main process's pace; only the main process writes it
         if self.alerting is not None and self.step > 0:

@@ -127,6 +127,9 @@ class TrajectorySink(Sink):
         self.run_id: str | None = None
         self._header: dict[str, Any] = {}
         self._start_step = 0
+        #: a reader of the resume cut's walk (``watch(piece)``, then ``finish(path, cut, run_id)``): the
+        #: alert replay reads its rows there (:meth:`~attn_probe.live.stages.alerting.Alerting.resume_watch`)
+        self.watch: Any = None
 
     def directory(self) -> str:
         return os.path.dirname(self.path) or "."
@@ -159,8 +162,11 @@ class TrajectorySink(Sink):
             # written before run ids (``continues_unidentified``), whose rows have no header
             otherwise = "last" if given is None else "unidentified" if config.get("continues_unidentified") \
                 else "none"
-            cut = cut_run(self.path, run.resume_step, given, otherwise=otherwise)
+            watch, self.watch = self.watch, None
+            cut = cut_run(self.path, run.resume_step, given, otherwise=otherwise, watch=watch)
             self.run_id = given or cut.run_id or new_run_id()
+            if watch is not None:
+                watch.finish(self.path, cut, self.run_id)
             if cut.dropped:
                 which = (f"run {cut.run_id}" if cut.run_id is not None
                          else f"the last of the {cut.unidentified} runs written before run ids were recorded"

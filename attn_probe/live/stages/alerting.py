@@ -69,6 +69,7 @@ class Alerting:
         self.stop_requested = False
         self.stop_alert: Alert | None = None
         self._pending: Alert | None = None  # main process: a stop to share at the next agreement
+        self._watch: ResumeWatch | None = None  # the resume cut's walk, replayed (:meth:`resume_watch`)
 
     @property
     def shares_stop(self) -> bool:
@@ -125,6 +126,19 @@ class Alerting:
         return {rule.metric for monitor in (self.every_rank, self.main) if monitor is not None
                 for rule in monitor.rules}
 
+    def _replay_monitors(self, every_rank: bool) -> dict[str, AlertMonitor | None]:
+        return {"every": self.every_rank if every_rank else None, "main": self.main}
+
+    def resume_watch(self, resume_step: int, *, every_rank: bool = True) -> ResumeWatch | None:
+        """A reader of the resume cut's walk (the trajectory sink hands it to
+        :func:`~attn_probe.formats.cutting.cut_run` ``watch=``) that replays the rules over the rows
+        the cut keeps, so that :meth:`restore` needs no walk of its own (``None``: no rule)."""
+        monitors = self._replay_monitors(every_rank)
+        if not _metrics_of(monitors):
+            return None
+        self._watch = ResumeWatch(monitors, int(resume_step), every_rank)
+        return self._watch
+
     def restore(self, path: str, run_id: str, *, every_rank: bool = True) -> int:
         """Rebuild the rules' state (growth windows, rules already fired, NaNs already reported) from
         the rows of the run ``run_id`` that the trajectory ``path`` holds, as if this probe had seen
@@ -136,37 +150,32 @@ class Alerting:
         The file was cut back to the resumed step already: the rows are those before it. They are
         replayed as the rules saw them live: the attention statistics of a column that was not
         measured (``null`` in the file) give no row, a NaN derived metric neither (:meth:`check`).
+        When the cut's walk was watched (:meth:`resume_watch`) and settled which run this is, its
+        replay is taken; otherwise the file is read again.
         """
         from ...formats.run_rows import RunRows
 
-        monitors = {"every": self.every_rank if every_rank else None, "main": self.main}
-        metrics = {rule.metric for m in monitors.values() if m is not None for rule in m.rules}
+        monitors = self._replay_monitors(every_rank)
+        metrics = _metrics_of(monitors)
         if not metrics:
             return 0
-        fresh: dict[Any, dict[str, AlertMonitor]] = {}  # run key -> monitors replayed over that run
-        steps: dict[Any, int] = {}
-        reader = RunRows(path, run_id, metrics)
-        for key, step, rows in reader:
-            replay = fresh.setdefault(key, {name: AlertMonitor(m.rules) for name, m in monitors.items() if m is not None})
-            by_row: dict[str, dict[tuple, dict[str, Any]]] = {"every": {}, "main": {}}
-            for _step, group, layer, head, metric, value in rows:
-                every = metric in EVERY_RANK
-                if value != value and (every or metric in DERIVED):
-                    continue  # not measured there, or an input missing: no row live either
-                table = by_row["every" if every else "main"]
-                table.setdefault((group, layer, head), {"group": group, "layer": layer, "head": head})[metric] = value
-            for name, monitor in replay.items():
-                if by_row[name]:
-                    monitor.evaluate(step, by_row[name].values())
-            steps[key] = steps.get(key, 0) + 1
-        replayed = fresh.get(reader.latest)
+        watch, self._watch = self._watch, None
+        found = watch.outcome(path, run_id) if watch is not None and watch.every_rank == every_rank else None
+        if found is not None:
+            replayed, steps = found
+        else:
+            replay = _Replay(monitors)
+            reader = RunRows(path, run_id, metrics)
+            for key, step, rows in reader:
+                replay.snapshot(key, step, rows)
+            replayed, steps = replay.fresh.get(reader.latest), replay.steps.get(reader.latest, 0)
         if replayed is None:
             return 0
         if "every" in replayed:
             self.every_rank = replayed["every"]
         if "main" in replayed:
             self.main = replayed["main"]
-        return steps.get(reader.latest, 0)
+        return steps
 
     def _stop(self, alert: Alert | None) -> None:
         self.stop_requested = True
@@ -263,3 +272,99 @@ def attention_rows(layers: Sequence[Any], tables: Sequence[Any], *, per_head: bo
                     row[OVER_METRIC] = clip[1]
             rows.append(row)
     return rows
+
+
+def _metrics_of(monitors: dict[str, AlertMonitor | None]) -> set[str]:
+    return {rule.metric for m in monitors.values() if m is not None for rule in m.rules}
+
+
+class _Replay:
+    """Fresh copies of the rules evaluated over each run's snapshots, as they were evaluated live."""
+
+    def __init__(self, monitors: dict[str, AlertMonitor | None]) -> None:
+        self.monitors = {name: m for name, m in monitors.items() if m is not None}
+        self.fresh: dict[Any, dict[str, AlertMonitor]] = {}  # run key -> monitors replayed over that run
+        self.steps: dict[Any, int] = {}
+
+    def snapshot(self, key: Any, step: int, rows: Iterable[tuple]) -> None:
+        replay = self.fresh.setdefault(key, {name: AlertMonitor(m.rules) for name, m in self.monitors.items()})
+        by_row: dict[str, dict[tuple, dict[str, Any]]] = {"every": {}, "main": {}}
+        for _step, group, layer, head, metric, value in rows:
+            every = metric in EVERY_RANK
+            if value != value and (every or metric in DERIVED):
+                continue  # not measured there, or an input missing: no row live either
+            table = by_row["every" if every else "main"]
+            table.setdefault((group, layer, head), {"group": group, "layer": layer, "head": head})[metric] = value
+        for name, monitor in replay.items():
+            if by_row[name]:
+                monitor.evaluate(step, by_row[name].values())
+        self.steps[key] = self.steps.get(key, 0) + 1
+
+    def forget(self, key: Any) -> None:
+        self.fresh.pop(key, None)
+        self.steps.pop(key, None)
+
+
+class ResumeWatch:
+    """The alert replay of a resume read on the resume cut's walk (one walk of the file for both).
+
+    Called with each piece of the walk (:func:`~attn_probe.formats.cutting.cut_run` ``watch=``), it
+    replays the rules over the rows each run would keep were it the one cut back to
+    ``resume_step``; :meth:`finish` is told what the cut did. The replay of at most
+    :attr:`LIMIT` runs is held at once (the runs whose rows came last); :meth:`outcome` is ``None``
+    whenever the walk cannot stand for a read of the cut file (a rewritten file, a run without an
+    id, a run no longer held): the rules are then replayed from the file as before."""
+
+    LIMIT = 8
+
+    def __init__(self, monitors: dict[str, AlertMonitor | None], resume_step: int, every_rank: bool) -> None:
+        from ...formats.run_rows import RunRows
+
+        self.every_rank = every_rank
+        self._replay = _Replay(monitors)
+        self._rows = RunRows(None, None, _metrics_of(monitors), below=resume_step)
+        self._held: dict[Any, None] = {}  # run keys followed, least recent first
+        self._dropped: set = set()  # run keys no longer followed
+        self._ids: set[str] = set()  # ids of the runs seen
+        self._result: tuple[str, str, Any] | None = None
+
+    def __call__(self, piece: tuple) -> None:
+        key = piece[2]
+        if key is None or key[0] != "run":
+            return
+        self._ids.add(key[1])
+        if key in self._dropped:
+            return
+        if key in self._held:
+            del self._held[key]
+        elif len(self._held) >= self.LIMIT:
+            old = next(iter(self._held))
+            del self._held[old]
+            self._dropped.add(old)
+            self._rows.forget(old)
+            self._replay.forget(old)
+        self._held[key] = None
+        for done in self._rows.feed(piece):
+            self._replay.snapshot(*done)
+
+    def finish(self, path: str, cut: Any, run_id: str) -> None:
+        """What the cut of ``path`` did (a :class:`~attn_probe.formats.cutting.Cut`) and the id the
+        resumed run writes under."""
+        for done in self._rows.drain():
+            self._replay.snapshot(*done)
+        target = cut.target
+        if cut.rewritten:
+            return
+        if target is None:
+            if run_id not in self._ids:  # a run new to the file: nothing of it to replay
+                self._result = (path, run_id, None)
+        elif target[0] == "run" and target[1] == run_id and target not in self._dropped:
+            self._result = (path, run_id, target)
+
+    def outcome(self, path: str, run_id: str) -> tuple[dict[str, AlertMonitor] | None, int] | None:
+        """``(monitors replayed, steps)`` of the run ``run_id`` of ``path`` as a read of the cut file
+        would give them (``None``: the walk cannot tell, read the file)."""
+        if self._result is None or self._result[:2] != (path, run_id):
+            return None
+        key = self._result[2]
+        return self._replay.fresh.get(key), self._replay.steps.get(key, 0)

@@ -81,7 +81,7 @@ class Outputs:
     releasing the lock. After that, nothing raises.
     """
 
-    def __init__(self, config: ProbeConfig, run: RunInfo) -> None:
+    def __init__(self, config: ProbeConfig, run: RunInfo, *, watch: Any = None) -> None:
         from ...sinks.tensorboard import TensorBoardSink, writer_log_dir
         from ...sinks.trajectory import TrajectorySink
 
@@ -104,6 +104,7 @@ class Outputs:
                 trajectory.claim()  # the file's own lock, before any sink writes into the directory
                 tb = (TensorBoardSink(writer=writer, purge_stale=config.purge_stale) if writer is not None
                       else TensorBoardSink(log_dir, purge_stale=config.purge_stale))
+                trajectory.watch = watch  # the alert replay reads the resume cut's walk
                 own = [tb, trajectory]
             built = own + list(sinks or [])
             dispatcher = SinkDispatcher(built, background=config.background, queue_size=config.sink_queue,
