@@ -241,6 +241,8 @@ class TrackerFanOut(Sink):
     def log(self, snapshot: Snapshot) -> None:
         step = int(snapshot.step)
         values = tracker_metrics(snapshot, per_head=self.per_head, top_k=self.top_k)
+        if not values:  # e.g. the random-matrix range's rows alone (trajectory only): nothing to send
+            return
         errors = []
         for i, target in enumerate(self.targets):
             try:
