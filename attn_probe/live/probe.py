@@ -46,12 +46,12 @@ from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .images import render_heatmap
 from .quantities import Quantity, build_quantities
+from .stages import random_range as range_stage
 from .stages.alerting import agree_stop, build_alerting
 from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measured, Measurement, find_layers
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
-from .stages import random_range as range_stage
 from .stages.random_range import BackgroundRange
 
 __all__ = [
