@@ -85,7 +85,15 @@ class BackgroundRange:
         self._thread = threading.Thread(
             target=self._run, args=args, name="attn_probe-random-range", daemon=True
         )
-        self._thread.start()
+        try:
+            self._thread.start()
+        except Exception as exc:  # noqa: BLE001 - e.g. no thread left: no range, said once; attach goes on
+            self._message = (
+                f"attn_probe: the random-matrix range could not be computed ({type(exc).__name__}: {exc}); "
+                "it is not logged. Training and the scores are not affected."
+            )
+            self.finished_at = time.perf_counter()
+            self._done.set()
 
     def _run(self, layers: list[Any], metrics: list[str], per_head: bool, num_std: float) -> None:
         self.thread_id = threading.get_ident()
