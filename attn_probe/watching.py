@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from .extraction import entry_point
-from .live.config import config_from_options
 from .integrations.accelerate import ACCELERATE_OPTIONS, watch_accelerated
+from .live.config import config_from_options
 from .live.probe import Probe
 from .live.schedules import ScheduleLike
 

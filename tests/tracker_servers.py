@@ -70,8 +70,8 @@ def expected_metrics(log_dir: str | Path, per_head: bool = False) -> dict[int, d
 
     The across-layer stats are recomputed with :func:`attn_probe.formats.tags.layer_stats`.
     """
-    from attn_probe.sinks.trackers import tracker_key
     from attn_probe.formats.tags import layer_stats
+    from attn_probe.sinks.trackers import tracker_key
 
     out: dict[int, dict[str, float]] = {}
     by_metric: dict[tuple[int, str, str], list[float]] = {}

@@ -17,8 +17,8 @@ from typing import Any
 from ..formats.events import has_event_files, is_event_file, scan_event_file
 from ..formats.lines import Unreadable
 from ..formats.runs import RunTracker, describe_events, looks_like_header, run_label, run_labels
-from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from ..formats.tags import parse_tag
+from ..formats.trajectory import HEADER_KEY, TRAJECTORY_FILENAME, decode_value, line_blocks, parse_header
 from .table import MissingExtraError, TrajectoryWarning, is_int64, require_pandas
 
 #: group and metric names: the tag grammar's segments (:mod:`attn_probe.formats.tags`), bounded

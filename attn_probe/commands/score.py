@@ -96,8 +96,8 @@ def format_summary(summary: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..scoring.checkpoint import summarize_rows
     from ..formats.trajectory import encode_value
+    from ..scoring.checkpoint import summarize_rows
 
     gguf = [p for p in args.paths if str(p).lower().endswith(".gguf")]
     if gguf:
@@ -174,6 +174,7 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
     import sys
 
     from ..analysis import error_message
+    from ..cli import CommandError
     from ..scoring.checkpoint import (
         CheckpointError,
         check_layer_counts,
@@ -181,7 +182,6 @@ def _score_checkpoints(args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
         score_checkpoint,
         write_checkpoint_trajectory,
     )
-    from ..cli import CommandError
 
     try:
         checkpoints = find_checkpoints(args.paths, step=args.step)

@@ -54,8 +54,8 @@ def write_paper_runs(root: Path, runs: dict[str, Any], groups: list[str], last_s
 
     from ..analysis.runs import REFERENCE_MARKER
     from ..baselines.paper import paper_trajectory
-    from ..sinks.tensorboard import CONFIG_TEXT_TAG
     from ..formats.tags import BAND_STATS, scalar_tag
+    from ..sinks.tensorboard import CONFIG_TEXT_TAG
 
     written = []
     for run in dict.fromkeys(runs.values()):

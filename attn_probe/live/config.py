@@ -17,13 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .asynchronous import DEFAULT_ASYNC_BYTES
-from ..core import DEFAULT_METRICS, check_metrics
+from ..core import DEFAULT_METRICS
 from ..core.update import UPDATE_METRIC
-from ..scoring.pairs import QKPair
-from .schedules import Schedule, ScheduleLike, as_schedule
 from ..scoring.model import resolve_pairs
+from ..scoring.pairs import QKPair
 from ..sinks.dispatch import DEFAULT_QUEUE_SIZE, DEFAULT_TIMEOUT
+from .asynchronous import DEFAULT_ASYNC_BYTES
+from .schedules import Schedule, ScheduleLike, as_schedule
 from .stages.update import split_update_metric, with_update_pair
 
 __all__ = ["ProbeConfig", "config_from_options"]

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..extraction import AttentionLayer
 from ..sinks.assembly import LayerTable
 from .stages.alerting import attention_rows
 from .stages.attention import AttentionStage

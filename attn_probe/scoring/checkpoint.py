@@ -23,7 +23,8 @@ import torch
 
 from ..extraction import AttentionLayer, UnsupportedModelError, find_attention
 from ..extraction.base import ParamGetter
-from .pairs import ScorePair, pair_metric_names
+from ..formats.tags import layer_stats
+from ..sinks.assembly import snapshot_from_rows
 from .model import (
     PairsLike,
     Row,
@@ -34,8 +35,7 @@ from .model import (
     row_metrics,
     score_layer_pairs,
 )
-from ..sinks.assembly import snapshot_from_rows
-from ..formats.tags import layer_stats
+from .pairs import ScorePair, pair_metric_names
 
 __all__ = [
     "CheckpointError",

@@ -18,9 +18,9 @@ import numpy as np
 from ..core import table_entries
 from ..core.update import ABSENT_WHEN_UNDEFINED
 from ..extraction import AttentionLayer
+from ..formats.tags import layer_stats
 from ..isolation import safe_warn
 from . import Record, Snapshot
-from ..formats.tags import layer_stats
 
 __all__ = ["Assembler", "layer_statistics", "records_from_rows", "snapshot_from_rows"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .tracker_record import TrackerRun, mlflow_run
 from . import RunInfo, Snapshot
+from .tracker_record import TrackerRun, mlflow_run
 from .trackers import TrackerSink
 
 __all__ = ["MlflowSink"]

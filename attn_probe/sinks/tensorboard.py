@@ -30,8 +30,8 @@ import threading
 from typing import Any
 
 from ..formats.events import event_files, file_identities, truncate_torn_record, wait_for_a_later_name
-from ..isolation import safe_warn
 from ..formats.tags import BAND_STATS, PREFIX, STATS, scalar_tag, stats_for
+from ..isolation import safe_warn
 from . import RunInfo, Sink, Snapshot
 from .emergence import LiveEmergence
 

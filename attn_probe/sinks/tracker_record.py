@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..isolation import safe_warn
 from ..formats.tags import PREFIX
+from ..isolation import safe_warn
 
 __all__ = ["STEP_KEY", "SENT_FILENAME", "READ_BACK_TIMEOUT", "NotReadable", "TrackerRun", "SentRecord",
            "ResendGuard", "make_guard", "mlflow_run", "mlflow_held_step", "wandb_run", "wandb_held_step",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tracker_record import TrackerRun, trackio_run
 from . import RunInfo, Snapshot
+from .tracker_record import TrackerRun, trackio_run
 from .trackers import TrackerSink, current_trackio_run
 
 __all__ = ["TrackioSink"]

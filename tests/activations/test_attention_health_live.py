@@ -20,9 +20,9 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback  # noqa: E40
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from attn_probe import AttnProbeCallback  # noqa: E402
-from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.activations.statistics import installed_wrappers  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 from tests.helpers import make_args, tiny_model  # noqa: E402
 
 L = 9

@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from attn_probe import watch  # noqa: E402
-from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.activations.statistics import logit_stats  # noqa: E402
 from attn_probe.extraction import find_attention  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.live.stages.qk_clip import clip_tables  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
 

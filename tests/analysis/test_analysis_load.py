@@ -21,8 +21,8 @@ from attn_probe import load_trajectory, summarize
 from attn_probe.analysis.summary import layer_quantiles
 from attn_probe.analysis.trajectory import MissingExtraError, TrajectoryError, TrajectoryWarning, find_runs
 from attn_probe.core import DEFAULT_METRICS
-from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
 from attn_probe.formats.tags import scalar_tag
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME, encode_value
 
 pytest.importorskip("tensorboard")
 
@@ -256,10 +256,10 @@ def test_reads_what_the_live_probe_writes(tmp_path):
     """End to end with the real probe: both sources agree, and recomputed statistics match
     the probe's own median/q25/q75 tags."""
     pytest.importorskip("transformers")
-    from helpers import tiny_model  # after the skip: helpers imports transformers
     import shutil
 
     import torch
+    from helpers import tiny_model  # after the skip: helpers imports transformers
 
     import attn_probe
 

@@ -72,8 +72,8 @@ HOSTILE = {
 def real_run(tmp_path_factory) -> Path:
     """attn_probe.jsonl and event files of a real probe run: 3 layers, per-head rows, 4 steps."""
     pytest.importorskip("transformers")
-    from helpers import tiny_model  # after the skip: helpers imports transformers
     import torch
+    from helpers import tiny_model  # after the skip: helpers imports transformers
 
     import attn_probe
 

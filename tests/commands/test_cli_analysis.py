@@ -20,8 +20,8 @@ import pandas as pd  # noqa: E402
 
 from attn_probe.analysis.trajectory import read_table  # noqa: E402
 from attn_probe.cli import main  # noqa: E402
-from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 from attn_probe.formats.tags import scalar_tag  # noqa: E402
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME  # noqa: E402
 
 STEPS = [0, 10, 20]
 LAYERS = 5

@@ -9,9 +9,9 @@ from helpers import RandomTokens, make_args, tiny_bert
 from transformers import BertForMaskedLM, Trainer
 
 import attn_probe
-from attn_probe.scoring.checkpoint import CheckpointError, _one_line, find_checkpoints
 from attn_probe.cli import main
 from attn_probe.definitions import directionality_score, symmetry_score
+from attn_probe.scoring.checkpoint import CheckpointError, _one_line, find_checkpoints
 
 
 @pytest.fixture(scope="module")

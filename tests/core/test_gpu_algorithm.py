@@ -19,7 +19,6 @@ from test_core_paths import check_table, factors
 
 import attn_probe
 from attn_probe import core
-from attn_probe.scoring import pairs as pairs_module
 from attn_probe.core import (
     DEFAULT_METRICS,
     gpu_algorithm_on_cpu,
@@ -28,6 +27,7 @@ from attn_probe.core import (
     spectra,
 )
 from attn_probe.core.op_count import count_ops, is_view_op, snapshot_op_count
+from attn_probe.scoring import pairs as pairs_module
 
 CPU = torch.device("cpu")
 

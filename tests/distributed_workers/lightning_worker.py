@@ -26,8 +26,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import SEQ, VOCAB, RandomTokens  # noqa: E402
 
-from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.lightning import AttnProbeCallback  # noqa: E402
+from attn_probe.live.alerts import AlertRule  # noqa: E402
 from attn_probe.live.schedules import log_spaced  # noqa: E402
 
 

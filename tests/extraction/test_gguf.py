@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from attn_probe.core import factored_scores
-from attn_probe.extraction import find_attention
 from attn_probe.definitions import directionality_score
+from attn_probe.extraction import find_attention
 from attn_probe.scoring.model import score_layer, score_model
 
 gguf = pytest.importorskip("gguf")

@@ -33,9 +33,9 @@ from transformers import (
 )
 
 import attn_probe
+from attn_probe.definitions import directionality_score, symmetry_score
 from attn_probe.extraction import UnsupportedModelError
 from attn_probe.scoring.pairs import OVPair, QKPair, check_pairs
-from attn_probe.definitions import directionality_score, symmetry_score
 
 D, HEADS = 32, 4
 SMALL = dict(vocab_size=40, hidden_size=D, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=48)
@@ -224,8 +224,8 @@ def test_ov_metric_names_and_narrowing():
 
 def test_every_ov_metric_the_pair_writes_that_bounds_or_measures_size_gets_a_max_tag():
     """The OV pair renames its qk_bound to ov_gain_bound; it is still a magnitude (TensorBoard max tag)."""
-    from attn_probe.scoring.pairs import OVPair
     from attn_probe.formats.tags import stats_for
+    from attn_probe.scoring.pairs import OVPair
 
     names = OVPair().metrics
     assert "ov_gain_bound" in names and "ov_qk_bound" not in names

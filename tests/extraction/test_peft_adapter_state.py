@@ -21,8 +21,8 @@ peft = pytest.importorskip("peft")
 
 import attn_probe  # noqa: E402
 from attn_probe.extraction import find_attention, unwrap  # noqa: E402
-from attn_probe.scoring.pairs import QKPair  # noqa: E402
 from attn_probe.scoring.model import score_model  # noqa: E402
+from attn_probe.scoring.pairs import QKPair  # noqa: E402
 
 H, HKV, DH, D = 4, 2, 8, 32
 METRICS = ["symmetry", "spectral_norm"]

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import attn_probe
-from attn_probe.formats.trajectory import MAX_LINE, cut_trajectory
 from attn_probe.formats.logdir import LogDirError, LogDirLock, check_log_dir
+from attn_probe.formats.trajectory import MAX_LINE, cut_trajectory
 
 PACKAGE_DIR = Path(attn_probe.__file__).resolve().parent
 

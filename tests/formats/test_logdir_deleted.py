@@ -19,8 +19,8 @@ import torch
 from helpers import RandomTokens, tiny_bert
 
 import attn_probe
-from attn_probe.formats.trajectory import TRAJECTORY_FILENAME
 from attn_probe.formats.logdir import LOCK_FILENAME, LogDirInUseError, LogDirLock
+from attn_probe.formats.trajectory import TRAJECTORY_FILENAME
 from attn_probe.sinks import Record, Snapshot
 from attn_probe.sinks.trajectory import TrajectorySink
 

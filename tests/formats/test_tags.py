@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from attn_probe.scoring.checkpoint import summarize_rows
 from attn_probe.formats.tags import STAT_QUANTILES, STATS, layer_stats
+from attn_probe.scoring.checkpoint import summarize_rows
 
 
 def linear_quantile(values: list[float], q: float) -> float:

@@ -12,8 +12,8 @@ import torch
 from helpers import tiny_bert, tiny_llama
 
 import attn_probe
-from attn_probe.scoring.pairs import QKPair
 from attn_probe.live.stages.measurement import Measurement
+from attn_probe.scoring.pairs import QKPair
 
 
 def llama(layers=4):

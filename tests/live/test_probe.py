@@ -13,9 +13,9 @@ from helpers import SEQ, VOCAB, tiny_bert, tiny_model
 import attn_probe
 from attn_probe import directionality_score, find_attention, symmetry_score
 from attn_probe.core import DEFAULT_METRICS
+from attn_probe.formats.tags import parse_tag
 from attn_probe.live.probe import LogDirError, Probe, render_heatmap
 from attn_probe.sinks.tensorboard import custom_scalars_layout
-from attn_probe.formats.tags import parse_tag
 
 
 def batch(i):

@@ -18,10 +18,10 @@ from helpers import tiny_model
 import attn_probe
 from attn_probe.core import DEFAULT_METRICS, gpu_algorithm_on_cpu
 from attn_probe.core.op_count import snapshot_op_count
+from attn_probe.formats.tags import scalar_tag
+from attn_probe.live.stages.update import QKUpdatePair
 from attn_probe.scoring.pairs import QKPair
 from attn_probe.sinks.tensorboard import custom_scalars_layout
-from attn_probe.live.stages.update import QKUpdatePair
-from attn_probe.formats.tags import scalar_tag
 
 METRICS = [*DEFAULT_METRICS, "qk_update"]
 HEADS, KV, D = 4, 2, 32

@@ -15,17 +15,16 @@ import torch
 from helpers import tiny_llama
 
 import attn_probe
-from attn_probe.live.config import ProbeConfig
-from attn_probe.formats.logdir import LogDirInUseError
-from attn_probe.scoring.pairs import QKPair
 from attn_probe.definitions import symmetry_score
-from attn_probe.sinks import Record, RunInfo
+from attn_probe.formats.logdir import LogDirInUseError
+from attn_probe.live.config import ProbeConfig
 from attn_probe.live.quantities import WeightMetrics
-from attn_probe.live.stages.measurement import Measured
-from attn_probe.sinks.assembly import Assembler, layer_statistics, snapshot_from_rows
 from attn_probe.live.stages.decision import StepDecision
-from attn_probe.live.stages.measurement import Measurement
+from attn_probe.live.stages.measurement import Measured, Measurement
 from attn_probe.live.stages.outputs import Outputs, announce_line, run_info
+from attn_probe.scoring.pairs import QKPair
+from attn_probe.sinks import Record, RunInfo
+from attn_probe.sinks.assembly import Assembler, layer_statistics, snapshot_from_rows
 
 # --------------------------------------------------------------------------- decision
 

@@ -24,8 +24,8 @@ import torch
 from helpers import stop_process_group, tiny_model
 
 import attn_probe
-from attn_probe.sinks.live_view import SCALARS_PER_TAG, figure_url, run_command, tensorboard_command
 from attn_probe.formats.tags import scalar_tag
+from attn_probe.sinks.live_view import SCALARS_PER_TAG, figure_url, run_command, tensorboard_command
 
 SNAPSHOTS = 1_500  # above TensorBoard's default of 1,000 points per tag
 STARTUP_TIMEOUT_S = 180

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from attn_probe.formats.tags import parse_tag, scalar_tag, summary_names
 from attn_probe.sinks import Record, Snapshot
 from attn_probe.sinks.head_budget import head_summary
-from attn_probe.sinks.trackers import KEY_PATTERN, TrackerFanOut, TrackerTarget, tracker_key, tracker_metrics
-from attn_probe.formats.tags import parse_tag, scalar_tag, summary_names
 from attn_probe.sinks.tracker_record import TrackerRun
+from attn_probe.sinks.trackers import KEY_PATTERN, TrackerFanOut, TrackerTarget, tracker_key, tracker_metrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tags.md"
 

@@ -30,9 +30,9 @@ from tracker_servers import (
 import attn_probe
 from attn_probe.core import METRICS
 from attn_probe.extraction.base import GROUPS
+from attn_probe.formats.tags import STATS
 from attn_probe.sinks import Record, RunInfo, Snapshot
 from attn_probe.sinks.trackers import KEY_PATTERN, STEP_KEY, tracker_key, tracker_metrics
-from attn_probe.formats.tags import STATS
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: helpers, tracker_servers
 STEPS = 4

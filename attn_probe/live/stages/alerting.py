@@ -27,11 +27,11 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-from ..alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
-from ..config import ProbeConfig
 from ...distributed import Agreement, AgreementError
 from ...isolation import Failures, print_line
 from ...sinks import Snapshot
+from ..alerts import Alert, AlertMonitor, AlertRule, check_rules, impossible_rule
+from ..config import ProbeConfig
 from .qk_clip import CLIP_METRICS, OVER_METRIC, SCALE_METRIC, SIGNED_METRIC, clip_tables
 
 __all__ = ["EVERY_RANK", "Alerting", "agree_stop", "attention_rows", "build_alerting", "print_line"]

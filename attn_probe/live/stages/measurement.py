@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..asynchronous import AsyncScorer
-from ..config import ProbeConfig
 from ...distributed import Agreement, WalkOutcome, iter_layer_params, sharding_kind
 from ...extraction import AttentionLayer, UnsupportedModelError, find_attention
-from ..images import HeatmapImages
 from ...isolation import Failures, safe_warn
-from ...scoring.pairs import ScorePair, Stack, check_pairs, score_stacks, stack_layers
 from ...scoring.model import layer_factors, pairs_param_names, score_layer_factors, to_host
+from ...scoring.pairs import ScorePair, Stack, check_pairs, score_stacks, stack_layers
+from ..asynchronous import AsyncScorer
+from ..config import ProbeConfig
+from ..images import HeatmapImages
 from .surgery import SurgeryCheck
 
 __all__ = ["Measured", "Measurement", "find_layers"]

@@ -17,12 +17,19 @@ from typing import Any
 
 from torch import nn
 
-from ..config import ProbeConfig
 from ...extraction import AttentionLayer, unwrap
-from ...sinks.live_view import run_command
-from ...formats.logdir import LogDirError, LogDirLock, acquire_default, check_log_dir, default_log_dir, printable
+from ...formats.logdir import (
+    LogDirError,
+    LogDirLock,
+    acquire_default,
+    check_log_dir,
+    default_log_dir,
+    printable,
+)
 from ...sinks import RunInfo, Sink, Snapshot
 from ...sinks.dispatch import SinkDispatcher, SinkStats, before_exit_flush
+from ...sinks.live_view import run_command
+from ..config import ProbeConfig
 
 __all__ = ["Outputs", "SinkStats", "run_info", "announce_line", "at_interpreter_exit"]
 
