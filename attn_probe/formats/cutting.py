@@ -58,8 +58,11 @@ def _value_of(line: bytes) -> tuple[int | None, tuple | None]:
     if not (isinstance(group, str) and isinstance(metric, str) and is_int64(layer)
             and (head is None or is_int64(head))):
         return step, None
-    return step, (group.encode(), str(layer).encode(), b"null" if head is None else str(head).encode(),
-                  metric.encode())
+    try:
+        return step, (group.encode(), str(layer).encode(), b"null" if head is None else str(head).encode(),
+                      metric.encode())
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): not a row any reader keeps
+        return step, None
 
 
 def _damage(line: bytes) -> str:

@@ -126,7 +126,7 @@ def test_gpu_algorithm_on_bf16_weights_matches_float64_references():
 
 
 def test_the_switch_by_environment_variable():
-    code = ("import torch; from attn_probe import core as metrics, pairs; d = torch.device('cpu'); "
+    code = ("import torch; from attn_probe import core as metrics; from attn_probe.scoring import pairs; d = torch.device('cpu'); "
             "print(metrics.gpu_algorithm(d), metrics.lanczos_threshold(d), pairs.stack_budget(d) == pairs.STACK_BYTES)")
     env = {**os.environ, core.GPU_ALGORITHM_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
