@@ -26,10 +26,8 @@ it draws (``max_entries``: fewer draws, a count that follows from the shape alon
 said in :attr:`RandomRange.note`, and in memory (a shape whose one draw holds more than
 :data:`MAX_DRAW_ENTRIES` numbers is skipped, with the reason). Only torch and the core are
 imported; the generator is a local, seeded ``torch.Generator`` (the global RNG is never
-touched), so with ``budget=None`` every process and every run computes the same numbers: the live
-probe computes it that way (:data:`PROBE_ENTRIES`), on a thread of the main process
-(:mod:`attn_probe.live.stages.random_range`), and a post-hoc reader gets the same range from the
-run header's shapes.
+touched), so with ``budget=None`` every rank and every run computes the same numbers: the live
+probe computes it that way on every rank (:data:`PROBE_ENTRIES`), so that no rank waits for another.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ DEFAULT_DRAWS = 32
 DEFAULT_BUDGET = 5.0
 #: numbers the live probe draws for the range of all its layer shapes together (``max_entries``
 #: of :func:`random_range_rows`, no time budget): the number of draws follows from the shapes
-#: alone, so every process computes the same range whatever its speed and load
+#: alone, so every rank computes the same range in about the same time and none waits for another
 #: (docs/scores.md: d = 768 gets all 32 draws, d = 2048 with 8 KV heads 9, Llama-3-8B's layers 2)
 PROBE_ENTRIES = 3 << 24
 #: numbers (query + key factors) of one draw above which a shape is skipped: 2^26 float32 numbers

@@ -146,9 +146,8 @@ class ProbeConfig:
       ``save_strategy`` saves), every rank at the same step (``docs/live-probe.md``); rules that
       can never fire are refused when the probe is built;
     * ``random_range``: write the random-matrix range of every layer's shape (``random_symmetry``,
-      ``random_directionality`` and their ``_sd``) into the trajectory once, computed off the
-      training thread and written with the first snapshot of a fresh run after it is ready
-      (:mod:`attn_probe.live.stages.random_range`, ``docs/scores.md``); ``False``: not.
+      ``random_directionality`` and their ``_sd``) into the trajectory once, with a fresh run's
+      first snapshot (:mod:`attn_probe.baselines.random_range`, ``docs/scores.md``); ``False``: not.
 
     Where it goes and how it is written (not recorded in the run header):
 

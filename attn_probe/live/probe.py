@@ -10,11 +10,11 @@ At each counted step or hand-made snapshot, :class:`Probe` asks
 3. the assembly (:class:`~attn_probe.sinks.assembly.Assembler`): records and statistics;
 4. the outputs (:class:`~attn_probe.live.stages.outputs.Outputs`): the sinks, main process only.
 
-On a fresh run the main process also starts, at attach, the random-matrix range of its layer
-shapes on a thread of its own (:class:`~attn_probe.live.stages.random_range.BackgroundRange`:
-seeded draws whose count follows from the shapes alone); it hands the rows to the sinks once,
-with the first snapshot published after they are ready (``Snapshot.baselines``: the trajectory
-file writes them), or on their own at ``close()``. The other ranks compute nothing.
+On a fresh run every rank also computes, at attach and before the probe's first collective, the
+random-matrix range of its layer shapes (:func:`random_range_records`: seeded draws whose count
+follows from the shapes alone, so every rank spends the same work and none waits for another in
+an agreement); the main process hands it to the sinks once with the first published snapshot
+(``Snapshot.baselines``: the trajectory file writes it).
 
 It owns only the step counter, the hook handles and the lifecycle; every public method is
 isolated (:func:`attn_probe.isolation.never_raise`): once attached, the probe never stops
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..baselines import random_range
 from ..distributed import Agreement, AgreementError, is_main_process, world_info
 from ..extraction import AttentionLayer, entry_point
 from ..formats.logdir import LogDirError, LogDirInUseError
@@ -46,13 +47,11 @@ from .config import ProbeConfig, config_from_options
 from .counting import ForwardPasses, OptimizerUpdates
 from .images import render_heatmap
 from .quantities import Quantity, build_quantities
-from .stages import random_range as range_stage
 from .stages.alerting import agree_stop, build_alerting
 from .stages.attention import AttentionStage, build_stage, metric_names
 from .stages.decision import StepDecision, make_agreement
 from .stages.measurement import Measured, Measurement, find_layers
 from .stages.outputs import Outputs, SinkStats, announce_line, at_interpreter_exit, run_info
-from .stages.random_range import BackgroundRange
 
 __all__ = [
     "Probe",
@@ -66,8 +65,6 @@ __all__ = [
 
 #: open probes in the asynchronous mode (their snapshot in flight is written at interpreter exit)
 _SCORING: weakref.WeakSet[Probe] = weakref.WeakSet()
-#: open probes computing the random-matrix range (its rows are written at interpreter exit)
-_RANGES: weakref.WeakSet[Probe] = weakref.WeakSet()
 
 
 #: the trajectory rows of the layout check (a layer's reading against its forward: issue 44)
@@ -87,13 +84,33 @@ def _deliver_at_exit(seconds: float) -> None:
         if not probe._closed:
             probe.measurement.deliver(probe._publish, wait=True, timeout=max(0.0, deadline - time.monotonic()),
                                       closing=True, moment="interpreter exit (the probe was never closed)")
-    for probe in list(_RANGES):
-        if not probe._closed:
-            probe._write_random_range(max(0.0, min(range_stage.CLOSE_WAIT, deadline - time.monotonic())),
-                                      "interpreter exit (the probe was never closed)")
 
 
 at_interpreter_exit(_deliver_at_exit)
+
+
+def random_range_records(config: ProbeConfig, layers: list[AttentionLayer], metrics: list[str],
+                         warn: bool = True) -> list[Record]:
+    """The random-matrix range of ``layers`` as records (:func:`attn_probe.baselines.random_range.random_range_rows`).
+
+    No time budget: at most :data:`~attn_probe.baselines.random_range.PROBE_ENTRIES` drawn numbers,
+    so the draws, the values and the work are the same on every rank. Never raises: a failure is
+    one warning and no records; shapes that got fewer draws, or none, are named in one warning
+    (``warn=False``: no warnings, the other ranks').
+    """
+    try:
+        rows, notes = random_range.random_range_rows(layers, metrics=metrics, per_head=config.per_head,
+                                                     num_std=config.num_std, budget=None,
+                                                     max_entries=random_range.PROBE_ENTRIES)
+        if notes and warn:
+            safe_warn(f"attn_probe: the random-matrix range: {'; '.join(notes)}. "
+                      "(random_range=False turns it off.)")
+        return [Record(*row) for row in rows]
+    except Exception as exc:  # noqa: BLE001 - a reference range must never stop training
+        if warn:
+            safe_warn(f"attn_probe: the random-matrix range could not be computed ({type(exc).__name__}: {exc}); "
+                      "it is not logged. Training and the scores are not affected.")
+        return []
 
 
 class Probe:
@@ -127,6 +144,13 @@ class Probe:
         self.step = cfg.start_step
         self.failure_log = Failures()
         self.metrics, alertable = metric_names(cfg, self.pairs, layers)
+        #: the random-matrix range, written once with the first snapshot a fresh run publishes (a
+        #: resumed run keeps its rows: they sit at its first step, before any resume cut). Every
+        #: rank computes it, before the probe's first collective: the same seeded draws, as many on
+        #: every rank, so no rank waits in an agreement while another computes it
+        computes_range = cfg.random_range and self.step == 0 and (self.is_main_process or world_info().distributed)
+        self._random_rows: list[Record] = (
+            random_range_records(cfg, layers, self.metrics, warn=self.is_main_process) if computes_range else [])
         agreement = make_agreement(model, cfg.agreement_timeout)  # collective on a sharded run
         self.decision = StepDecision(cfg.schedule, cfg.image_schedule, agreement)
         self.measurement = Measurement(model, cfg, self.pairs, layers, agreement=agreement,
@@ -157,6 +181,8 @@ class Probe:
         watch = self.alerting.resume_watch(self.step, every_rank=not (cfg.stop_on_alert and world_info().distributed)) \
             if self.alerting is not None and self.step > 0 and self.is_main_process else None
         self.outputs: Outputs | None = Outputs(cfg, run, watch=watch) if self.is_main_process else None
+        if self.outputs is None:
+            self._random_rows = []  # computed to keep the main process's pace; only the main process writes it
         if self.alerting is not None and self.step > 0:
             self._restore_alerts()
         # the attention stage (registering wrappers) last: nothing after it raises
@@ -167,14 +193,6 @@ class Probe:
         #: what a snapshot measures, in the order taken and assembled (:mod:`attn_probe.live.quantities`)
         self.quantities: list[Quantity] = build_quantities([pair.metrics for pair in self.pairs], cfg.schedule,
                                                            cfg.image_schedule, self.attention, cfg.per_head)
-        #: the random-matrix range of a fresh run's layer shapes, computed on a thread of its own
-        #: (started last: nothing above raises after it) and written once, by the main process
-        #: alone, with the first snapshot published after it is ready (:meth:`_publish`) or at
-        #: :meth:`close` (:mod:`attn_probe.live.stages.random_range`); ``None``: not computed here
-        self.random_range: BackgroundRange | None = None
-        if cfg.random_range and self.step == 0 and self.outputs is not None:
-            self.random_range = BackgroundRange(layers, self.metrics, per_head=cfg.per_head, num_std=cfg.num_std)
-            _RANGES.add(self)
 
     def _restore_alerts(self) -> None:
         """A resumed run (``start_step > 0``): the alert rules go on from the rows of this run that the
@@ -317,30 +335,9 @@ class Probe:
         if self.alerting is not None:
             self.alerting.check(snapshot)
         if self.outputs is not None:
-            rows = self.random_range.take() if self.random_range is not None else None
-            if rows:
-                snapshot.baselines = [*rows, *snapshot.baselines]
+            if self._random_rows:
+                snapshot.baselines, self._random_rows = [*self._random_rows, *snapshot.baselines], []
             self.outputs.write(snapshot)
-
-    def _write_random_range(self, timeout: float, moment: str) -> None:
-        """The random-matrix range's rows not written yet: wait ``timeout`` seconds at most and write
-        them on their own (a snapshot with no records at the last snapshot's step), or warn that they
-        are lost and count it. Main process, after every collective; never raises."""
-        task = self.random_range
-        if task is None or not task.pending or self.outputs is None:
-            return
-        try:
-            rows = task.take(timeout)
-            if rows is None:
-                self.failure_log.count += 1
-                safe_warn(f"attn_probe: the random-matrix range was still being computed {timeout:g} s after "
-                          f"{moment}: its rows (random_symmetry, ...) are lost, not written to the trajectory. "
-                          "Post-hoc tools compute the same range from the run header's layer shapes.")
-            elif rows:
-                step = self.decision.last_step if self.decision.last_step is not None else self.step
-                self.outputs.write(Snapshot(step, time.time(), [], baselines=rows))
-        except Exception as exc:  # noqa: BLE001
-            self.failure_log.report("writing the random-matrix range", exc)
 
     @property
     def stop_requested(self) -> bool:
@@ -521,13 +518,11 @@ class Probe:
             if final_snapshot and self.decision.final_due(self.step):
                 self._final = True  # scored on this thread, even in the asynchronous mode
                 self.snapshot(self.step)
-            self._write_random_range(range_stage.CLOSE_WAIT, "close()")  # after the final snapshot's collectives
         except Exception as exc:  # noqa: BLE001 - close() must not stop the user's script
             self.failure_log.report("close", exc)
         finally:
             self._closed = True
             _SCORING.discard(self)
-            _RANGES.discard(self)
             if self.attention is not None:
                 self.attention.close()  # the registry's previous entries are restored; never raises
             self.decision.close()  # local: the agreement group's sockets and threads

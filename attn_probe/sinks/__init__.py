@@ -42,9 +42,8 @@ class Snapshot:
     stats: dict[tuple[str, str, str], float] = field(default_factory=dict)
     #: (group, layer) -> HxWx3 uint8 heatmap of W_qk
     images: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
-    #: rows written once into the trajectory file only: the random-matrix range (``random_symmetry``,
-    #: ..., :mod:`attn_probe.baselines.random_range`), with the first snapshot of a fresh run after it
-    #: is ready, or at ``close()`` in a snapshot of its own with no records; the layout checks' rows.
+    #: rows written once, with a fresh run's first snapshot, into the trajectory file only: the
+    #: random-matrix range (``random_symmetry``, ..., :mod:`attn_probe.baselines.random_range`).
     #: Not per-step series: the TensorBoard and tracker sinks, the statistics and the alerts leave them out
     #: (the TensorBoard sink reads them as the range of its emergence events, :mod:`attn_probe.sinks.emergence`)
     baselines: list[Record] = field(default_factory=list)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..formats.tags import scalar_tag
+from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 from . import RunInfo, Sink, Snapshot
 from .head_budget import DEFAULT_TOP_K, head_budget, top_k_of
-from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 
 __all__ = ["KEY_PATTERN", "STEP_KEY", "TrackerSink", "tracker_key", "tracker_metrics", "import_tracker",
            "current_trackio_run", "TrackerTarget", "TrackerFanOut"]
@@ -241,8 +241,6 @@ class TrackerFanOut(Sink):
     def log(self, snapshot: Snapshot) -> None:
         step = int(snapshot.step)
         values = tracker_metrics(snapshot, per_head=self.per_head, top_k=self.top_k)
-        if not values:  # e.g. the random-matrix range's rows alone (trajectory only): nothing to send
-            return
         errors = []
         for i, target in enumerate(self.targets):
             try:

@@ -4,8 +4,7 @@
 plain DDP loop (gloo, CPU) with ``agreement_timeout=3`` and ``stop_on_alert`` (a rule that never
 fires: the ranks share a stop decision at every snapshot, an agreement bounded by 3 s), every 2
 updates over 4 updates, and writes ``OUT/<case>_rank<r>.json`` (whether the probe disabled itself,
-its step, the probe's warnings, the seconds ``watch`` took, and whether the range was computed
-on ``watch``'s thread, on another one, or not at all on that rank):
+its step, the probe's warnings, the seconds ``watch`` took):
 
 - ``range``: a Llama whose one attention layer is ``d = 2048`` with 32 heads of 64 and 8 KV heads:
   its random-matrix range takes several seconds on one CPU thread (more than the 3 s the ranks
@@ -19,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 from datetime import timedelta
@@ -30,8 +28,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe.baselines import random_range
 from attn_probe.live.alerts import AlertRule
+from attn_probe.baselines import random_range
 
 AGREEMENT_TIMEOUT = 3.0
 STEPS = 4
@@ -51,15 +49,6 @@ RANGE_ENTRIES = 4 * random_range.PROBE_ENTRIES
 def run(case: str, out: Path, rank: int) -> dict:
     torch.manual_seed(0)
     random_range.PROBE_ENTRIES = RANGE_ENTRIES  # the same on every rank: the draws stay identical
-    random_range.clear_cache()
-    callers: list[int] = []
-    real = random_range.random_range_rows
-
-    def recorded(*args, **kwargs):  # the real computation; which thread asked for it
-        callers.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    random_range.random_range_rows = recorded
     model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=16, **SHAPES[case]))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
@@ -79,9 +68,7 @@ def run(case: str, out: Path, rank: int) -> dict:
             opt.zero_grad()
         disabled = probe.disabled
         probe.close()
-    random_range.random_range_rows = real
-    where = "none" if not callers else "watch's thread" if threading.get_ident() in callers else "another thread"
-    return {"disabled": disabled, "step": probe.step, "attach_seconds": attach, "range_computed_on": where,
+    return {"disabled": disabled, "step": probe.step, "attach_seconds": attach,
             "warnings": [str(w.message) for w in caught if "attn_probe" in str(w.message)]}
 
 

@@ -11,9 +11,6 @@
 4. :mod:`~attn_probe.live.stages.outputs`: the log directory and its lock, the sinks and their
    dispatcher (every use of the sinks by the probe is there).
 
-Beside them, :mod:`~attn_probe.live.stages.random_range` computes a fresh run's random-matrix range
-on a thread of its own (main process; the façade writes its rows when they are ready).
-
 Each stage is built from plain values (the :class:`~attn_probe.live.config.ProbeConfig`, the
 model, the layers, the agreement group) and returns plain values; no stage receives the
 probe or imports another stage. Failures are reported through :mod:`attn_probe.isolation`.
