@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..formats.tags import scalar_tag
-from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 from . import RunInfo, Sink, Snapshot
 from .head_budget import DEFAULT_TOP_K, head_budget, top_k_of
+from .tracker_record import STEP_KEY, ResendGuard, TrackerRun, make_guard
 
 __all__ = ["KEY_PATTERN", "STEP_KEY", "TrackerSink", "tracker_key", "tracker_metrics", "import_tracker",
            "current_trackio_run", "TrackerTarget", "TrackerFanOut"]

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import attn_probe
-from attn_probe.live.alerts import AlertRule
 from attn_probe.baselines import random_range
+from attn_probe.live.alerts import AlertRule
 
 AGREEMENT_TIMEOUT = 3.0
 STEPS = 4

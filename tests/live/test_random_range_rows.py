@@ -12,9 +12,9 @@ from helpers import SEQ, VOCAB, RandomTokens, make_args, tiny_bert, tiny_llama
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import attn_probe
-from attn_probe.live.alerts import AlertRule
 from attn_probe.baselines import random_range as rr
 from attn_probe.baselines.random_range import LayerShape, random_range
+from attn_probe.live.alerts import AlertRule
 from attn_probe.sinks import Sink
 from attn_probe.sinks.trackers import tracker_metrics
 
